@@ -1,0 +1,1 @@
+"""stackpin's proxy: pins each OpenAI request to an exactly described serving stack and records every answer."""
