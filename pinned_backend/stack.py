@@ -1,0 +1,166 @@
+"""The backend's description of its own stack (schema 1 of docs/protocol.md) and its fingerprint.
+
+The object is built from what the process really loaded and runs on: the digest of the weight files it read,
+the dtype it computes in, the device it found, the kernel mode it selected, the versions of the libraries it
+imported, and the batching policy its engine enforces. Building and hashing are pure functions of explicit
+inputs; the two `detect_*` functions are the only ones that look at the machine, and they do it once at
+start.
+
+This module leaves loading weights, choosing kernels and serving HTTP to others."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import platform
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import rfc8785
+import torch
+
+SCHEMA = 1
+STACK_KEYS = frozenset(
+    {
+        "schema",
+        "model",
+        "weights_sha256",
+        "quantisation",
+        "hardware",
+        "hardware_detail",
+        "kernel_mode",
+        "software",
+        "batching",
+    }
+)
+DTYPE_NAMES: Mapping[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
+
+# Most capable first: the first flag a CPU has names its vector ISA.
+_X86_ISAS = (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx"), ("sse4_2", "sse4"), ("sse2", "sse2"))
+_ARM_ISAS = (("sve2", "sve2"), ("sve", "sve"), ("asimd", "neon"))
+
+
+def fingerprint(stack: Mapping[str, Any]) -> str:
+    """SHA-256 of the RFC 8785 canonical JSON of `stack`, lowercase hex."""
+    return hashlib.sha256(rfc8785.dumps(stack)).hexdigest()
+
+
+def weights_digest(files: Iterable[Path]) -> str:
+    """The protocol's weights_sha256: `name:hex` lines of each file's SHA-256, by file name, hashed."""
+    lines = []
+    for path in sorted(files, key=lambda p: p.name):
+        file_hash = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                file_hash.update(chunk)
+        lines.append(f"{path.name}:{file_hash.hexdigest()}\n")
+    if not lines:
+        raise ValueError("weights_digest needs at least one weight file")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def cpu_hardware(cpuinfo: str, machine: str) -> tuple[str, dict[str, Any]]:
+    """The hardware generation and detail of a CPU, from /proc/cpuinfo's text and `platform.machine()`."""
+    model: str | None = None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model", "hardware") and model is None and value.strip():
+            model = value.strip()
+        elif key in ("flags", "features") and not flags:
+            flags = set(value.split())
+    arch = machine.lower() or "unknown"
+    table = _ARM_ISAS if arch in ("aarch64", "arm64") else _X86_ISAS
+    isa = next((name for flag, name in table if flag in flags), "generic")
+    return f"cpu-{arch}-{isa}", {"cpu_model": model, "isa": isa}
+
+
+def gpu_hardware(name: str, compute_capability: tuple[int, int]) -> tuple[str, dict[str, Any]]:
+    """The hardware generation and detail of a GPU from its reported name: `NVIDIA H200` -> `nvidia-h200`."""
+    generation = "-".join(name.lower().split())
+    major, minor = compute_capability
+    return generation, {"name": name, "compute_capability": f"{major}.{minor}"}
+
+
+def batching_policy(max_batch_size: int, max_step_tokens: int, kv_split_size: int) -> dict[str, Any]:
+    return {
+        "policy": "continuous",
+        "max_batch_size": max_batch_size,
+        "max_step_tokens": max_step_tokens,
+        "kv_split_size": kv_split_size,
+    }
+
+
+def build_stack(
+    *,
+    model: str,
+    weights_sha256: str | None,
+    quantisation: str,
+    hardware: tuple[str, dict[str, Any]],
+    kernel_mode: str,
+    software: Mapping[str, str | None],
+    batching: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The schema-1 stack object: every key present, unknown values null."""
+    generation, detail = hardware
+    return {
+        "schema": SCHEMA,
+        "model": model,
+        "weights_sha256": weights_sha256,
+        "quantisation": quantisation,
+        "hardware": generation,
+        "hardware_detail": dict(detail),
+        "kernel_mode": kernel_mode,
+        "software": {key: software.get(key) for key in ("backend", "torch", "cuda", "triton", "driver")},
+        "batching": dict(batching),
+    }
+
+
+def detect_hardware(device: torch.device) -> tuple[str, dict[str, Any]]:
+    """The hardware the process computes on: the CUDA device it uses, or this machine's CPU."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return gpu_hardware(torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index))
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    return cpu_hardware(cpuinfo, platform.machine())
+
+
+def detect_software(device: torch.device) -> dict[str, str | None]:
+    """Versions of what the process runs: this package, torch, and on a GPU CUDA, Triton and the driver."""
+    on_gpu = device.type == "cuda"
+    return {
+        "backend": _distribution_version("stackpin"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if on_gpu else None,
+        "triton": _distribution_version("triton") if on_gpu else None,
+        "driver": _nvidia_driver_version() if on_gpu else None,
+    }
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _nvidia_driver_version() -> str | None:
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
+    for word in text.split():
+        parts = word.split(".")
+        if len(parts) >= 2 and all(p.isdigit() for p in parts):
+            return word
+    return None

@@ -1,0 +1,136 @@
+"""Specification of pinned_backend.stack: the schema-1 object, its fingerprint, and hardware detection."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pinned_backend.stack import (
+    STACK_KEYS,
+    batching_policy,
+    build_stack,
+    cpu_hardware,
+    detect_hardware,
+    detect_software,
+    fingerprint,
+    gpu_hardware,
+    weights_digest,
+)
+
+X86_CPUINFO = """processor	: 0
+vendor_id	: GenuineIntel
+model name	: Intel(R) Xeon(R) Processor @ 2.80GHz
+flags		: fpu sse2 sse4_2 avx avx2 avx512f avx512bw
+"""
+ARM_CPUINFO = """processor	: 0
+Features	: fp asimd evtstrm aes crc32
+CPU implementer	: 0x41
+"""
+
+
+def _stack(**overrides: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "model": "tiny",
+        "weights_sha256": "ab" * 32,
+        "quantisation": "fp32",
+        "hardware": cpu_hardware(X86_CPUINFO, "x86_64"),
+        "kernel_mode": "batch_invariant",
+        "software": {"backend": "0.1.0", "torch": "2.13.0"},
+        "batching": batching_policy(16, 256, 64),
+    }
+    return build_stack(**{**fields, **overrides})
+
+
+def test_stack_has_exactly_the_schema_keys_and_nulls_for_unknowns() -> None:
+    stack = _stack()
+    assert set(stack) == STACK_KEYS
+    assert stack["schema"] == 1
+    assert stack["software"] == {
+        "backend": "0.1.0",
+        "torch": "2.13.0",
+        "cuda": None,
+        "triton": None,
+        "driver": None,
+    }
+    assert stack["batching"] == {
+        "policy": "continuous",
+        "max_batch_size": 16,
+        "max_step_tokens": 256,
+        "kv_split_size": 64,
+    }
+
+
+def test_fingerprint_is_sha256_of_canonical_json() -> None:
+    stack = _stack()
+    canonical = json.dumps(stack, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    assert fingerprint(stack) == hashlib.sha256(canonical).hexdigest()
+
+
+def _shuffled(value: Any, rnd: st.DataObject) -> Any:
+    if isinstance(value, dict):
+        keys = rnd.draw(st.permutations(list(value)))
+        return {k: _shuffled(value[k], rnd) for k in keys}
+    return value
+
+
+@given(data=st.data())
+@settings(max_examples=50, deadline=None)
+def test_fingerprint_is_stable_across_key_order(data: st.DataObject) -> None:
+    stack = _stack(model=data.draw(st.text(max_size=20)))
+    assert fingerprint(_shuffled(stack, data)) == fingerprint(stack)
+
+
+def test_fingerprint_changes_with_any_field() -> None:
+    base = fingerprint(_stack())
+    assert fingerprint(_stack(kernel_mode="default")) != base
+    assert fingerprint(_stack(quantisation="bf16")) != base
+    assert fingerprint(_stack(batching=batching_policy(8, 256, 64))) != base
+
+
+def test_weights_digest_follows_the_protocol(tmp_path: Path) -> None:
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"second")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"first")
+    files = list(tmp_path.glob("*.safetensors"))
+    lines = "".join(
+        f"{name}:{hashlib.sha256(body).hexdigest()}\n"
+        for name, body in [
+            ("model-00001-of-00002.safetensors", b"first"),
+            ("model-00002-of-00002.safetensors", b"second"),
+        ]
+    )
+    assert weights_digest(files) == hashlib.sha256(lines.encode()).hexdigest()
+    assert weights_digest(reversed(files)) == weights_digest(files)
+
+
+def test_cpu_hardware_names_the_best_vector_isa() -> None:
+    assert cpu_hardware(X86_CPUINFO, "x86_64") == (
+        "cpu-x86_64-avx512",
+        {"cpu_model": "Intel(R) Xeon(R) Processor @ 2.80GHz", "isa": "avx512"},
+    )
+    assert cpu_hardware(X86_CPUINFO.replace(" avx512f avx512bw", ""), "x86_64")[0] == "cpu-x86_64-avx2"
+    assert cpu_hardware(ARM_CPUINFO, "aarch64") == ("cpu-aarch64-neon", {"cpu_model": None, "isa": "neon"})
+    assert cpu_hardware("", "riscv64")[0] == "cpu-riscv64-generic"
+
+
+def test_gpu_hardware_lowercases_the_name() -> None:
+    assert gpu_hardware("NVIDIA H200", (9, 0)) == (
+        "nvidia-h200",
+        {"name": "NVIDIA H200", "compute_capability": "9.0"},
+    )
+    assert gpu_hardware("NVIDIA A100-SXM4-80GB", (8, 0))[0] == "nvidia-a100-sxm4-80gb"
+
+
+def test_detection_reports_this_machine() -> None:
+    hardware, detail = detect_hardware(torch.device("cpu"))
+    assert hardware.startswith("cpu-")
+    assert set(detail) == {"cpu_model", "isa"}
+    software = detect_software(torch.device("cpu"))
+    assert software["torch"] == torch.__version__
+    assert software["backend"] is not None
+    assert software["cuda"] is None

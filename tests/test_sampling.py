@@ -1,0 +1,118 @@
+"""Specification of pinned_backend.sampling: greedy, seeded, top-k, top-p, per-position randomness."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pinned_backend.sampling import (
+    SamplingParams,
+    draw_seed,
+    position_uniform,
+    sample_token,
+    top_logprobs,
+)
+
+
+def _logits(seed: int, vocab: int = 50) -> torch.Tensor:
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_takes_the_argmax_and_breaks_ties_towards_the_lower_id() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0, 3.0])
+    assert sample_token(logits, SamplingParams(temperature=0), position=0) == 1
+
+
+def test_seeded_sampling_depends_only_on_seed_and_position() -> None:
+    logits = _logits(0)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    first = [sample_token(logits, params, p) for p in range(40)]
+    # Interleave draws of other requests: a shared generator would shift; ours must not.
+    again = []
+    for p in range(40):
+        sample_token(logits, SamplingParams(temperature=0.7, seed=99), p)
+        again.append(sample_token(logits, params, p))
+    assert first == again, "Same seed and position must give the same token whatever else was sampled."
+    other = [sample_token(logits, SamplingParams(temperature=1.0, seed=1235), p) for p in range(40)]
+    assert first != other, "A different seed should give a different sequence of draws."
+
+
+def test_position_uniform_is_in_unit_interval_and_spread() -> None:
+    values = [position_uniform(7, p) for p in range(2000)]
+    assert all(0 <= v < 1 for v in values)
+    assert 0.45 < sum(values) / len(values) < 0.55
+
+
+def test_sampling_frequencies_follow_the_distribution() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    params = SamplingParams(temperature=1.0, seed=5)
+    counts = [0, 0, 0]
+    for p in range(3000):
+        counts[sample_token(logits, params, p)] += 1
+    assert abs(counts[0] / 3000 - 0.5) < 0.04
+    assert abs(counts[1] / 3000 - 0.3) < 0.04
+
+
+def test_top_k_keeps_only_the_k_most_likely() -> None:
+    logits = _logits(1)
+    allowed = set(torch.topk(logits, 3).indices.tolist())
+    params = SamplingParams(temperature=2.0, top_k=3, seed=3)
+    assert {sample_token(logits, params, p) for p in range(300)} <= allowed
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    logits = torch.log(torch.tensor([0.6, 0.25, 0.1, 0.05]))
+    params = SamplingParams(temperature=1.0, top_p=0.8, seed=11)
+    seen = {sample_token(logits, params, p) for p in range(500)}
+    assert seen == {0, 1}
+
+
+def test_tiny_top_p_is_greedy() -> None:
+    logits = _logits(2)
+    params = SamplingParams(temperature=1.0, top_p=1e-9, seed=8)
+    assert {sample_token(logits, params, p) for p in range(50)} == {int(torch.argmax(logits))}
+
+
+@given(seed=st.integers(min_value=-(2**70), max_value=2**70), position=st.integers(0, 10_000))
+@settings(max_examples=50, deadline=None)
+def test_any_integer_seed_is_accepted(seed: int, position: int) -> None:
+    token = sample_token(_logits(3), SamplingParams(temperature=1.0, seed=seed), position)
+    assert 0 <= token < 50
+
+
+def test_draw_seed_comes_from_the_given_randomness() -> None:
+    assert draw_seed(random.Random(1)) == draw_seed(random.Random(1))
+    assert 0 <= draw_seed(random.Random(2)) < 2**63
+
+
+def test_top_logprobs_are_sorted_and_tie_break_by_id() -> None:
+    row = torch.tensor([-1.0, -0.5, -0.5, -3.0])
+    assert top_logprobs(row, 3) == ((1, -0.5), (2, -0.5), (0, -1.0))
+    assert top_logprobs(row, 0) == ()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"stop": ("",)}, "stop"),
+        ({"temperature": 1.0}, "seed"),
+    ],
+)
+def test_bad_params_say_what_to_fix(kwargs: dict[str, object], message: str) -> None:
+    base: dict[str, object] = {"temperature": 0.0}
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_sampling_rejects_a_batch_of_logits() -> None:
+    with pytest.raises(ValueError, match="one row"):
+        sample_token(torch.zeros(2, 5), SamplingParams(temperature=0), 0)
