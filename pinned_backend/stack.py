@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import platform
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,20 +48,6 @@ _ARM_ISAS = (("sve2", "sve2"), ("sve", "sve"), ("asimd", "neon"))
 def fingerprint(stack: Mapping[str, Any]) -> str:
     """SHA-256 of the RFC 8785 canonical JSON of `stack`, lowercase hex."""
     return hashlib.sha256(rfc8785.dumps(stack)).hexdigest()
-
-
-def weights_digest(files: Iterable[Path]) -> str:
-    """The protocol's weights_sha256: `name:hex` lines of each file's SHA-256, by file name, hashed."""
-    lines = []
-    for path in sorted(files, key=lambda p: p.name):
-        file_hash = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                file_hash.update(chunk)
-        lines.append(f"{path.name}:{file_hash.hexdigest()}\n")
-    if not lines:
-        raise ValueError("weights_digest needs at least one weight file")
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def cpu_hardware(cpuinfo: str, machine: str) -> tuple[str, dict[str, Any]]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +19,6 @@ from pinned_backend.stack import (
     detect_software,
     fingerprint,
     gpu_hardware,
-    weights_digest,
 )
 
 X86_CPUINFO = """processor	: 0
@@ -91,21 +89,6 @@ def test_fingerprint_changes_with_any_field() -> None:
     assert fingerprint(_stack(kernel_mode="default")) != base
     assert fingerprint(_stack(quantisation="bf16")) != base
     assert fingerprint(_stack(batching=batching_policy(8, 256, 64))) != base
-
-
-def test_weights_digest_follows_the_protocol(tmp_path: Path) -> None:
-    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"second")
-    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"first")
-    files = list(tmp_path.glob("*.safetensors"))
-    lines = "".join(
-        f"{name}:{hashlib.sha256(body).hexdigest()}\n"
-        for name, body in [
-            ("model-00001-of-00002.safetensors", b"first"),
-            ("model-00002-of-00002.safetensors", b"second"),
-        ]
-    )
-    assert weights_digest(files) == hashlib.sha256(lines.encode()).hexdigest()
-    assert weights_digest(reversed(files)) == weights_digest(files)
 
 
 def test_cpu_hardware_names_the_best_vector_isa() -> None:
