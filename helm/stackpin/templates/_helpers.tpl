@@ -1,0 +1,220 @@
+{{/* Names, labels, the rendered proxy configuration, and the checks that refuse a broken fleet. */}}
+
+{{- define "stackpin.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stackpin.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "stackpin.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stackpin.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "stackpin.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "stackpin.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: stackpin
+{{- end }}
+
+{{- define "stackpin.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "stackpin.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "stackpin.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The backend Deployment and Service of one stack: (dict "root" $ "stack" $stack). */}}
+{{- define "stackpin.backendName" -}}
+{{- printf "%s-backend-%s" (include "stackpin.fullname" .root) .stack.name }}
+{{- end }}
+
+{{/* An environment variable name derived from a resource name: acme-eu -> ACME_EU. */}}
+{{- define "stackpin.envName" -}}
+{{- . | upper | replace "-" "_" | replace "." "_" }}
+{{- end }}
+
+{{- define "stackpin.tenantKeyEnv" -}}
+{{- default (printf "STACKPIN_KEY_%s" (include "stackpin.envName" .name)) .apiKeyEnv }}
+{{- end }}
+
+{{- define "stackpin.upstreamKeyEnv" -}}
+{{- default (printf "STACKPIN_UPSTREAM_KEY_%s" (include "stackpin.envName" .name)) .apiKeyEnv }}
+{{- end }}
+
+{{/*
+The proxy's stackpin.toml. Built as a dict and written with toToml so that prompt texts are escaped correctly.
+Helm reads numbers from values as floats: the integers the chart writes go through `int`.
+*/}}
+{{- define "stackpin.config" -}}
+{{- $cfg := dict "log_level" .Values.proxy.logLevel }}
+{{- $_ := set $cfg "server" (dict "host" "0.0.0.0" "port" (int .Values.proxy.port)) }}
+{{- /* The chart runs its backends as Deployments; the proxy must not start one of its own. */}}
+{{- $_ := set $cfg "local_backend" (dict "enabled" "off") }}
+{{- if not .Values.store.existingSecret }}
+{{- $_ := set $cfg "store" (dict "url" .Values.store.url) }}
+{{- end }}
+{{- if and .Values.fleet.enabled (not .Values.fleet.existingSecret) }}
+{{- $_ := set $cfg "fleet" (dict "redis_url" .Values.fleet.redisUrl) }}
+{{- end }}
+{{- $replicas := list }}
+{{- range .Values.stacks }}
+{{- $url := printf "http://%s:%d" (include "stackpin.backendName" (dict "root" $ "stack" .)) (int $.Values.backend.port) }}
+{{- $replicas = append $replicas (dict "name" .name "url" $url) }}
+{{- end }}
+{{- range .Values.upstreams }}
+{{- $replica := dict "name" .name "url" .url }}
+{{- if .apiKey }}
+{{- $_ := set $replica "api_key_env" (include "stackpin.upstreamKeyEnv" .) }}
+{{- end }}
+{{- if .stack }}
+{{- $_ := set $replica "stack" .stack }}
+{{- end }}
+{{- $replicas = append $replicas $replica }}
+{{- end }}
+{{- if $replicas }}
+{{- $_ := set $cfg "replicas" $replicas }}
+{{- end }}
+{{- if .Values.prompts }}
+{{- $_ := set $cfg "prompts" .Values.prompts }}
+{{- end }}
+{{- if .Values.routes }}
+{{- $_ := set $cfg "routes" .Values.routes }}
+{{- end }}
+{{- $tenants := list }}
+{{- range .Values.tenants }}
+{{- $tenant := dict "name" .name }}
+{{- if .apiKey }}
+{{- $_ := set $tenant "api_key_env" (include "stackpin.tenantKeyEnv" .) }}
+{{- end }}
+{{- if .apiKeySha256 }}
+{{- $_ := set $tenant "api_key_sha256" .apiKeySha256 }}
+{{- end }}
+{{- $tenants = append $tenants $tenant }}
+{{- end }}
+{{- $_ := set $cfg "tenants" $tenants }}
+{{- mergeOverwrite (deepCopy .Values.proxy.extraConfig) $cfg | toToml }}
+{{- end }}
+
+{{/* Environment of every process that reads stackpin.toml: the proxy and the migration Job. */}}
+{{- define "stackpin.proxyEnv" -}}
+{{- if .Values.store.existingSecret }}
+- name: STACKPIN_STORE__URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.store.existingSecret }}
+      key: {{ .Values.store.existingSecretKey }}
+{{- end }}
+{{- if and .Values.fleet.enabled .Values.fleet.existingSecret }}
+- name: STACKPIN_FLEET__REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.fleet.existingSecret }}
+      key: {{ .Values.fleet.existingSecretKey }}
+{{- end }}
+{{- range .Values.upstreams }}
+{{- if .apiKey }}
+- name: {{ include "stackpin.upstreamKeyEnv" . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .apiKey.secretName }}
+      key: {{ .apiKey.secretKey }}
+{{- end }}
+{{- end }}
+{{- range .Values.tenants }}
+{{- if .apiKey }}
+- name: {{ include "stackpin.tenantKeyEnv" . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .apiKey.secretName }}
+      key: {{ .apiKey.secretKey }}
+{{- end }}
+{{- end }}
+{{- with .Values.proxy.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The container security context and the writable /tmp every pod gets. */}}
+{{- define "stackpin.containerSecurityContext" -}}
+securityContext:
+  {{- toYaml .Values.securityContext | nindent 2 }}
+{{- end }}
+
+{{- define "stackpin.tmpVolume" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+{{- end }}
+
+{{/*
+Refuses values that would give a fleet that mixes stacks, cannot start, or cannot share state. The proxy's
+ConfigMap includes it, so `helm template` and `helm install` fail before anything is applied.
+*/}}
+{{- define "stackpin.validate" -}}
+{{- $scaled := or .Values.proxy.autoscaling.enabled (gt (int .Values.proxy.replicaCount) 1) }}
+{{- if and $scaled (not .Values.fleet.enabled) }}
+{{- fail "more than one proxy needs shared fleet state: set fleet.enabled=true with a Redis URL, or run one proxy without autoscaling" }}
+{{- end }}
+{{- if and (not .Values.store.existingSecret) (hasPrefix "sqlite" .Values.store.url) }}
+{{- fail "store.url is SQLite, which a stateless proxy with a read-only root cannot keep: give a PostgreSQL URL" }}
+{{- end }}
+{{- if not .Values.tenants }}
+{{- fail "tenants is empty: the proxy listens on every address and refuses to start without a client key" }}
+{{- end }}
+{{- range .Values.tenants }}
+{{- if not (or .apiKey .apiKeySha256) }}
+{{- fail (printf "tenant %q needs apiKey (an existing Secret) or apiKeySha256" .name) }}
+{{- end }}
+{{- end }}
+{{- $names := dict }}
+{{- range .Values.stacks }}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" (toString .name)) }}
+{{- fail (printf "stack name %q must be a DNS label: lower case letters, digits and '-'" (toString .name)) }}
+{{- end }}
+{{- if hasKey $names .name }}
+{{- fail (printf "stack name %q appears twice" .name) }}
+{{- end }}
+{{- $_ := set $names .name true }}
+{{- $service := include "stackpin.backendName" (dict "root" $ "stack" .) }}
+{{- if gt (len $service) 63 }}
+{{- fail (printf "stack %q: the Service name %q is longer than 63 characters" .name $service) }}
+{{- end }}
+{{- if not (hasKey $.Values.hardware (toString .hardware)) }}
+{{- fail (printf "stack %q: hardware %q is not a key of .Values.hardware (%s)" .name (toString .hardware) (keys $.Values.hardware | sortAlpha | join ", ")) }}
+{{- end }}
+{{- if not (has .kernelMode (list "batch_invariant" "default")) }}
+{{- fail (printf "stack %q: kernelMode must be batch_invariant or default" .name) }}
+{{- end }}
+{{- if not (has .dtype (list "fp32" "bf16" "fp16")) }}
+{{- fail (printf "stack %q: dtype must be fp32, bf16 or fp16" .name) }}
+{{- end }}
+{{- if not .model }}
+{{- fail (printf "stack %q: model (a folder under /models) is required" .name) }}
+{{- end }}
+{{- end }}
+{{- range .Values.upstreams }}
+{{- if hasKey $names .name }}
+{{- fail (printf "upstream %q has the name of a stack" .name) }}
+{{- end }}
+{{- $_ := set $names .name true }}
+{{- end }}
+{{- end }}
