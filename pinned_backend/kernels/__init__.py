@@ -1,9 +1,9 @@
 """The kernel families the model's forward pass calls, and the choice between their modes.
 
 Every reduction of the forward pass goes through a `Kernels` object chosen once at start: `default` uses plain
-PyTorch ops; `batch_invariant` uses implementations whose reduction order for any output element depends only on
-the dtype and the weight's shape, never on how many rows the step has, where a row sits, or what else is in the
-batch. This module knows nothing of scheduling, sampling or HTTP.
+PyTorch ops; `batch_invariant` uses implementations whose reduction order for any output element depends only
+on the dtype and the weight's shape, never on how many rows the step has, where a row sits, or what else is in
+the batch. This module knows nothing of scheduling, sampling or HTTP.
 
 Shapes, shared by every implementation:
 - matmul:       x [M, K] @ w[N, K].T -> [M, N]   (w in nn.Linear layout)
@@ -45,3 +45,37 @@ class Kernels(Protocol):
         query_pos: torch.Tensor,
         scale: float,
     ) -> torch.Tensor: ...
+
+
+def select_kernels(mode: KernelMode, device: torch.device, *, kv_split_size: int = 256) -> Kernels:
+    """The kernels for `mode` on `device`; `kv_split_size` (tokens) is the invariant attention's KV split.
+
+    Implementations are imported here, not at the top, so that the CPU never imports Triton.
+    """
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"unknown kernel mode {mode!r}; choose one of {', '.join(KERNEL_MODES)}")
+    if mode == "default":
+        from pinned_backend.kernels.torch_ops import TorchKernels
+
+        return TorchKernels()
+    if device.type == "cpu":
+        from pinned_backend.kernels.cpu import CpuInvariantKernels
+
+        return CpuInvariantKernels(kv_split_size=kv_split_size)
+    if device.type == "cuda":
+        try:
+            from pinned_backend.kernels import triton as triton_kernels
+        except ImportError as exc:
+            raise RuntimeError(
+                f"batch_invariant mode on {device} needs Triton kernels, which failed to import ({exc}); "
+                "install triton or run with kernel mode 'default'"
+            ) from exc
+        factory = getattr(triton_kernels, "TritonKernels", None)
+        if factory is None:
+            raise RuntimeError(
+                "batch_invariant mode on CUDA is not available: "
+                "pinned_backend.kernels.triton has no TritonKernels"
+            )
+        kernels: Kernels = factory(kv_split_size=kv_split_size)
+        return kernels
+    raise ValueError(f"batch_invariant mode has no kernels for device type {device.type!r}; use cpu or cuda")

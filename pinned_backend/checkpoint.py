@@ -1,0 +1,292 @@
+"""Reading a Hugging Face checkpoint folder: its config, its weight tensors and the digest of its weight
+files.
+
+A folder holds `config.json` and either one `model.safetensors` or shards listed in
+`model.safetensors.index.json`. This module turns `config.json` into a frozen `ModelConfig`, loads the
+tensors by their Hugging Face names with the shapes that config implies, and computes `weights_sha256`
+exactly as docs/protocol.md defines it. Every problem with the folder is a `CheckpointError` that names the
+file and what is wrong with it. It knows nothing of how the tensors are arranged for the forward pass
+(model.py) or of tokenizers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+CONFIG_FILE = "config.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Tensors some exporters add that carry nothing the forward pass needs.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing a file, or a file in it is malformed. The message names the file."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x frequency scaling (`rope_scaling` with `rope_type: llama3`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope_scaling: RopeScaling | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def _require(raw: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in raw:
+        raise CheckpointError(f"{where}: missing key {key!r}")
+    value = raw[key]
+    # bool is an int in Python; a config that says `"hidden_size": true` is still wrong.
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise CheckpointError(f"{where}: {key!r} must be an integer, got {value!r}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise CheckpointError(f"{where}: {key!r} must be a number, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise CheckpointError(f"{where}: {key!r} must be finite, got {value!r}")
+    if kind is int and value <= 0:
+        raise CheckpointError(f"{where}: {key!r} must be positive, got {value!r}")
+    return kind(value)
+
+
+def _parse_rope_scaling(raw: Any, where: str) -> RopeScaling | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: 'rope_scaling' must be an object or null, got {raw!r}")
+    rope_type = raw.get("rope_type", raw.get("type"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise CheckpointError(
+            f"{where}: rope_scaling type {rope_type!r} is not supported; supported: 'llama3' or none"
+        )
+    sub = f"{where} rope_scaling"
+    scaling = RopeScaling(
+        factor=_require(raw, "factor", float, sub),
+        low_freq_factor=_require(raw, "low_freq_factor", float, sub),
+        high_freq_factor=_require(raw, "high_freq_factor", float, sub),
+        original_max_position_embeddings=_require(raw, "original_max_position_embeddings", int, sub),
+    )
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise CheckpointError(f"{sub}: 'high_freq_factor' must be larger than 'low_freq_factor'")
+    return scaling
+
+
+def parse_config(raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
+    """Validate a parsed config.json object; `where` names the file in error messages."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{where}: expected a JSON object at the top level")
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{where}: model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    hidden = _require(raw, "hidden_size", int, where)
+    heads = _require(raw, "num_attention_heads", int, where)
+    kv_heads = _require(raw, "num_key_value_heads", int, where) if "num_key_value_heads" in raw else heads
+    if raw.get("head_dim") is not None:
+        head_dim = _require(raw, "head_dim", int, where)
+    elif hidden % heads == 0:
+        head_dim = hidden // heads
+    else:
+        raise CheckpointError(
+            f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}"
+        )
+    if heads % kv_heads != 0:
+        raise CheckpointError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+        )
+    if head_dim % 2 != 0:
+        raise CheckpointError(f"{where}: head_dim {head_dim} must be even for rotary embeddings")
+    tie = raw.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise CheckpointError(f"{where}: 'tie_word_embeddings' must be true or false, got {tie!r}")
+    # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
+    bias = model_type == "qwen2" or raw.get("attention_bias", False) is True
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=_require(raw, "vocab_size", int, where),
+        hidden_size=hidden,
+        intermediate_size=_require(raw, "intermediate_size", int, where),
+        num_hidden_layers=_require(raw, "num_hidden_layers", int, where),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=_require(raw, "rms_norm_eps", float, where),
+        rope_theta=_require(raw, "rope_theta", float, where) if "rope_theta" in raw else 10000.0,
+        max_position_embeddings=_require(raw, "max_position_embeddings", int, where),
+        tie_word_embeddings=tie,
+        attention_bias=bias,
+        qk_norm=model_type == "qwen3",
+        rope_scaling=_parse_rope_scaling(raw.get("rope_scaling"), where),
+    )
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file, turning a missing or malformed file into a CheckpointError naming it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
+
+
+def load_config(folder: Path) -> ModelConfig:
+    path = folder / CONFIG_FILE
+    return parse_config(read_json(path), where=str(path))
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward pass needs, by Hugging Face name, with its shape."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
+        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
+        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
+        if c.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    return shapes
+
+
+def weight_files(folder: Path) -> dict[str, list[str]]:
+    """Map each weight file's name to the tensor names it holds, following the shard index if there is one."""
+    index_path = folder / WEIGHTS_INDEX_FILE
+    if index_path.exists():
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: expected a non-empty 'weight_map' object")
+        files: dict[str, list[str]] = {}
+        for name, file_name in weight_map.items():
+            if not isinstance(file_name, str) or Path(file_name).name != file_name:
+                raise CheckpointError(
+                    f"{index_path}: tensor {name!r} maps to an invalid file name {file_name!r}"
+                )
+            files.setdefault(file_name, []).append(name)
+        return files
+    if (folder / SINGLE_WEIGHTS_FILE).exists():
+        return {SINGLE_WEIGHTS_FILE: []}
+    raise CheckpointError(f"{folder}: no {SINGLE_WEIGHTS_FILE} and no {WEIGHTS_INDEX_FILE}")
+
+
+def load_weights(folder: Path, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Load every tensor `expected_shapes` names, checked for shape, converted to `dtype`, on the CPU."""
+    expected = expected_shapes(config)
+    tensors: dict[str, torch.Tensor] = {}
+    for file_name, indexed_names in sorted(weight_files(folder).items()):
+        path = folder / file_name
+        if not path.exists():
+            raise CheckpointError(f"{path}: file not found (listed in {WEIGHTS_INDEX_FILE})")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                names = list(handle.keys())
+                missing_here = set(indexed_names) - set(names)
+                if missing_here:
+                    raise CheckpointError(
+                        f"{path}: does not hold {sorted(missing_here)[0]!r}, "
+                        f"which {WEIGHTS_INDEX_FILE} places here"
+                    )
+                for name in names:
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue
+                    if name not in expected:
+                        raise CheckpointError(f"{path}: unexpected tensor {name!r} for this config.json")
+                    if name in tensors:
+                        raise CheckpointError(f"{path}: tensor {name!r} appears in more than one weight file")
+                    tensor = handle.get_tensor(name)
+                    if tuple(tensor.shape) != expected[name]:
+                        raise CheckpointError(
+                            f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                            f"config.json implies {expected[name]}"
+                        )
+                    if not tensor.is_floating_point():
+                        raise CheckpointError(f"{path}: tensor {name!r} has non-float dtype {tensor.dtype}")
+                    tensors[name] = tensor.to(dtype)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from None
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise CheckpointError(f"{folder}: weight files lack {len(missing)} tensor(s), first {missing[0]!r}")
+    return tensors
+
+
+def weights_sha256(folder: Path) -> str:
+    """SHA-256 over each `*.safetensors` file's own SHA-256, in file-name order, as `name:hex\\n` lines."""
+    files = sorted(folder.glob("*.safetensors"), key=lambda p: p.name)
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files to digest")
+    outer = hashlib.sha256()
+    for path in files:
+        inner = hashlib.sha256()
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                inner.update(chunk)
+        outer.update(f"{path.name}:{inner.hexdigest()}\n".encode())
+    return outer.hexdigest()

@@ -1,0 +1,198 @@
+"""The `batch_invariant` kernel mode on the CPU: every reduction in a fixed order per row, whatever the batch.
+
+The CPU's BLAS picks its blocking, and so the summation order over K, from the number of rows it is given:
+a row of `X[:M] @ W` changes in its last bits with M. What holds, and what tests/test_kernels_cpu.py proves
+on the machine it runs on, is that a GEMM called with one fixed shape gives each row the same bits whatever
+the row's position and whatever the other rows hold. So every matrix product here is issued in blocks of a
+fixed number of rows, padded with zeros:
+- matmul: the step's rows in blocks of `gemm_rows`;
+- attention: each sequence's queries in tiles of `attention_rows`, against the KV length cut into splits of
+  `kv_split_size` tokens (a multiple of the cache's block size). Each split yields a partial softmax
+  (maximum, sum, weighted values); the partials are merged in split order. A query's splits depend only on
+  its own position, so its output is the same whether its cache was filled in one prefill, in chunks or one
+  token at a time.
+Row reductions (RMSNorm's mean, log-softmax) reduce each row in the same order however many rows there are,
+except that PyTorch splits a reduction across threads when it has a single output; RMSNorm therefore never
+reduces one row alone. Attention runs in float32 whatever the cache dtype. This module knows nothing of the
+model or scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pinned_backend.kernels import KernelMode
+
+DEFAULT_GEMM_ROWS = 16
+DEFAULT_ATTENTION_ROWS = 16
+DEFAULT_KV_SPLIT_SIZE = 256
+# Bounds the memory of one attention call; how tiles are grouped does not change any tile's result.
+_TILES_PER_CALL = 32
+
+
+class CpuInvariantKernels:
+    mode: KernelMode = "batch_invariant"
+
+    def __init__(
+        self,
+        kv_split_size: int = DEFAULT_KV_SPLIT_SIZE,
+        gemm_rows: int = DEFAULT_GEMM_ROWS,
+        attention_rows: int = DEFAULT_ATTENTION_ROWS,
+    ) -> None:
+        for name, value in (
+            ("kv_split_size", kv_split_size),
+            ("gemm_rows", gemm_rows),
+            ("attention_rows", attention_rows),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be a positive number of rows or tokens, got {value}")
+        self.kv_split_size = kv_split_size
+        self.gemm_rows = gemm_rows
+        self.attention_rows = attention_rows
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # x [M, K] @ w[N, K].T -> [M, N], issued as ceil(M / gemm_rows) GEMMs of exactly gemm_rows rows.
+        rows, width = x.shape
+        blocks = -(-rows // self.gemm_rows)
+        padded = x.new_zeros(blocks * self.gemm_rows, width)
+        padded[:rows] = x
+        out = x.new_empty(blocks * self.gemm_rows, w.shape[0])
+        w_t = w.t()
+        for b in range(blocks):
+            block = slice(b * self.gemm_rows, (b + 1) * self.gemm_rows)
+            torch.mm(padded[block], w_t, out=out[block])
+        return out[:rows]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        squares = x32.pow(2)
+        if squares.shape[0] == 1:
+            # One output row makes PyTorch split its sum across threads; a second row keeps the row's order.
+            squares = torch.cat([squares, squares.new_zeros(squares.shape)])
+        mean = squares.mean(-1, keepdim=True)[: x.shape[0]]
+        return weight * (x32 * torch.rsqrt(mean + eps)).to(x.dtype)
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(x.float(), dim=-1)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        block_size = k_cache.shape[1]
+        if self.kv_split_size % block_size != 0:
+            raise ValueError(
+                f"kv_split_size {self.kv_split_size} must be a multiple "
+                f"of the KV cache block size {block_size}"
+            )
+        out = torch.empty_like(q)
+        tiles = _plan_tiles(query_seq.tolist(), query_pos.tolist(), self.attention_rows, self.kv_split_size)
+        # Tiles needing the same number of splits go together, so padding splits are rare.
+        tiles.sort(key=lambda tile: tile[2])
+        for start in range(0, len(tiles), _TILES_PER_CALL):
+            group = tiles[start : start + _TILES_PER_CALL]
+            self._attend_tiles(q, k_cache, v_cache, block_tables, query_pos, group, scale, out)
+        return out
+
+    def _attend_tiles(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_pos: torch.Tensor,
+        tiles: list[tuple[int, list[int], int]],
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        n_tokens, n_heads, head_dim = q.shape
+        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        group = n_heads // n_kv_heads
+        rows, split = self.attention_rows, self.kv_split_size
+        blocks_per_split = split // block_size
+        n_tiles, n_splits = len(tiles), max(tile[2] for tile in tiles)
+        device = q.device
+
+        # Row n_tokens of the padded inputs is a zero query at position -1: it sees no key.
+        row_index = torch.full((n_tiles, rows), n_tokens, dtype=torch.long)
+        for i, (_, tile_rows, _) in enumerate(tiles):
+            row_index[i, : len(tile_rows)] = torch.tensor(tile_rows)
+        row_index = row_index.to(device)
+        q_pad = torch.cat([q.float(), q.new_zeros(1, n_heads, head_dim, dtype=torch.float32)])
+        pos_pad = torch.cat([query_pos.long(), query_pos.new_full((1,), -1, dtype=torch.long)])
+        # [G, R, Hq, D] -> [G, Hkv, group * R, D]: one GEMM per (tile, kv head) with a fixed number of rows.
+        q_tiles = (
+            q_pad[row_index]
+            .reshape(n_tiles, rows, n_kv_heads, group, head_dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(n_tiles, n_kv_heads, group * rows, head_dim)
+            .contiguous()
+        )
+        tile_pos = pos_pad[row_index]  # [G, R]
+        width = n_splits * blocks_per_split
+        tables = torch.zeros(block_tables.shape[0], max(width, block_tables.shape[1]), dtype=torch.long)
+        tables = tables.to(device)
+        tables[:, : block_tables.shape[1]] = block_tables.long()
+        tile_tables = tables[torch.tensor([tile[0] for tile in tiles], device=device)]  # [G, width]
+
+        m_acc = l_acc = o_acc = None
+        for j in range(n_splits):
+            blocks = tile_tables[
+                :, j * blocks_per_split : (j + 1) * blocks_per_split
+            ]  # [G, blocks_per_split]
+            keys = k_cache[blocks].reshape(n_tiles, split, n_kv_heads, head_dim).float()
+            values = v_cache[blocks].reshape(n_tiles, split, n_kv_heads, head_dim).float()
+            keys_t = keys.permute(0, 2, 3, 1).contiguous()  # [G, Hkv, D, split]
+            values = values.permute(0, 2, 1, 3).contiguous()  # [G, Hkv, split, D]
+            scores = torch.matmul(q_tiles, keys_t) * scale  # [G, Hkv, group * R, split]
+            key_pos = torch.arange(j * split, (j + 1) * split, device=device)
+            visible = key_pos[None, None, :] <= tile_pos[:, :, None]  # [G, R, split]
+            visible = visible[:, None, None].expand(n_tiles, 1, group, rows, split)
+            scores = scores.masked_fill(~visible.reshape(n_tiles, 1, group * rows, split), float("-inf"))
+            m_split = scores.amax(-1, keepdim=True)
+            probs = torch.exp(scores - _finite(m_split))
+            l_split = probs.sum(-1, keepdim=True)
+            o_split = torch.matmul(probs, values)  # [G, Hkv, group * R, D]
+            if m_acc is None or l_acc is None or o_acc is None:
+                m_acc, l_acc, o_acc = m_split, l_split, o_split
+                continue
+            m_new = _finite(torch.maximum(m_acc, m_split))
+            keep, add = torch.exp(m_acc - m_new), torch.exp(m_split - m_new)
+            l_acc = l_acc * keep + l_split * add
+            o_acc = o_acc * keep + o_split * add
+            m_acc = m_new
+        assert o_acc is not None and l_acc is not None
+        result = (
+            (o_acc / l_acc)
+            .reshape(n_tiles, n_kv_heads, group, rows, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(n_tiles * rows, n_heads, head_dim)
+        )
+        real = row_index.reshape(-1) < n_tokens
+        out[row_index.reshape(-1)[real]] = result[real].to(out.dtype)
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    # A row that sees no key in a split has maximum -inf; subtracting 0 instead keeps exp() at 0, not NaN.
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
+def _plan_tiles(
+    query_seq: list[int], query_pos: list[int], rows: int, split: int
+) -> list[tuple[int, list[int], int]]:
+    """Cut each sequence's queries into tiles of at most `rows`: (sequence, query rows, splits needed)."""
+    by_seq: dict[int, list[int]] = {}
+    for row, seq in enumerate(query_seq):
+        by_seq.setdefault(seq, []).append(row)
+    tiles = []
+    for seq, seq_rows in by_seq.items():
+        for start in range(0, len(seq_rows), rows):
+            tile_rows = seq_rows[start : start + rows]
+            tiles.append((seq, tile_rows, max(query_pos[r] for r in tile_rows) // split + 1))
+    return tiles

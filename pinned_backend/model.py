@@ -1,0 +1,186 @@
+"""A Llama/Qwen-family decoder over a paged KV cache, every reduction routed through a `Kernels` object.
+
+Covers Llama 2/3.x (including `llama3` RoPE scaling), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
+RMSNorm), tied or untied embeddings, grouped-query attention and a SwiGLU MLP. Weights arrive under their
+Hugging Face names (checkpoint.py) and are fused here: q/k/v into one matrix, gate/up into another, so each
+layer issues four GEMMs. This module computes one step's logits; which tokens make up a step, the block
+tables and sampling belong to the engine, and the reduction order of each op belongs to the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pinned_backend.checkpoint import ModelConfig, RopeScaling, load_config, load_weights
+from pinned_backend.kernels import Kernels
+from pinned_backend.kvcache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
+    q_norm: torch.Tensor | None  # [head_dim]
+    k_norm: torch.Tensor | None  # [head_dim]
+    o: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2] in float32, computed as Hugging Face computes them."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D]; cos, sin [T, 1, D/2] float32. Halves rotated as Hugging Face's rotate_half does.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Transformer:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        kernels: Kernels,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        """`weights`: every tensor `checkpoint.expected_shapes(config)` names; consumed (fused) here."""
+        self.config = config
+        self.kernels = kernels
+        self.device = device
+        self.dtype = dtype
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name).to(device=device, dtype=dtype)
+
+        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.norm = take("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
+        self.layers = [self._take_layer(i, take) for i in range(config.num_hidden_layers)]
+        self.inv_freq = rope_inv_freq(config).to(device)
+
+    def _take_layer(self, i: int, take: Callable[[str], torch.Tensor]) -> _Layer:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        bias = None
+        if self.config.attention_bias:
+            bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+        return _Layer(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
+            qkv_bias=bias,
+            q_norm=take(attn + "q_norm.weight") if self.config.qk_norm else None,
+            k_norm=take(attn + "k_norm.weight") if self.config.qk_norm else None,
+            o=take(attn + "o_proj.weight"),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous(),
+            down=take(mlp + "down_proj.weight"),
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls, path: Path, kernels: Kernels, device: torch.device, dtype: torch.dtype
+    ) -> Transformer:
+        """Load a Hugging Face checkpoint folder; a CheckpointError names any missing or malformed file."""
+        path = Path(path)
+        config = load_config(path)
+        return cls(config, load_weights(path, config, dtype), kernels, device, dtype)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64, this step's new tokens, sequences concatenated
+        query_seq: torch.Tensor,  # [T] int32, row of block_tables per token
+        query_pos: torch.Tensor,  # [T] int32, absolute position per token
+        block_tables: torch.Tensor,  # [S, max_blocks] int32
+        cache: PagedKVCache,
+        logits_rows: torch.Tensor,  # [R] int64, which of the T rows need logits
+    ) -> torch.Tensor:  # [R, vocab] float32 logits
+        n_tokens = token_ids.shape[0]
+        if query_seq.shape != (n_tokens,) or query_pos.shape != (n_tokens,):
+            raise ValueError(
+                f"token_ids, query_seq and query_pos must all be [T]; got {tuple(token_ids.shape)}, "
+                f"{tuple(query_seq.shape)}, {tuple(query_pos.shape)}"
+            )
+        with torch.inference_mode():
+            pos = query_pos.long()
+            block_size = cache.block_size
+            slots = block_tables[query_seq.long(), pos // block_size].long() * block_size + pos % block_size
+            angles = (pos.float()[:, None] * self.inv_freq[None, :])[:, None, :]  # [T, 1, D/2]
+            cos, sin = angles.cos(), angles.sin()
+            eps = self.config.rms_norm_eps
+            x = self.embed[token_ids]  # [T, hidden]
+            for i, layer in enumerate(self.layers):
+                h = self.kernels.rms_norm(x, layer.input_norm, eps)
+                x = x + self._attention(
+                    i, layer, h, cos, sin, slots, query_seq, query_pos, block_tables, cache
+                )
+                h = self.kernels.rms_norm(x, layer.post_norm, eps)
+                x = x + self._mlp(layer, h)
+            h = self.kernels.rms_norm(x[logits_rows], self.norm, eps)
+            return self.kernels.matmul(h, self.lm_head).float()
+
+    def _attention(
+        self,
+        index: int,
+        layer: _Layer,
+        h: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,  # [T] cache slot of each token
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        block_tables: torch.Tensor,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        c = self.config
+        n_tokens, eps = h.shape[0], c.rms_norm_eps
+        qkv = self.kernels.matmul(h, layer.qkv)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.reshape(n_tokens, c.num_attention_heads, c.head_dim)
+        k = k.reshape(n_tokens, c.num_key_value_heads, c.head_dim)
+        v = v.reshape(n_tokens, c.num_key_value_heads, c.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = self.kernels.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps).reshape(q.shape)
+            k = self.kernels.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps).reshape(k.shape)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(index, slots, k, v)
+        attended = self.kernels.attention(
+            q, cache.k[index], cache.v[index], block_tables, query_seq, query_pos, 1.0 / math.sqrt(c.head_dim)
+        )
+        return self.kernels.matmul(attended.reshape(n_tokens, c.q_size), layer.o)
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.kernels.matmul(h, layer.gate_up).chunk(2, dim=-1)
+        return self.kernels.matmul(F.silu(gate) * up, layer.down)
