@@ -1,0 +1,332 @@
+"""Group commit: many concurrent appends share one transaction, and each returns only after that commit.
+
+A caller's entry goes on a queue with a future. One writer task takes up to `batch_max` entries (waiting at
+most `batch_wait_ms` for more once the first arrives) and, in ONE transaction, locks the chain head, stores
+stacks and prompts not stored yet, gives the entries their positions and hashes, inserts them, moves the head
+and commits; then it resolves every future, or fails them all with the error. While one batch commits the next
+one gathers, so under load the cost of a durable commit is shared by everyone waiting.
+
+The head row is locked with `SELECT ... FOR UPDATE` on PostgreSQL and by `BEGIN IMMEDIATE` on SQLite, so
+several proxies on one database append to one chain without forking it. This module knows nothing of reading
+records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from proxy.audit.chain import chain_links
+from proxy.audit.errors import AuditError, DuplicateEntry, StoreClosed, UnknownStack
+from proxy.audit.models import ChainHead, Entry, Prompt, Stack
+from proxy.audit.values import NewEntry, StoredEntry
+
+# Known-stack and known-prompt caches only save a round trip; past this size they start over.
+CACHE_LIMIT = 10_000
+
+
+class CommitObserver(Protocol):
+    """Where the committer reports what it does (the proxy turns these into its stackpin_audit_* metrics)."""
+
+    def committed(self, batch_size: int, seconds: float) -> None: ...
+
+    def queue_depth(self, depth: int) -> None: ...
+
+
+@dataclass
+class _Pending:
+    entry: NewEntry
+    future: asyncio.Future[StoredEntry] = field(repr=False)
+
+    def resolve(self, stored: StoredEntry) -> None:
+        if not self.future.done():  # the caller may have given up; the entry is committed all the same
+            self.future.set_result(stored)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+class GroupCommitter:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        *,
+        batch_max: int,
+        batch_wait_ms: float,
+        observer: CommitObserver | None = None,
+    ) -> None:
+        self._engine = engine
+        self._batch_max = batch_max
+        self._batch_wait_s = batch_wait_ms / 1000.0
+        self._observer = observer
+        self._queue: asyncio.Queue[_Pending | None] = asyncio.Queue()
+        self._closing = False
+        self._known_stacks: set[str] = set()
+        self._known_prompts: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="audit-group-commit")
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def submit(self, entry: NewEntry) -> StoredEntry:
+        if self._closing or not self.alive:
+            raise StoreClosed("the audit store is closed; no entry can be appended")
+        pending = _Pending(entry, asyncio.get_running_loop().create_future())
+        self._queue.put_nowait(pending)
+        self._report_depth()
+        return await pending.future
+
+    async def close(self) -> None:
+        """Commits everything queued so far, then stops the writer."""
+        if self._task is None:
+            return
+        if not self._closing:
+            self._closing = True
+            self._queue.put_nowait(None)
+        await asyncio.gather(self._task, return_exceptions=True)
+        # Only reached with entries left if the writer died: their callers must not wait forever.
+        while not self._queue.empty():
+            pending = self._queue.get_nowait()
+            if pending is not None:
+                pending.fail(StoreClosed("the audit store closed before this entry was committed"))
+
+    async def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch, stopping = await self._collect()
+            if batch:
+                await self._commit_batch(batch)
+
+    async def _collect(self) -> tuple[list[_Pending], bool]:
+        """The next batch, and whether the stop mark was reached."""
+        first = await self._queue.get()
+        if first is None:
+            return [], True
+        batch = [first]
+        deadline = asyncio.get_running_loop().time() + self._batch_wait_s
+        while len(batch) < self._batch_max:
+            if self._queue.empty():
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    break
+                try:
+                    async with asyncio.timeout(remaining):
+                        item = await self._queue.get()
+                except TimeoutError:
+                    break
+            else:
+                item = self._queue.get_nowait()
+            if item is None:
+                return batch, True
+            batch.append(item)
+        self._report_depth()
+        return batch, False
+
+    def _report_depth(self) -> None:
+        if self._observer is not None:
+            self._observer.queue_depth(self._queue.qsize())
+
+    async def _commit_batch(self, batch: list[_Pending]) -> None:
+        batch = self._drop_duplicates_within(batch)
+        if not batch:
+            return
+        started = time.perf_counter()
+        try:
+            stored = await self._transaction(batch)
+        except IntegrityError:
+            # Someone's entry collides with one already stored: commit the others one by one, so that only
+            # the offender fails.
+            await self._commit_each(batch)
+            return
+        except Exception as exc:
+            for pending in batch:
+                pending.fail(exc)
+            return
+        if self._observer is not None:
+            self._observer.committed(len(stored), time.perf_counter() - started)
+        for pending, entry in zip(batch, stored, strict=True):
+            pending.resolve(entry)
+
+    async def _commit_each(self, batch: list[_Pending]) -> None:
+        for pending in batch:
+            started = time.perf_counter()
+            try:
+                (stored,) = await self._transaction([pending])
+            except IntegrityError as exc:
+                pending.fail(_explain_integrity_error(pending.entry, exc))
+                continue
+            except Exception as exc:
+                pending.fail(exc)
+                continue
+            if self._observer is not None:
+                self._observer.committed(1, time.perf_counter() - started)
+            pending.resolve(stored)
+
+    @staticmethod
+    def _drop_duplicates_within(batch: list[_Pending]) -> list[_Pending]:
+        seen: set[tuple[str, str]] = set()
+        kept: list[_Pending] = []
+        for pending in batch:
+            key = (pending.entry.record_id, pending.entry.part)
+            if pending.entry.part != "flag" and key in seen:
+                pending.fail(_duplicate(pending.entry))
+                continue
+            seen.add(key)
+            kept.append(pending)
+        return kept
+
+    async def _transaction(self, batch: list[_Pending]) -> list[StoredEntry]:
+        async with self._engine.begin() as connection:
+            head = (
+                await connection.execute(
+                    select(ChainHead.position, ChainHead.sha256).where(ChainHead.id == 1).with_for_update()
+                )
+            ).one()
+            batch = await self._refuse_unknown_stacks(connection, batch)
+            if not batch:
+                return []
+            new_stacks, new_prompts = await self._store_stacks_and_prompts(connection, batch)
+            links = chain_links(head.position, head.sha256, [p.entry.fields() for p in batch])
+            await connection.execute(
+                insert(Entry),
+                [
+                    _entry_row(p.entry, link.position, link.prev_sha256, link.sha256)
+                    for p, link in zip(batch, links, strict=True)
+                ],
+            )
+            await connection.execute(
+                update(ChainHead)
+                .where(ChainHead.id == 1)
+                .values(position=links[-1].position, sha256=links[-1].sha256)
+            )
+        self._remember(self._known_stacks, new_stacks)
+        self._remember(self._known_prompts, new_prompts)
+        return [
+            StoredEntry(
+                record_id=p.entry.record_id,
+                part=p.entry.part,
+                position=link.position,
+                sha256=link.sha256,
+                prev_sha256=link.prev_sha256,
+                created_at=p.entry.created_at,
+            )
+            for p, link in zip(batch, links, strict=True)
+        ]
+
+    async def _refuse_unknown_stacks(
+        self, connection: AsyncConnection, batch: list[_Pending]
+    ) -> list[_Pending]:
+        """Fails the entries that name a stack nobody stored, and returns the others."""
+        given = {p.entry.fingerprint for p in batch if p.entry.stack_json is not None}
+        unsure = {
+            p.entry.fingerprint
+            for p in batch
+            if p.entry.fingerprint is not None
+            and p.entry.stack_json is None
+            and p.entry.fingerprint not in given
+        } - self._known_stacks
+        if not unsure:
+            return batch
+        found = set(
+            (
+                await connection.execute(select(Stack.fingerprint).where(Stack.fingerprint.in_(unsure)))
+            ).scalars()
+        )
+        self._remember(self._known_stacks, found)
+        missing = unsure - found
+        kept = []
+        for pending in batch:
+            if pending.entry.fingerprint in missing:
+                pending.fail(
+                    UnknownStack(
+                        f"stack {pending.entry.fingerprint} was never stored: "
+                        "pass `stack` with the first entry that names it"
+                    )
+                )
+            else:
+                kept.append(pending)
+        return kept
+
+    async def _store_stacks_and_prompts(
+        self, connection: AsyncConnection, batch: list[_Pending]
+    ) -> tuple[set[str], set[str]]:
+        stacks: dict[str, dict[str, Any]] = {}
+        prompts: dict[str, dict[str, Any]] = {}
+        for pending in batch:
+            entry = pending.entry
+            if entry.stack_json is not None and entry.fingerprint not in self._known_stacks:
+                assert entry.fingerprint is not None  # NewEntry fills it from the stack
+                stacks.setdefault(
+                    entry.fingerprint,
+                    {
+                        "fingerprint": entry.fingerprint,
+                        "canonical_json": entry.stack_json,
+                        "declared": entry.stack_declared,
+                        "first_seen": entry.created_at,
+                    },
+                )
+            sha = entry.prompt_sha256
+            if sha is not None and sha not in self._known_prompts:
+                prompts.setdefault(sha, {"sha256": sha, "text": entry.prompt_text})
+        dialect = connection.dialect.name
+        if stacks:
+            await connection.execute(_insert_ignoring(dialect, Stack, "fingerprint"), list(stacks.values()))
+        if prompts:
+            await connection.execute(_insert_ignoring(dialect, Prompt, "sha256"), list(prompts.values()))
+        return set(stacks), set(prompts)
+
+    @staticmethod
+    def _remember(cache: set[str], keys: set[str]) -> None:
+        if len(cache) + len(keys) > CACHE_LIMIT:
+            cache.clear()
+        cache.update(keys)
+
+
+def _insert_ignoring(dialect: str, model: type[Stack] | type[Prompt], key: str) -> Any:
+    """INSERT that leaves an existing row alone: rows are content-addressed, so the old one is the same."""
+    module = postgresql if dialect == "postgresql" else sqlite
+    return module.insert(model).on_conflict_do_nothing(index_elements=[key])
+
+
+def _entry_row(entry: NewEntry, position: int, prev_sha256: str, sha256: str) -> dict[str, Any]:
+    return {
+        "position": position,
+        "record_id": entry.record_id,
+        "part": entry.part,
+        "tenant": entry.tenant,
+        "created_at": entry.created_at,
+        "replica": entry.replica,
+        "model": entry.model,
+        "fingerprint": entry.fingerprint,
+        "prompt_sha256": entry.prompt_sha256,
+        "replay_of": entry.replay_of,
+        "status": entry.status,
+        "content": entry.content_json,
+        "sha256": sha256,
+        "prev_sha256": prev_sha256,
+    }
+
+
+def _duplicate(entry: NewEntry) -> DuplicateEntry:
+    return DuplicateEntry(
+        f"record {entry.record_id} already has an {entry.part!r} entry; records are append-only"
+    )
+
+
+def _explain_integrity_error(entry: NewEntry, exc: IntegrityError) -> AuditError:
+    text = str(exc.orig).lower()
+    if "uq_entries_record_part" in text or "unique" in text:
+        return _duplicate(entry)
+    return AuditError(f"the database refused entry {entry.part!r} of record {entry.record_id}: {exc.orig}")

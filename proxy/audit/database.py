@@ -1,0 +1,102 @@
+"""How the audit store reaches its database: URL checks, engines and per-dialect connection settings.
+
+Knows SQLite (aiosqlite, the embedded default) and PostgreSQL (asyncpg). Knows nothing of tables or the chain.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+
+from proxy.audit.errors import DatabaseUrlError
+
+SUPPORTED = "sqlite+aiosqlite:///path/to/audit.db or postgresql+asyncpg://user@host:5432/database"
+DRIVERS = {
+    "sqlite": "sqlite+aiosqlite",
+    "sqlite+aiosqlite": "sqlite+aiosqlite",
+    "postgresql": "postgresql+asyncpg",
+    "postgres": "postgresql+asyncpg",
+    "postgresql+asyncpg": "postgresql+asyncpg",
+}
+SQLITE_BUSY_TIMEOUT_MS = 10_000
+
+
+def parse_url(url: str) -> URL:
+    """The async SQLAlchemy URL for `url`, or DatabaseUrlError saying what would be accepted."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise DatabaseUrlError(f"the audit database URL {url!r} cannot be parsed; use {SUPPORTED}") from exc
+    driver = DRIVERS.get(parsed.drivername)
+    if driver is None:
+        raise DatabaseUrlError(
+            f"the audit database URL uses {parsed.drivername!r}, which is not supported; use {SUPPORTED}"
+        )
+    parsed = parsed.set(drivername=driver)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if database in ("", ":memory:") or database.startswith("file:"):
+            raise DatabaseUrlError(
+                "the audit store needs an SQLite file (an in-memory database would lose every record); "
+                f"use {SUPPORTED}"
+            )
+        if not Path(database).parent.is_dir():
+            raise DatabaseUrlError(
+                f"the folder of the audit database {database!r} does not exist; "
+                "create it or choose another path"
+            )
+    return parsed
+
+
+def describe(url: URL) -> str:
+    """The URL for messages and logs: never with its password."""
+    return url.render_as_string(hide_password=True)
+
+
+def connect_args(url: URL, schema: str | None) -> dict[str, Any]:
+    if url.get_backend_name() == "postgresql" and schema is not None:
+        return {"server_settings": {"search_path": schema}}
+    return {}
+
+
+def _sqlite_settings(engine: AsyncEngine, *, immediate: bool) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control from the driver so that BEGIN is ours (see _on_begin).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        # WAL lets readers run beside the writer; FULL syncs the WAL on every commit, which is the durability
+        # the proxy promises before it answers.
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        # The writer takes the write lock up front: a deferred transaction that reads the head and then
+        # upgrades to a writer can fail with SQLITE_BUSY when another process writes in between.
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def make_engine(url: URL, *, schema: str | None, writer: bool, pooled: bool = True) -> AsyncEngine:
+    """An engine for the store: `writer` engines hold one connection and, on SQLite, begin IMMEDIATE."""
+    options: dict[str, Any] = {"connect_args": connect_args(url, schema)}
+    if not pooled:
+        options["poolclass"] = NullPool
+    elif writer:
+        options.update(pool_size=1, max_overflow=0)
+    else:
+        options.update(pool_size=4, max_overflow=4)
+    options["pool_pre_ping"] = pooled
+    engine = create_async_engine(url, **options)
+    if url.get_backend_name() == "sqlite":
+        _sqlite_settings(engine, immediate=writer)
+    return engine

@@ -1,0 +1,47 @@
+"""The audit store's exceptions, in one tree; the proxy maps them to its own errors.
+
+    AuditError
+    ├── DatabaseUrlError   the URL names no supported database (says which forms are)
+    ├── SchemaError        the database's schema is not the one this stackpin needs
+    │   ├── SchemaOutdated older (or absent): `stackpin db upgrade` fixes it
+    │   └── SchemaTooNew   newer than this stackpin knows: upgrade stackpin
+    ├── UnknownStack       an entry names a fingerprint whose stack was never stored
+    ├── DuplicateEntry     the record already has an entry of that part
+    └── StoreClosed        append after close()
+
+Invalid entries are rejected earlier, when `NewEntry` is built (pydantic's ValidationError).
+"""
+
+from __future__ import annotations
+
+
+class AuditError(Exception):
+    """Base of everything the audit store raises on purpose."""
+
+
+class DatabaseUrlError(AuditError, ValueError):
+    pass
+
+
+class SchemaError(AuditError):
+    pass
+
+
+class SchemaOutdated(SchemaError):
+    pass
+
+
+class SchemaTooNew(SchemaError):
+    pass
+
+
+class UnknownStack(AuditError, ValueError):
+    pass
+
+
+class DuplicateEntry(AuditError, ValueError):
+    pass
+
+
+class StoreClosed(AuditError):
+    pass

@@ -1,0 +1,94 @@
+"""Alembic glue: bring the audit database to a revision, and tell which revision it is at.
+
+The migrations themselves are in the `migrations` package; this module finds them through
+`migrations.__file__`, so no alembic.ini is needed and `stackpin db upgrade` works from an installed wheel.
+Whether an outdated schema is an error is the store's decision (`AuditStore.open`), not this module's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection
+
+import migrations
+from proxy.audit.database import connect_args, make_engine, parse_url
+
+HEAD_REVISION = "0002_listing_indexes"
+
+
+def alembic_config(url: str | None = None, *, schema: str | None = None) -> Config:
+    """A Config pointing at the packaged migrations; the URL travels in attributes, never through ini text."""
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    if url is not None:
+        parsed = parse_url(url)
+        config.attributes["url"] = parsed
+        config.attributes["connect_args"] = connect_args(parsed, schema)
+    return config
+
+
+def script_head() -> str | None:
+    """The head revision of the migrations shipped with this stackpin."""
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def known_revisions() -> set[str]:
+    """Every revision the shipped migrations define."""
+    return {script.revision for script in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
+def upgrade_database(url: str, revision: str = "head", *, schema: str | None = None) -> None:
+    """Migrates the database at `url` to `revision` (Alembic command API); not inside an event loop.
+
+    `schema` (PostgreSQL only) is the schema that holds the tables; default the server's search_path.
+    """
+    command.upgrade(alembic_config(url, schema=schema), revision)
+
+
+def downgrade_database(url: str, revision: str, *, schema: str | None = None) -> None:
+    command.downgrade(alembic_config(url, schema=schema), revision)
+
+
+def _upgrade_on(connection: Connection, revision: str) -> None:
+    config = alembic_config()
+    config.attributes["connection"] = connection
+    command.upgrade(config, revision)
+
+
+def _revision_on(connection: Connection) -> tuple[str | None, bool]:
+    """The revision stamped in the database, and whether it holds any table at all."""
+    revision = MigrationContext.configure(connection).get_current_revision()
+    return revision, bool(inspect(connection).get_table_names())
+
+
+async def inspect_database(url: str, *, schema: str | None = None) -> tuple[str | None, bool]:
+    """(revision, has_tables) of the database at `url`."""
+    engine = make_engine(parse_url(url), schema=schema, writer=True, pooled=False)
+    try:
+        async with engine.connect() as connection:
+            return await connection.run_sync(_revision_on)
+    finally:
+        await engine.dispose()
+
+
+async def schema_revision(url: str, *, schema: str | None = None) -> str | None:
+    """The Alembic revision of the database at `url`; None when it was never migrated."""
+    revision, _ = await inspect_database(url, schema=schema)
+    return revision
+
+
+async def upgrade_database_async(url: str, revision: str = "head", *, schema: str | None = None) -> None:
+    """`upgrade_database` for callers that already run an event loop."""
+    engine = make_engine(parse_url(url), schema=schema, writer=True, pooled=False)
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_upgrade_on, revision)
+            await connection.commit()
+    finally:
+        await engine.dispose()

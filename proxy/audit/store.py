@@ -1,0 +1,285 @@
+"""The audit store: the one object the proxy holds to append entries, read records back and verify the chain.
+
+It opens the database (refusing a schema that is not at this stackpin's head revision), owns the group
+committer that writes (`commit.py`) and answers reads. What goes into a record's content is the proxy's
+business; how a chain is judged is `chain.py`'s; the schema is made only by the Alembic migrations
+(`schema.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, text
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from proxy.audit.commit import CommitObserver, GroupCommitter
+from proxy.audit.database import describe, make_engine, parse_url
+from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew
+from proxy.audit.models import Entry, Prompt, Stack
+from proxy.audit.schema import HEAD_REVISION, inspect_database, known_revisions, upgrade_database_async
+from proxy.audit.values import (
+    AuditRecord,
+    EntryView,
+    LinkCheck,
+    NewEntry,
+    RecordSummary,
+    StoredEntry,
+    VerifyReport,
+)
+from proxy.audit.verify import verify_chain, verify_record_links
+
+ENTRIES = Entry.__table__
+STACKS = Stack.__table__
+PROMPTS = Prompt.__table__
+LIST_LIMIT_MAX = 1000
+
+
+class AuditStore:
+    """Open with `await AuditStore.open(url)`; `close()` when done (it commits what is queued first)."""
+
+    def __init__(self, reader: AsyncEngine, writer: AsyncEngine, committer: GroupCommitter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._committer = committer
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        batch_max: int = 256,
+        batch_wait_ms: float = 1.0,
+        create_if_empty: bool = False,
+        schema: str | None = None,
+        observer: CommitObserver | None = None,
+    ) -> AuditStore:
+        """Connects to `url` (sqlite+aiosqlite:///file.db or postgresql+asyncpg://...).
+
+        Raises SchemaOutdated when the database is not at HEAD_REVISION; with `create_if_empty`, a
+        database that holds no table at all is migrated instead (the embedded default's first run).
+        `schema` (PostgreSQL only) names the schema that holds the tables.
+        """
+        if batch_max < 1:
+            raise ValueError(f"batch_max must be at least 1, got {batch_max}")
+        if batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must not be negative, got {batch_wait_ms}")
+        parsed = parse_url(url)
+        await _ensure_schema(url, schema=schema, create_if_empty=create_if_empty)
+        reader = make_engine(parsed, schema=schema, writer=False)
+        writer = make_engine(parsed, schema=schema, writer=True)
+        committer = GroupCommitter(
+            writer, batch_max=batch_max, batch_wait_ms=batch_wait_ms, observer=observer
+        )
+        committer.start()
+        return cls(reader, writer, committer)
+
+    async def append(self, entry: NewEntry) -> StoredEntry:
+        """Appends `entry` to the chain; returns only once it is committed (durably)."""
+        return await self._committer.submit(entry)
+
+    async def close(self) -> None:
+        """Commits every entry already queued, then releases the database."""
+        await self._committer.close()
+        await self._writer.dispose()
+        await self._reader.dispose()
+
+    async def ping(self) -> None:
+        """Raises unless the database answers and the writer runs (readiness)."""
+        if not self._committer.alive:
+            raise AuditError("the audit store's writer is not running")
+        async with self._reader.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+
+    async def get_record(self, record_id: str, tenant: str | None) -> AuditRecord | None:
+        """The record, or None when it does not exist or belongs to another tenant (`tenant=None`: any)."""
+        async with self._reader.connect() as connection:
+            rows = (
+                (
+                    await connection.execute(
+                        select(ENTRIES).where(ENTRIES.c.record_id == record_id).order_by(ENTRIES.c.position)
+                    )
+                )
+                .mappings()
+                .all()
+            )
+            main = [row for row in rows if row["part"] != "flag"]
+            if not main or (tenant is not None and main[0]["tenant"] != tenant):
+                return None
+            first = main[0]
+            stack_row = None
+            if first["fingerprint"] is not None:
+                stack_row = (
+                    await connection.execute(
+                        select(STACKS.c.canonical_json, STACKS.c.declared).where(
+                            STACKS.c.fingerprint == first["fingerprint"]
+                        )
+                    )
+                ).one_or_none()
+            prompt_sha = next(
+                (row["prompt_sha256"] for row in main if row["prompt_sha256"] is not None), None
+            )
+            prompt_text = None
+            if prompt_sha is not None:
+                prompt_text = (
+                    await connection.execute(select(PROMPTS.c.text).where(PROMPTS.c.sha256 == prompt_sha))
+                ).scalar_one_or_none()
+        return AuditRecord(
+            id=record_id,
+            tenant=first["tenant"],
+            created_at=first["created_at"],
+            model=first["model"],
+            fingerprint=first["fingerprint"],
+            replica=first["replica"],
+            replay_of=first["replay_of"],
+            status=main[-1]["status"],
+            stack=None if stack_row is None else json.loads(stack_row.canonical_json),
+            stack_declared=None if stack_row is None else bool(stack_row.declared),
+            prompt_sha256=prompt_sha,
+            prompt_text=prompt_text,
+            entries=[_view(row) for row in main],
+            flags=[_view(row) for row in rows if row["part"] == "flag"],
+        )
+
+    async def list_records(
+        self,
+        *,
+        tenant: str | None = None,
+        fingerprint: str | None = None,
+        model: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: int = 100,
+    ) -> list[RecordSummary]:
+        """Records newest first, by first entry (`answer` or `opened`); `since` inclusive, `until` not."""
+        if not 1 <= limit <= LIST_LIMIT_MAX:
+            raise ValueError(f"limit must be between 1 and {LIST_LIMIT_MAX}, got {limit}")
+        for name, moment in (("since", since), ("until", until)):
+            if moment is not None and moment.tzinfo is None:
+                raise ValueError(f"{name} must carry a time zone (for example {name}=...+00:00)")
+        query = select(ENTRIES).where(ENTRIES.c.part.in_(("answer", "opened")))
+        for column, wanted in (("tenant", tenant), ("fingerprint", fingerprint), ("model", model)):
+            if wanted is not None:
+                query = query.where(ENTRIES.c[column] == wanted)
+        if since is not None:
+            query = query.where(ENTRIES.c.created_at >= since)
+        if until is not None:
+            query = query.where(ENTRIES.c.created_at < until)
+        query = query.order_by(ENTRIES.c.position.desc()).limit(limit)
+        async with self._reader.connect() as connection:
+            starts = (await connection.execute(query)).mappings().all()
+            later = await self._later_parts(connection, [row["record_id"] for row in starts])
+        return [_summary(row, later.get(row["record_id"], [])) for row in starts]
+
+    @staticmethod
+    async def _later_parts(connection: Any, record_ids: Sequence[str]) -> dict[str, list[RowMapping]]:
+        if not record_ids:
+            return {}
+        rows = (
+            (
+                await connection.execute(
+                    select(ENTRIES.c.record_id, ENTRIES.c.part, ENTRIES.c.status)
+                    .where(ENTRIES.c.record_id.in_(record_ids), ENTRIES.c.part.in_(("closed", "flag")))
+                    .order_by(ENTRIES.c.position)
+                )
+            )
+            .mappings()
+            .all()
+        )
+        later: dict[str, list[RowMapping]] = {}
+        for row in rows:
+            later.setdefault(row["record_id"], []).append(row)
+        return later
+
+    async def records_served_since(self, replica: str, since: datetime) -> list[str]:
+        """Ids of records `replica` served at or after `since`, oldest first: to mark when it changed."""
+        if since.tzinfo is None:
+            raise ValueError("since must carry a time zone")
+        query = (
+            select(ENTRIES.c.record_id)
+            .where(ENTRIES.c.replica == replica, ENTRIES.c.created_at >= since, ENTRIES.c.part != "flag")
+            .group_by(ENTRIES.c.record_id)
+            .order_by(func.min(ENTRIES.c.position))
+        )
+        async with self._reader.connect() as connection:
+            return list((await connection.execute(query)).scalars())
+
+    async def get_stack(self, fingerprint: str) -> dict[str, Any] | None:
+        async with self._reader.connect() as connection:
+            found = (
+                await connection.execute(
+                    select(STACKS.c.canonical_json).where(STACKS.c.fingerprint == fingerprint)
+                )
+            ).scalar_one_or_none()
+        return None if found is None else json.loads(found)
+
+    async def verify(self, *, expect_head: tuple[int, str] | None = None) -> VerifyReport:
+        """Walks the whole chain in pages; reports the first problem, with its position and record id."""
+        return await verify_chain(self._reader, expect_head=expect_head)
+
+    async def verify_record(self, record_id: str) -> list[LinkCheck]:
+        """One check per entry of the record (empty when the record does not exist)."""
+        return await verify_record_links(self._reader, record_id)
+
+
+async def _ensure_schema(url: str, *, schema: str | None, create_if_empty: bool) -> None:
+    revision, has_tables = await inspect_database(url, schema=schema)
+    if revision == HEAD_REVISION:
+        return
+    where = describe(parse_url(url)) + (f" (schema {schema})" if schema else "")
+    if revision is None and not has_tables:
+        if create_if_empty:
+            await upgrade_database_async(url, schema=schema)
+            return
+        raise SchemaOutdated(
+            f"the audit database {where} is empty; run `stackpin db upgrade` to create its schema "
+            f"(revision {HEAD_REVISION})"
+        )
+    if revision is None:
+        raise SchemaOutdated(
+            f"the audit database {where} holds tables but no stackpin schema revision; point the proxy at an "
+            "empty database, or run `stackpin db upgrade` if it is an audit database"
+        )
+    if revision not in known_revisions():
+        raise SchemaTooNew(
+            f"the audit database {where} is at schema revision {revision}, newer than this stackpin knows "
+            f"({HEAD_REVISION}); upgrade stackpin"
+        )
+    raise SchemaOutdated(
+        f"the audit database {where} is at schema revision {revision}, this stackpin needs {HEAD_REVISION}: "
+        "run `stackpin db upgrade`"
+    )
+
+
+def _view(row: RowMapping) -> EntryView:
+    return EntryView(
+        position=row["position"],
+        part=row["part"],
+        created_at=row["created_at"],
+        status=row["status"],
+        replica=row["replica"],
+        model=row["model"],
+        fingerprint=row["fingerprint"],
+        content=json.loads(row["content"]),
+        sha256=row["sha256"],
+        prev_sha256=row["prev_sha256"],
+    )
+
+
+def _summary(start: RowMapping, later: list[RowMapping]) -> RecordSummary:
+    closed = [row for row in later if row["part"] == "closed"]
+    return RecordSummary(
+        id=start["record_id"],
+        tenant=start["tenant"],
+        created_at=start["created_at"],
+        model=start["model"],
+        fingerprint=start["fingerprint"],
+        status=closed[-1]["status"] if closed else start["status"],
+        replay_of=start["replay_of"],
+        part="closed" if closed else start["part"],
+        flagged=any(row["part"] == "flag" for row in later),
+    )

@@ -1,0 +1,189 @@
+"""The values that cross the audit store's interface: what the proxy hands in and what it reads back.
+
+Validation happens here, when a `NewEntry` is built, so that one bad entry fails its own caller with a message
+saying what to fix, before it can reach a group commit shared with others. The store (`store.py`) trusts a
+`NewEntry` once it exists.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
+
+from proxy.audit.chain import ChainProblem, EntryFields, canonical_json, prompt_sha256, sha256_hex
+
+Part = Literal["answer", "opened", "closed", "flag"]
+HEX64 = r"^[0-9a-f]{64}$"
+
+
+class NewEntry(BaseModel):
+    """One entry the proxy asks to append. `stack` may be left out when its fingerprint was stored before."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    record_id: str = Field(min_length=1, max_length=100)
+    part: Part
+    tenant: str = Field(min_length=1, max_length=200)
+    created_at: AwareDatetime
+    replica: str | None = Field(default=None, max_length=200)
+    model: str | None = Field(default=None, max_length=200)
+    fingerprint: str | None = Field(default=None, pattern=HEX64)
+    stack: dict[str, Any] | None = None
+    stack_declared: bool = False
+    prompt_text: str | None = None
+    replay_of: str | None = Field(default=None, min_length=1, max_length=100)
+    status: str = Field(min_length=1, max_length=64)
+    content: dict[str, Any]
+
+    _content_json: str = PrivateAttr(default="")
+    _stack_json: str | None = PrivateAttr(default=None)
+
+    @field_validator("created_at")
+    @classmethod
+    def _in_utc(cls, value: datetime) -> datetime:
+        return value.astimezone(UTC)
+
+    @model_validator(mode="after")
+    def _canonical_forms(self) -> NewEntry:
+        try:
+            self._content_json = canonical_json(self.content)
+        except ValueError as exc:
+            raise ValueError(f"content: {exc}") from exc
+        if self.stack is not None:
+            try:
+                self._stack_json = canonical_json(self.stack)
+            except ValueError as exc:
+                raise ValueError(f"stack: {exc}") from exc
+            computed = sha256_hex(self._stack_json)
+            if self.fingerprint is None:
+                object.__setattr__(self, "fingerprint", computed)
+            elif self.fingerprint != computed:
+                raise ValueError(
+                    f"fingerprint {self.fingerprint} does not match the stack given, whose canonical JSON "
+                    f"hashes to {computed}"
+                )
+        return self
+
+    @property
+    def content_json(self) -> str:
+        return self._content_json
+
+    @property
+    def stack_json(self) -> str | None:
+        return self._stack_json
+
+    @property
+    def prompt_sha256(self) -> str | None:
+        return None if self.prompt_text is None else prompt_sha256(self.prompt_text)
+
+    def fields(self) -> EntryFields:
+        return EntryFields(
+            record_id=self.record_id,
+            part=self.part,
+            tenant=self.tenant,
+            created_at=self.created_at,
+            replica=self.replica,
+            model=self.model,
+            fingerprint=self.fingerprint,
+            prompt_sha256=self.prompt_sha256,
+            replay_of=self.replay_of,
+            status=self.status,
+            content=self.content,
+        )
+
+
+class StoredEntry(BaseModel):
+    """An entry after its commit: its place in the chain."""
+
+    record_id: str
+    part: Part
+    position: int
+    sha256: str
+    prev_sha256: str
+    created_at: datetime
+
+
+class EntryView(BaseModel):
+    position: int
+    part: Part
+    created_at: datetime
+    status: str
+    replica: str | None
+    model: str | None
+    fingerprint: str | None
+    content: dict[str, Any]
+    sha256: str
+    prev_sha256: str
+
+
+class AuditRecord(BaseModel):
+    """A record: its entries in chain order, its stack and prompt, and the flags set on it later."""
+
+    id: str
+    tenant: str
+    created_at: datetime
+    model: str | None
+    fingerprint: str | None
+    replica: str | None
+    replay_of: str | None
+    status: str = Field(description="the status of the record's latest entry that is not a flag")
+    stack: dict[str, Any] | None
+    stack_declared: bool | None
+    prompt_sha256: str | None
+    prompt_text: str | None
+    entries: list[EntryView]
+    flags: list[EntryView]
+
+
+class RecordSummary(BaseModel):
+    """One line of a listing; `part` is the record's latest non-flag part (`opened`: a stream not closed)."""
+
+    id: str
+    tenant: str
+    created_at: datetime
+    model: str | None
+    fingerprint: str | None
+    status: str
+    replay_of: str | None
+    part: Part
+    flagged: bool
+
+
+class VerifyReport(BaseModel):
+    ok: bool
+    entries_checked: int
+    stacks_checked: int
+    prompts_checked: int
+    head_position: int
+    head_sha256: str
+    problem: ChainProblem | None
+
+    @property
+    def head(self) -> tuple[int, str]:
+        """The anchor to keep elsewhere and pass back as `expect_head`."""
+        return self.head_position, self.head_sha256
+
+
+class LinkCheck(BaseModel):
+    """One entry of a record checked against its neighbours."""
+
+    position: int
+    part: Part
+    sha256: str
+    recomputes: bool
+    prev_matches: bool
+    next_links: bool | None = Field(description="None when the entry is the last of the chain")
+
+    @property
+    def ok(self) -> bool:
+        return self.recomputes and self.prev_matches and self.next_links is not False
