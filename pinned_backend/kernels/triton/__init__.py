@@ -1,0 +1,52 @@
+"""The `batch_invariant` kernels on CUDA, written in Triton: one module per family, each a kernel and its launcher.
+
+`TritonKernels` implements the `Kernels` protocol of the parent package. Every launch configuration is fixed by
+dtype and weight shape (and, for attention, by `kv_split_size`), never by the step's batch, so every output row's
+bits are a function of that row's inputs alone. Importable without Triton or CUDA (see `_compat`); using it needs
+both. What runs where, and how the choice is made, is the parent package's business.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import KernelMode
+from .attention import paged_attention
+from .matmul import matmul
+from .rms_norm import rms_norm
+from .softmax import log_softmax
+
+DEFAULT_KV_SPLIT_SIZE = 256
+
+
+class TritonKernels:
+    mode: KernelMode = "batch_invariant"
+
+    def __init__(self, kv_split_size: int = DEFAULT_KV_SPLIT_SIZE) -> None:
+        self.kv_split_size = kv_split_size
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return matmul(x, w)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return log_softmax(x)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention(
+            q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, split=self.kv_split_size
+        )
+
+
+__all__ = ["DEFAULT_KV_SPLIT_SIZE", "TritonKernels", "log_softmax", "matmul", "paged_attention", "rms_norm"]

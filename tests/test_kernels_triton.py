@@ -1,0 +1,158 @@
+"""Specification of the Triton `batch_invariant` kernels: right to bf16 accuracy, and bit-identical per row whatever
+the batch around the row. Needs CUDA and Triton; skipped cleanly without them. The launch-configuration rules are
+plain Python and are checked everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pinned_backend.kernels.triton.matmul import MatmulConfig, matmul_config, rule_config
+
+QWEN3_1_7B_WEIGHTS = [(4096, 2048), (12288, 2048), (2048, 2048), (2048, 6144), (151936, 2048)]
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
+def test_matmul_config_depends_on_the_weight_shape_only(n: int, k: int) -> None:
+    cfg = matmul_config(n, k)
+    assert isinstance(cfg, MatmulConfig)
+    assert cfg == matmul_config(n, k), "one (N, K) must always give one configuration"
+    assert k % (cfg.split_k * cfg.block_k) == 0, "each slice of K must be whole K steps"
+
+
+def test_rule_config_splits_k_only_when_n_leaves_the_chip_idle() -> None:
+    assert rule_config(151936, 2048).split_k == 1
+    assert rule_config(2048, 2048).split_k > 1
+
+
+@pytest.fixture
+def triton_ops():  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import pinned_backend.kernels.triton as ops
+
+    return ops
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
+def test_matmul_matches_float64_and_is_invariant_across_m_and_row_position(
+    triton_ops, n: int, k: int
+) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    full = triton_ops.matmul(x[:512], w)
+    assert _rel_err(full, x[:512].double() @ w.double().T) < 1e-2
+    for m in [1, 2, 3, 7, 16, 63, 64, 65, 127, 200, 333, 511, 512]:
+        assert torch.equal(triton_ops.matmul(x[:m], w), full[:m]), f"rows changed when M went from 512 to {m}"
+    shifted = triton_ops.matmul(x[37:549], w)
+    assert torch.equal(shifted[:475], full[37:]), "a row's bits changed with its position in the batch"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(300, 2048), (300, 16, 128)])
+def test_rms_norm_matches_float64_and_is_invariant(triton_ops, shape: tuple[int, ...]) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    w = torch.rand(shape[-1], device="cuda", dtype=torch.bfloat16) + 0.5
+    out = triton_ops.rms_norm(x, w, 1e-6)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    assert _rel_err(out, ref) < 1e-2
+    for m in [1, 5, 64, 299]:
+        assert torch.equal(triton_ops.rms_norm(x[:m], w, 1e-6), out[:m])
+    assert torch.equal(triton_ops.rms_norm(x[100:], w, 1e-6), out[100:])
+
+
+@gpu
+@needs_cuda
+def test_log_softmax_matches_float64_and_is_invariant(triton_ops) -> None:  # type: ignore[no-untyped-def]
+    x = (torch.randn(40, 151936, device="cuda") * 4).to(torch.bfloat16)
+    out = triton_ops.log_softmax(x)
+    assert out.dtype == torch.float32
+    assert _rel_err(out, torch.log_softmax(x.double(), dim=-1)) < 1e-5
+    for m in [1, 3, 39]:
+        assert torch.equal(triton_ops.log_softmax(x[:m]), out[:m])
+    assert torch.equal(triton_ops.log_softmax(x[17:]), out[17:])
+
+
+def _attention_ref(q, k_seq, v_seq, pos, scale):  # type: ignore[no-untyped-def]
+    """float64 causal attention of one query [Hq, D] over keys 0..pos of [L, Hkv, D]."""
+    group = q.shape[0] // k_seq.shape[1]
+    k = k_seq[: pos + 1].double().repeat_interleave(group, dim=1)
+    v = v_seq[: pos + 1].double().repeat_interleave(group, dim=1)
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q.double(), k) * scale, dim=-1)
+    return torch.einsum("hl,lhd->hd", w, v)
+
+
+class _Cache:
+    """A paged cache holding the same keys and values for each sequence in freshly shuffled pages."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], page: int, seed: int) -> None:
+        n_pages = [-(-k.shape[0] // page) for k in keys]
+        total = sum(n_pages) + 3
+        hkv, d = keys[0].shape[1:]
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.k = torch.full((total, page, hkv, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        self.v = torch.full_like(self.k, float("nan"))
+        self.tables = torch.full((len(keys), max(n_pages) + 2), -1, dtype=torch.int32)
+        for s, (k, v) in enumerate(zip(keys, values, strict=True)):
+            for i in range(n_pages[s]):
+                blk = order.pop()
+                self.tables[s, i] = blk
+                rows = slice(i * page, min((i + 1) * page, k.shape[0]))
+                self.k[blk, : rows.stop - rows.start] = k[rows]
+                self.v[blk, : rows.stop - rows.start] = v[rows]
+        self.tables = self.tables.cuda()
+
+
+@gpu
+@needs_cuda
+def test_attention_matches_float64_and_does_not_depend_on_how_the_step_was_built(triton_ops) -> None:  # type: ignore[no-untyped-def]
+    hq, hkv, d, page, scale = 16, 8, 128, 16, 128**-0.5
+    lengths = [700, 37, 300, 1]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    keys = [torch.randn(n, hkv, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
+    values = [torch.randn(n, hkv, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
+    queries = [torch.randn(n, hq, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
+    kernels = triton_ops.TritonKernels(kv_split_size=256)
+
+    def run(cache: _Cache, parts: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One step made of (sequence, first position, count) parts, in that order."""
+        q = torch.cat([queries[s][p : p + c] for s, p, c in parts])
+        seq = torch.cat([torch.full((c,), s, dtype=torch.int32) for s, _, c in parts]).cuda()
+        pos = torch.cat([torch.arange(p, p + c, dtype=torch.int32) for _, p, c in parts]).cuda()
+        return kernels.attention(q, cache.k, cache.v, cache.tables, seq, pos, scale)
+
+    prefill = run(_Cache(keys, values, page, seed=1), [(0, 0, 700), (1, 0, 37), (2, 0, 300), (3, 0, 1)])
+    target = prefill[:700]
+    for p in [0, 255, 256, 257, 699]:
+        ref = _attention_ref(queries[0][p], keys[0], values[0], p, scale)
+        assert _rel_err(target[p], ref) < 1e-2, f"position {p} is wrong"
+
+    alone = run(_Cache(keys, values, page, seed=2), [(0, 0, 700)])
+    assert torch.equal(alone, target), "attention changed with the other sequences in the step"
+    chunked = torch.cat(
+        [
+            run(_Cache(keys, values, page, seed=3), [(2, 5, 9), (0, lo, hi - lo), (1, 0, 3)])[9 : 9 + hi - lo]
+            for lo, hi in [(0, 100), (100, 101), (101, 333), (333, 700)]
+        ]
+    )
+    assert torch.equal(chunked, target), "chunked prefill changed the attention output"
+    decode_cache = _Cache(keys, values, page, seed=4)
+    for p in [0, 1, 63, 64, 255, 256, 511, 699]:
+        step = run(decode_cache, [(1, 36, 1), (0, p, 1), (2, 299, 1)])
+        assert torch.equal(step[1], target[p]), f"a decode step at position {p} changed the attention output"
