@@ -1,0 +1,196 @@
+"""`stackpin`: serve the proxy, manage its audit store, and replay, audit, list and probe answers.
+
+Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error; `verify` 0 when the
+chain is intact, 1 when it is not; every command exits 2 on a usage or configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from proxy.config import Settings, load_settings
+from proxy.errors import ConfigError
+
+EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ConfigError as e:
+        print(f"stackpin: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stackpin", description=__doc__.splitlines()[0])
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument(
+        "--config", type=Path, help="TOML configuration (default: ./stackpin.toml if present)"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", parents=[config], help="run the proxy")
+    serve.set_defaults(run=_serve)
+
+    db = commands.add_parser("db", help="the audit store's schema")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_commands.add_parser(
+        "upgrade", parents=[config], help="migrate the audit store to the newest schema"
+    )
+    upgrade.set_defaults(run=_db_upgrade)
+
+    verify = commands.add_parser("verify", parents=[config], help="check the whole audit chain")
+    verify.add_argument(
+        "--expect-head", help="POSITION:SHA256 of a head kept elsewhere, to detect a cut tail"
+    )
+    verify.set_defaults(run=_verify)
+
+    audit = commands.add_parser(
+        "audit", parents=[config], help="which stack produced an answer, and its chain link"
+    )
+    audit.add_argument("record")
+    audit.add_argument("--json", action="store_true")
+    audit.set_defaults(run=_audit)
+
+    records = commands.add_parser("records", parents=[config], help="list records")
+    records.add_argument("--stack", help="fingerprint")
+    records.add_argument("--model")
+    records.add_argument("--tenant")
+    records.add_argument("--since", type=datetime.fromisoformat, help="ISO 8601 time")
+    records.add_argument("--until", type=datetime.fromisoformat, help="ISO 8601 time")
+    records.add_argument("--limit", type=int, default=50)
+    records.add_argument("--json", action="store_true")
+    records.set_defaults(run=_records)
+
+    client = argparse.ArgumentParser(add_help=False, parents=[config])
+    client.add_argument(
+        "--url", help="the proxy's base URL (default: from the configuration's server section)"
+    )
+    client.add_argument(
+        "--api-key-env", default="STACKPIN_API_KEY", help="environment variable holding your API key"
+    )
+
+    replay = commands.add_parser(
+        "replay", parents=[client], help="resend a record's exact request and compare"
+    )
+    replay.add_argument("record")
+    replay.add_argument("--on", help="pin of another stack to replay on, e.g. 'kernel_mode=default'")
+    replay.add_argument("--json", action="store_true")
+    replay.set_defaults(run=_replay)
+
+    probe = commands.add_parser(
+        "probe", parents=[client], help="send one request N times; count distinct answers"
+    )
+    probe.add_argument("--model", default="stackpin-tiny")
+    probe.add_argument("--prompt", default="Tell me a short story about a lighthouse.")
+    probe.add_argument("--pin", help="Stackpin-Pin header value")
+    probe.add_argument("-n", "--requests", type=int, default=32)
+    probe.add_argument("-c", "--concurrency", type=int, default=8)
+    probe.add_argument("--max-tokens", type=int, default=32)
+    probe.add_argument("--temperature", type=float, default=0.0)
+    probe.add_argument("--json", action="store_true")
+    probe.set_defaults(run=_probe)
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(args.config)[0]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from proxy.serve import serve
+
+    settings, secrets = load_settings(args.config)
+    return serve(settings, secrets)
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from proxy.audit import upgrade_database
+
+    settings = _settings(args)
+    upgrade_database(settings.store.url, schema=settings.store.postgres_schema)
+    print(f"audit store at {_safe_url(settings.store.url)} is at the newest schema")
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from proxy.inspect import verify
+
+    expect = None
+    if args.expect_head:
+        position, _, digest = args.expect_head.partition(":")
+        if not position.isdigit() or len(digest) != 64:
+            raise ConfigError("--expect-head must be POSITION:SHA256, as verify printed it")
+        expect = (int(position), digest)
+    return asyncio.run(verify(_settings(args).store, expect))
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from proxy.inspect import audit
+
+    return asyncio.run(audit(_settings(args).store, args.record, as_json=args.json))
+
+
+def _records(args: argparse.Namespace) -> int:
+    from proxy.inspect import list_records
+
+    filters: dict[str, Any] = {
+        "fingerprint": args.stack,
+        "model": args.model,
+        "tenant": args.tenant,
+        "since": args.since,
+        "until": args.until,
+        "limit": args.limit,
+    }
+    return asyncio.run(list_records(_settings(args).store, filters, as_json=args.json))
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from proxy.client import replay
+
+    settings, _ = load_settings(args.config)
+    return asyncio.run(replay(_client_target(args, settings), args.record, on=args.on, as_json=args.json))
+
+
+def _probe(args: argparse.Namespace) -> int:
+    from proxy.client import probe
+
+    settings, _ = load_settings(args.config)
+    return asyncio.run(probe(_client_target(args, settings), args))
+
+
+def _client_target(args: argparse.Namespace, settings: Settings) -> tuple[str, str | None]:
+    import os
+
+    url = args.url or f"http://{settings.server.host}:{settings.server.port}"
+    return url.rstrip("/"), os.environ.get(args.api_key_env) or None
+
+
+def _safe_url(url: str) -> str:
+    """A database URL without its password, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        credentials, _, host = rest.rpartition("@")
+        user = credentials.split(":", 1)[0]
+        return f"{scheme}{sep}{user}:***@{host}"
+    return url
+
+
+def print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

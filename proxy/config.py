@@ -1,0 +1,243 @@
+"""The proxy's configuration: one validated settings object, read once at start and passed down.
+
+Sources, highest priority first: environment variables `STACKPIN_<SECTION>__<FIELD>` (e.g. `STACKPIN_STORE__URL`),
+then the TOML file, then the defaults below, which are the embedded default: loopback, SQLite in the working
+folder, and a local CPU backend with the tiny model when the `backend` extra is installed. Secrets are never in the
+file: replicas and tenants name the environment variable that holds their key, and `load_settings` resolves those
+once into `SecretStr`s. Nothing else in the proxy reads the environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from proxy.errors import ConfigError
+from proxy.pins import PIN_KEYS, Pin, parse_prompt_ref
+from proxy.stack import Stack
+
+DEFAULT_CONFIG_FILE = Path("stackpin.toml")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    replica_timeout_s: float = Field(default=600.0, gt=0)
+    retry_deadline_s: float = Field(default=30.0, gt=0)
+
+    @property
+    def loopback_only(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+class StoreSettings(_Section):
+    url: str = "sqlite+aiosqlite:///stackpin.db"
+    postgres_schema: str | None = None  # the PostgreSQL schema holding the tables; None: the server's search_path
+    batch_max: int = Field(default=256, ge=1)
+    batch_wait_ms: float = Field(default=1.0, ge=0)
+
+
+class HealthSettings(_Section):
+    interval_s: float = Field(default=10.0, gt=0)
+    timeout_s: float = Field(default=5.0, gt=0)
+
+
+class LocalBackendSettings(_Section):
+    """The embedded default's own replica: a pinned_backend process on this machine's CPU."""
+
+    enabled: Literal["auto", "on", "off"] = "auto"
+    model_dir: Path = Path(".stackpin/stackpin-tiny")
+    kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    start_timeout_s: float = Field(default=180.0, gt=0)
+
+
+class FleetSettings(_Section):
+    redis_url: str | None = None
+
+
+class ReplicaSettings(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    url: str
+    api_key_env: str | None = None
+    stack: Stack | None = None  # declared stack of an upstream API; absent means the replica proves its own
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not re.match(r"^https?://[^\s/]+", url):
+            raise ValueError(f"replica url must start with http:// or https://, got {url!r}")
+        return url.rstrip("/")
+
+
+class TenantSettings(_Section):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    api_key_env: str | None = None
+    api_key_sha256: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _has_a_key(self) -> TenantSettings:
+        if not self.api_key_env and not self.api_key_sha256:
+            raise ValueError(f"tenant {self.name!r} needs api_key_env or api_key_sha256")
+        return self
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="STACKPIN_", env_nested_delimiter="__", extra="forbid")
+
+    server: ServerSettings = ServerSettings()
+    store: StoreSettings = StoreSettings()
+    health: HealthSettings = HealthSettings()
+    local_backend: LocalBackendSettings = LocalBackendSettings()
+    fleet: FleetSettings = FleetSettings()
+    replicas: list[ReplicaSettings] = Field(default_factory=list)
+    prompts: dict[str, str] = Field(default_factory=dict)
+    routes: dict[str, dict[str, str]] = Field(default_factory=dict)
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's content arrives as init kwargs; the environment must win over it.
+        return env_settings, init_settings
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompt_refs(cls, prompts: dict[str, str]) -> dict[str, str]:
+        for ref in prompts:
+            parse_prompt_ref(ref)
+        return prompts
+
+    @field_validator("routes")
+    @classmethod
+    def _route_pins(cls, routes: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
+        for name, keys in routes.items():
+            unknown = set(keys) - set(PIN_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"route {name!r} has unknown pin keys {sorted(unknown)}; known: {list(PIN_KEYS)}"
+                )
+        return routes
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        names = [r.name for r in self.replicas]
+        if len(names) != len(set(names)):
+            raise ValueError("replica names must be unique")
+        for name, keys in self.routes.items():
+            prompt = keys.get("prompt")
+            if prompt is not None and prompt not in self.prompts:
+                raise ValueError(f"route {name!r} uses prompt {prompt!r}, which [prompts] does not define")
+        return self
+
+    def route_pins(self) -> dict[str, Pin]:
+        return {name: Pin.model_validate(keys) for name, keys in self.routes.items()}
+
+
+class Secrets(BaseModel):
+    """Keys resolved from the environment once at start; never logged, never recorded."""
+
+    model_config = ConfigDict(frozen=True)
+
+    replica_keys: dict[str, SecretStr] = Field(default_factory=dict)  # replica name -> upstream key
+    tenant_key_hashes: dict[str, str] = Field(default_factory=dict)  # sha256(client key) -> tenant name
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def load_settings(path: Path | None, environ: Mapping[str, str] | None = None) -> tuple[Settings, Secrets]:
+    """Read the TOML file (if any), apply environment overrides, validate, and resolve secrets.
+
+    `path=None` uses `stackpin.toml` in the working folder when it exists, else the embedded default.
+    """
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    if path is None and DEFAULT_CONFIG_FILE.exists():
+        path = DEFAULT_CONFIG_FILE
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as e:
+            raise ConfigError(f"configuration file {path} does not exist") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"configuration file {path} is not valid TOML: {e}") from e
+    try:
+        settings = Settings(**data)
+    except ValidationError as e:
+        raise ConfigError(f"configuration {path or '(defaults)'} is invalid:\n{_describe(e)}") from e
+    return settings, resolve_secrets(settings, environ)
+
+
+def resolve_secrets(settings: Settings, environ: Mapping[str, str]) -> Secrets:
+    replica_keys: dict[str, SecretStr] = {}
+    for replica in settings.replicas:
+        if replica.api_key_env:
+            replica_keys[replica.name] = SecretStr(_required_env(environ, replica.api_key_env, replica.name))
+    tenant_key_hashes: dict[str, str] = {}
+    for tenant in settings.tenants:
+        hashes = [h.lower() for h in tenant.api_key_sha256]
+        if tenant.api_key_env:
+            hashes.append(hash_api_key(_required_env(environ, tenant.api_key_env, tenant.name)))
+        for digest in hashes:
+            if digest in tenant_key_hashes and tenant_key_hashes[digest] != tenant.name:
+                raise ConfigError(
+                    f"tenants {tenant_key_hashes[digest]!r} and {tenant.name!r} share an API key"
+                )
+            tenant_key_hashes[digest] = tenant.name
+    if not tenant_key_hashes and not settings.server.loopback_only:
+        raise ConfigError(
+            f"server.host is {settings.server.host!r}, which is reachable from other machines, and no [[tenants]] "
+            "are configured: add a tenant with api_key_env, or bind to 127.0.0.1"
+        )
+    return Secrets(replica_keys=replica_keys, tenant_key_hashes=tenant_key_hashes)
+
+
+def _required_env(environ: Mapping[str, str], variable: str, owner: str) -> str:
+    value = environ.get(variable)
+    if not value:
+        raise ConfigError(f"{owner}: environment variable {variable} is not set (it holds the API key)")
+    return value
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"  {where}: {item['msg']}")
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Dispatch: send one request to a replica that matches its pin, retrying only on the identical fingerprint.
+
+Failures worth a retry (connection, timeout, 5xx, an answer from another stack than the replica proved) move on to
+the next replica of the first choice's exact fingerprint until none is left or the deadline passes. A replica that
+answers under another fingerprint than the one it proved is quarantined on the spot (invariant 3), and its answer
+is thrown away, never served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from proxy.errors import NoLiveReplica, ReplicaFailed
+from proxy.forward import ReplicaUnavailable
+from proxy.pins import Pin
+from proxy.registry import Registry, Replica
+from proxy.router import choose
+from proxy.stack import short
+
+T = TypeVar("T")
+log = structlog.get_logger("stackpin.dispatch")
+
+
+class StackMismatch(Exception):
+    """The answer came from another stack than the replica proved."""
+
+    def __init__(self, replica: Replica, claimed: str | None) -> None:
+        super().__init__(
+            f"replica {replica.name} answered as stack {claimed}, registered {replica.fingerprint}"
+        )
+        self.replica = replica
+        self.claimed = claimed
+
+
+@dataclass(frozen=True)
+class Dispatched(Generic[T]):
+    replica: Replica
+    body: dict[str, Any]
+    result: T
+
+
+def check_fingerprint(replica: Replica, claimed: str | None) -> None:
+    """A replica that proves its stack must answer under that stack's fingerprint; a declared one cannot prove."""
+    if not replica.declared and claimed != replica.fingerprint:
+        raise StackMismatch(replica, claimed)
+
+
+async def dispatch(
+    registry: Registry,
+    pin: Pin,
+    body: dict[str, Any],
+    send: Callable[[Replica, dict[str, Any]], Awaitable[T]],
+    *,
+    deadline_s: float,
+    on_mismatch: Callable[[StackMismatch], Awaitable[None]],
+) -> Dispatched[T]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    tried: set[str] = set()
+    fingerprint: str | None = None
+    last_failure = ""
+    while True:
+        try:
+            replica = choose(registry.all(), pin, exclude=tried, fingerprint=fingerprint)
+        except NoLiveReplica as e:
+            if not tried:
+                raise
+            raise ReplicaFailed(
+                f"every replica of stack {short(fingerprint or '')} failed ({', '.join(sorted(tried))}); "
+                f"last failure: {last_failure}",
+                extra=e.extra,
+            ) from e
+        fingerprint = replica.fingerprint
+        assert replica.stack is not None
+        forwarded = {**body, "model": replica.stack.model}
+        try:
+            result = await send(replica, forwarded)
+        except ReplicaUnavailable as e:
+            last_failure = f"{replica.name}: {e}"
+            log.warning("replica_failed", replica=replica.name, error=str(e))
+            registry.unreachable(replica.name)
+        except StackMismatch as e:
+            last_failure = str(e)
+            await on_mismatch(e)
+        else:
+            return Dispatched(replica, forwarded, result)
+        tried.add(replica.name)
+        if loop.time() >= deadline:
+            raise ReplicaFailed(
+                f"no replica of stack {short(fingerprint or '')} answered in {deadline_s} s: {last_failure}"
+            )

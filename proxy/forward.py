@@ -1,0 +1,162 @@
+"""HTTP to replicas: send a request, read a JSON answer or a server-sent event stream, classify failures.
+
+A failure the router may retry on another replica of the same fingerprint (connection refused or reset, timeout,
+5xx) is `ReplicaUnavailable`; an answer that is not what the OpenAI wire format promises is `ReplicaGarbage`;
+a 4xx is the client's problem and comes back as `ReplicaRejected` with the replica's error body. This module knows
+nothing of pins, records or the client.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from pydantic import SecretStr
+
+STACK_HEADER = "Stackpin-Stack"
+
+
+class ReplicaUnavailable(Exception):
+    """Worth retrying on another replica of the identical fingerprint."""
+
+
+class ReplicaGarbage(Exception):
+    """The replica answered something that is not an OpenAI response."""
+
+
+class ReplicaRejected(Exception):
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(f"replica rejected the request with {status}")
+        self.status = status
+        self.body = body
+
+
+@dataclass(frozen=True)
+class Answer:
+    body: dict[str, Any]
+    stack_header: str | None
+
+
+def replica_headers(api_key: SecretStr | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key.get_secret_value()}"
+    return headers
+
+
+async def post_json(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    *,
+    api_key: SecretStr | None,
+    timeout_s: float,
+) -> Answer:
+    try:
+        async with session.post(
+            url, json=body, headers=replica_headers(api_key), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            raw = await response.read()
+            _raise_for_status(response.status, raw)
+            return Answer(_parse_completion(raw), response.headers.get(STACK_HEADER))
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
+
+
+async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> dict[str, Any]:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+            raw = await response.read()
+            _raise_for_status(response.status, raw)
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
+    return _parse_object(raw)
+
+
+class Stream:
+    """An open event stream from a replica; iterate `events()` for each `data:` payload, parsed."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.stack_header = response.headers.get(STACK_HEADER)
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        data_lines: list[str] = []
+        try:
+            async for raw_line in self._response.content:
+                line = raw_line.decode("utf-8").rstrip("\r\n")
+                if line.startswith("data:"):
+                    data_lines.append(line[5:].lstrip(" "))
+                    continue
+                if line or not data_lines:
+                    continue  # comments, event names and keep-alives carry nothing we relay
+                payload, data_lines = "\n".join(data_lines), []
+                if payload == "[DONE]":
+                    return
+                yield _parse_object(payload.encode())
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+            raise ReplicaUnavailable(f"stream broke: {type(e).__name__}: {e}") from e
+        raise ReplicaUnavailable("stream ended without data: [DONE]")
+
+    def close(self) -> None:
+        self._response.close()
+
+
+async def open_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    *,
+    api_key: SecretStr | None,
+    timeout_s: float,
+) -> Stream:
+    try:
+        response = await session.post(
+            url, json=body, headers=replica_headers(api_key), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        )
+    except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
+    if response.status != 200:
+        raw = await response.read()
+        response.close()
+        _raise_for_status(response.status, raw)
+    if not response.headers.get("Content-Type", "").startswith("text/event-stream"):
+        response.close()
+        raise ReplicaGarbage("asked for a stream, got a response that is not text/event-stream")
+    return Stream(response)
+
+
+def _raise_for_status(status: int, raw: bytes) -> None:
+    if status >= 500:
+        raise ReplicaUnavailable(f"replica answered {status}")
+    if status >= 400:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+            body = {"error": {"message": raw[:500].decode("utf-8", "replace"), "type": "replica_error"}}
+        raise ReplicaRejected(status, body)
+    if status != 200:
+        raise ReplicaGarbage(f"replica answered status {status}")
+
+
+def _parse_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ReplicaGarbage(f"answer is not JSON: {raw[:80]!r}") from e
+    if not isinstance(body, dict):
+        raise ReplicaGarbage(f"answer is JSON but not an object: {raw[:80]!r}")
+    return body
+
+
+def _parse_completion(raw: bytes) -> dict[str, Any]:
+    body = _parse_object(raw)
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
+        raise ReplicaGarbage("answer has no 'choices' list of objects")
+    return body

@@ -1,0 +1,224 @@
+"""HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in `error_middleware` only."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy.auth import authenticate
+from proxy.compare import Comparison
+from proxy.errors import BadRequest, NotFound, PayloadTooLarge, ReplicaFailed, StackpinError
+from proxy.forward import ReplicaRejected
+from proxy.keys import PROMPTS, PROXY, ROUTES
+from proxy.pins import parse_pin_body
+from proxy.replay import replay
+from proxy.requests import CHAT, COMPLETIONS, parse_body, read_request
+from proxy.router import live_stacks
+from proxy.serving import Proxy
+
+log = structlog.get_logger("stackpin.http")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    structlog.contextvars.clear_contextvars()
+    try:
+        return await handler(request)
+    except StackpinError as e:
+        _count_error(request, e.type)
+        log.info("request_refused", path=request.path, status=e.status, error=e.message)
+        return e.response()
+    except ReplicaRejected as e:
+        _count_error(request, "replica_rejected")
+        return web.json_response(e.body, status=e.status)
+    except web.HTTPRequestEntityTooLarge as e:
+        limit = request.app[PROXY].settings.server.max_body_bytes
+        _count_error(request, "body_too_large")
+        return (
+            PayloadTooLarge(
+                f"the request body is larger than the proxy accepts ({limit} bytes; server.max_body_bytes)"
+            ).response()
+            if e
+            else web.Response(status=413)
+        )
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = f"{request.method} {request.path}: {e.reason}"
+        return web.json_response(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": str(e.status),
+                }
+            },
+            status=e.status,
+        )
+    except Exception:
+        log.exception("unhandled_error", path=request.path)
+        _count_error(request, "server_error")
+        failure = StackpinError("the proxy failed unexpectedly; the error is in its log")
+        return failure.response()
+
+
+def _count_error(request: web.Request, error: str) -> None:
+    request.app[PROXY].metrics.errors.labels(request.path, "none", error).inc()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    proxy = request.app[PROXY]
+    started = time.perf_counter()
+    received_at = proxy.clock()
+    tenant = authenticate(request.headers, proxy.secrets)
+    endpoint = CHAT if request.path == CHAT else COMPLETIONS
+    body = parse_body(await request.read())
+    client_request = read_request(
+        endpoint,
+        body,
+        pin_header=request.headers.get("Stackpin-Pin"),
+        routes=request.app[ROUTES],
+        prompts=request.app[PROMPTS],
+    )
+    if client_request.stream:
+        response = await proxy.stream(client_request, tenant, received_at, request)
+        served_fp = response.headers.get("Stackpin-Stack", "none")
+    else:
+        served, answer = await proxy.complete(client_request, tenant, received_at)
+        response = proxy.answer_response(served, answer)
+        served_fp = served.fingerprint
+    _observe(proxy, endpoint, served_fp, response.status, time.perf_counter() - started)
+    return response
+
+
+def _observe(proxy: Proxy, endpoint: str, fingerprint: str, status: int, seconds: float) -> None:
+    replica = next((r for r in proxy.registry.all() if r.fingerprint == fingerprint and r.stack), None)
+    stack = replica.stack if replica else None
+    labels = (
+        endpoint,
+        fingerprint,
+        stack.model if stack else "unknown",
+        stack.kernel_mode if stack else "unknown",
+        stack.hardware if stack else "unknown",
+    )
+    proxy.metrics.requests.labels(*labels, str(status)).inc()
+    proxy.metrics.duration.labels(*labels).observe(seconds)
+
+
+async def models(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY]
+    authenticate(request.headers, proxy.secrets)
+    data: dict[str, dict[str, Any]] = {}
+    for stack in live_stacks(proxy.registry.all()):
+        name = stack["stack"]["model"]
+        entry = data.setdefault(
+            name, {"id": name, "object": "model", "created": 0, "owned_by": "stackpin", "stacks": []}
+        )
+        entry["stacks"].append(stack["fingerprint"])
+    for route in request.app[ROUTES]:
+        data.setdefault(
+            route, {"id": route, "object": "model", "created": 0, "owned_by": "stackpin", "route": True}
+        )
+    return web.json_response({"object": "list", "data": sorted(data.values(), key=lambda m: m["id"])})
+
+
+async def stacks(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY]
+    authenticate(request.headers, proxy.secrets)
+    replicas = [
+        {
+            "name": r.name,
+            "fingerprint": r.fingerprint,
+            "declared": r.declared,
+            "in_rotation": r.in_rotation,
+            "reachable": r.reachable,
+            "quarantined": r.quarantined,
+            "outstanding": r.outstanding,
+        }
+        for r in proxy.registry.all()
+    ]
+    return web.json_response({"stacks": live_stacks(proxy.registry.all()), "replicas": replicas})
+
+
+async def get_record(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY]
+    tenant = authenticate(request.headers, proxy.secrets)
+    record = await _record_of(request, tenant)
+    return web.json_response(record.model_dump(mode="json"))
+
+
+async def replay_record(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY]
+    tenant = authenticate(request.headers, proxy.secrets)
+    record = await _record_of(request, tenant)
+    raw = await request.read()
+    options = parse_body(raw) if raw.strip() else {}
+    on = parse_pin_body(options["on"]) if options.get("on") is not None else None
+    try:
+        replay_id, comparison, fingerprint = await replay(proxy, record, tenant, on)
+    except StackpinError:
+        proxy.metrics.replays.labels("error").inc()
+        raise
+    return web.json_response(_replay_json(record.id, replay_id, comparison, fingerprint))
+
+
+def _replay_json(original: str, replay_id: str, comparison: Comparison, fingerprint: str) -> dict[str, Any]:
+    return {"record": original, "replay_record": replay_id, "stack": fingerprint, **comparison.as_json()}
+
+
+async def _record_of(request: web.Request, tenant: str) -> Any:
+    record_id = request.match_info["record_id"]
+    record = await request.app[PROXY].store.get_record(record_id, tenant)
+    if record is None:
+        raise NotFound(
+            f"no record {record_id!r} (record ids look like rec_<32 hex>; list yours with stackpin records)"
+        )
+    return record
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY]
+    problems = []
+    try:
+        await proxy.store.ping()
+    except Exception as e:
+        problems.append(f"audit store unreachable: {type(e).__name__}")
+    if not proxy.registry.live():
+        problems.append("no replica is in rotation")
+    status = 503 if problems else 200
+    return web.json_response(
+        {"status": "ready" if not problems else "not ready", "problems": problems}, status=status
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY]
+    proxy.metrics.observe_replicas(proxy.registry.all())
+    body = generate_latest(proxy.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post(CHAT, completions),
+        web.post(COMPLETIONS, completions),
+        web.get("/v1/models", models),
+        web.get("/v1/stacks", stacks),
+        web.get("/v1/records/{record_id}", get_record),
+        web.post("/v1/records/{record_id}/replay", replay_record),
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+    ]
+
+
+__all__ = ["BadRequest", "ReplicaFailed", "error_middleware", "routes"]

@@ -1,0 +1,120 @@
+"""The health monitor: asks every self-describing replica for its stack, at start and then periodically.
+
+A replica enters rotation when it first proves its stack, leaves it while unreachable, and is quarantined when
+the stack it proves differs from the one registered (or when an answer arrives under another fingerprint). Then
+every record it produced since its last good check gets a `flag` entry in the audit log (invariant 3). Declared
+upstream replicas cannot prove anything: they stay in rotation on their declaration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime
+
+import aiohttp
+import structlog
+from pydantic import ValidationError
+
+from proxy.audit import AuditStore
+from proxy.dispatch import StackMismatch
+from proxy.forward import ReplicaGarbage, ReplicaRejected, ReplicaUnavailable, get_json
+from proxy.metrics import ProxyMetrics
+from proxy.records import flag_entry
+from proxy.registry import Observation, Registry, Replica
+from proxy.stack import Stack, fingerprint, short
+
+log = structlog.get_logger("stackpin.health")
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        registry: Registry,
+        store: AuditStore,
+        session: aiohttp.ClientSession,
+        metrics: ProxyMetrics,
+        *,
+        timeout_s: float,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self.session = session
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.clock = clock
+
+    async def check_all(self) -> None:
+        replicas = [r for r in self.registry.all() if not r.declared and r.quarantined is None]
+        await asyncio.gather(*(self.check(r) for r in replicas))
+        self.metrics.observe_replicas(self.registry.all())
+
+    async def check(self, replica: Replica) -> None:
+        now = self.clock()
+        try:
+            described = await get_json(self.session, f"{replica.url}/v1/stack", timeout_s=self.timeout_s)
+            document = described["stack"]
+            stack = Stack.model_validate(document)
+            computed = fingerprint(document)
+        except (
+            ReplicaUnavailable,
+            ReplicaRejected,
+            ReplicaGarbage,
+            KeyError,
+            TypeError,
+            ValidationError,
+        ) as e:
+            if replica.reachable:
+                log.warning("replica_unreachable", replica=replica.name, error=str(e)[:300])
+            self.registry.unreachable(replica.name)
+            return
+        if described.get("fingerprint") != computed:
+            await self.quarantine(replica, "fingerprint_mismatch", claimed=described.get("fingerprint"))
+            return
+        outcome = self.registry.observe(replica.name, stack, computed, now)
+        if outcome is Observation.FIRST:
+            log.info(
+                "replica_proved_stack", replica=replica.name, fingerprint=computed, stack=short(computed)
+            )
+        elif outcome is Observation.CHANGED:
+            await self.quarantine(replica, "stack_changed", claimed=computed)
+
+    async def on_mismatch(self, mismatch: StackMismatch) -> None:
+        await self.quarantine(mismatch.replica, "fingerprint_mismatch", claimed=mismatch.claimed)
+
+    async def quarantine(self, replica: Replica, reason: str, *, claimed: str | None) -> None:
+        if replica.quarantined is not None:
+            return
+        self.registry.quarantine(replica.name, reason)
+        self.metrics.quarantines.labels(replica.name, reason).inc()
+        log.error(
+            "replica_quarantined",
+            replica=replica.name,
+            reason=reason,
+            registered=replica.fingerprint,
+            observed=claimed,
+        )
+        since = replica.last_good_check or datetime.min
+        now = self.clock()
+        for record_id in await self.store.records_served_since(replica.name, since):
+            record = await self.store.get_record(record_id, None)
+            if record is None:
+                continue
+            detail = {
+                "registered": replica.fingerprint,
+                "observed": claimed,
+                "last_good_check": since.isoformat(),
+            }
+            await self.store.append(
+                flag_entry(record_id, record.tenant, now, reason=reason, replica=replica.name, detail=detail)
+            )
+            self.metrics.records_marked.labels(reason).inc()
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # one bad round must not end the monitor
+                log.exception("health_round_failed")

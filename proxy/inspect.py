@@ -1,0 +1,113 @@
+"""The auditor's commands: `verify`, `audit` and `records` read the audit store directly, not through the proxy.
+
+They need the database URL, not an API key: whoever can read the database can read every tenant's records, so
+these commands are for operators and auditors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from proxy.audit import AuditError, AuditStore
+from proxy.config import StoreSettings
+
+EXIT_OK, EXIT_BROKEN, EXIT_ERROR = 0, 1, 2
+
+
+@asynccontextmanager
+async def _store(settings: StoreSettings) -> AsyncIterator[AuditStore]:
+    store = await AuditStore.open(settings.url, schema=settings.postgres_schema)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def verify(store_settings: StoreSettings, expect_head: tuple[int, str] | None) -> int:
+    async with _store(store_settings) as store:
+        report = await store.verify(expect_head=expect_head)
+    print(
+        f"checked {report.entries_checked} entries, {report.stacks_checked} stacks, {report.prompts_checked} prompts"
+    )
+    print(f"head: {report.head_position}:{report.head_sha256}  (keep this to detect a cut tail later)")
+    if report.ok:
+        print("chain intact")
+        return EXIT_OK
+    problem = report.problem
+    assert problem is not None
+    print(f"CHAIN BROKEN: {problem.model_dump_json()}")
+    return EXIT_BROKEN
+
+
+async def audit(store_settings: StoreSettings, record_id: str, *, as_json: bool) -> int:
+    async with _store(store_settings) as store:
+        record = await store.get_record(record_id, None)
+        if record is None:
+            print(f"no record {record_id!r}")
+            return EXIT_ERROR
+        links = await store.verify_record(record_id)
+    link_ok = all(link.ok for link in links)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "record": record.model_dump(mode="json"),
+                    "links": [{**link.model_dump(mode="json"), "ok": link.ok} for link in links],
+                    "chain_ok": link_ok,
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
+        return EXIT_OK if link_ok else EXIT_BROKEN
+    print(f"record   {record.id}")
+    print(f"tenant   {record.tenant}")
+    print(f"created  {record.created_at.isoformat()}")
+    print(f"status   {record.status}" + (f"   replay of {record.replay_of}" if record.replay_of else ""))
+    print(f"replica  {record.replica}")
+    print(
+        f"stack    {record.fingerprint}"
+        + ("  (declared by configuration, not proved)" if record.stack_declared else "")
+    )
+    for line in json.dumps(record.stack, indent=2, sort_keys=True).splitlines():
+        print(f"  {line}")
+    if record.prompt_sha256:
+        print(f"prompt   sha256 {record.prompt_sha256}")
+        for line in (record.prompt_text or "").splitlines():
+            print(f"  | {line}")
+    for entry in record.entries:
+        print(f"entry    #{entry.position} {entry.part} {entry.status} {entry.sha256}")
+    for link in links:
+        verdict = "verifies" if link.ok else "BROKEN"
+        print(
+            f"link     #{link.position} {verdict} (recomputes={link.recomputes}, prev={link.prev_matches}, "
+            f"next={link.next_links})"
+        )
+    for flag in record.flags:
+        print(f"FLAGGED  #{flag.position} {flag.status}: {json.dumps(flag.content, sort_keys=True)}")
+    return EXIT_OK if link_ok else EXIT_BROKEN
+
+
+async def list_records(store_settings: StoreSettings, filters: dict[str, Any], *, as_json: bool) -> int:
+    try:
+        async with _store(store_settings) as store:
+            records = await store.list_records(**filters)
+    except AuditError as e:
+        print(f"stackpin: {e}")
+        return EXIT_ERROR
+    if as_json:
+        print(json.dumps([r.model_dump(mode="json") for r in records], indent=2, sort_keys=True))
+        return EXIT_OK
+    for r in records:
+        flag = " FLAGGED" if r.flagged else ""
+        replay = f" replay-of={r.replay_of}" if r.replay_of else ""
+        print(
+            f"{r.id}  {r.created_at.isoformat(timespec='seconds')}  {r.tenant:<10} {r.model or '-':<20} "
+            f"{(r.fingerprint or '-')[:12]}  {r.status}{replay}{flag}"
+        )
+    if not records:
+        print("no records match")
+    return EXIT_OK

@@ -1,0 +1,111 @@
+"""The embedded default's replica: a pinned_backend process on this machine, started and stopped with the proxy.
+
+The proxy never imports torch or the backend: it runs `stackpin-backend` as a child process (making the tiny model
+first if its folder is empty), waits for the URL the backend writes to its ready file, and from then on talks to it
+over HTTP like any other replica, checking its stack at `GET /v1/stack`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import structlog
+
+from proxy.config import LocalBackendSettings
+from proxy.errors import ConfigError
+
+log = structlog.get_logger("stackpin.local_backend")
+
+
+def backend_installed() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("torch", "pinned_backend"))
+
+
+def wanted(settings: LocalBackendSettings, replicas_configured: bool) -> bool:
+    if settings.enabled == "on":
+        if not backend_installed():
+            raise ConfigError(
+                "local_backend.enabled is 'on' but the backend is not installed: pip install 'stackpin[backend]'"
+            )
+        return True
+    if settings.enabled == "off":
+        return False
+    return not replicas_configured and backend_installed()
+
+
+class LocalBackend:
+    name = "local-cpu"
+
+    def __init__(self, settings: LocalBackendSettings) -> None:
+        self.settings = settings
+        self._process: asyncio.subprocess.Process | None = None
+        self._workdir = tempfile.TemporaryDirectory(prefix="stackpin-backend-")
+
+    async def start(self) -> str:
+        model_dir = self.settings.model_dir
+        if not (model_dir / "config.json").exists():
+            log.info("making_tiny_model", model_dir=str(model_dir))
+            await self._run_to_end("make-tiny", str(model_dir))
+        ready_file = Path(self._workdir.name) / "ready"
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "pinned_backend.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--kernel-mode",
+            self.settings.kernel_mode,
+            "--dtype",
+            self.settings.dtype,
+            "--ready-file",
+            str(ready_file),
+        )
+        url = await self._wait_ready(ready_file)
+        log.info(
+            "local_backend_started", url=url, kernel_mode=self.settings.kernel_mode, model_dir=str(model_dir)
+        )
+        return url
+
+    async def _wait_ready(self, ready_file: Path) -> str:
+        assert self._process is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.start_timeout_s
+        while loop.time() < deadline:
+            if self._process.returncode is not None:
+                raise ConfigError(
+                    f"the local backend exited with status {self._process.returncode}; see its log above"
+                )
+            if ready_file.exists() and ready_file.read_text().strip():
+                return ready_file.read_text().strip()
+            await asyncio.sleep(0.1)
+        await self.stop()
+        raise ConfigError(f"the local backend did not start within {self.settings.start_timeout_s} s")
+
+    async def _run_to_end(self, *args: str) -> None:
+        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "pinned_backend.cli", *args)
+        if await process.wait() != 0:
+            raise ConfigError(f"'stackpin-backend {' '.join(args)}' failed with status {process.returncode}")
+
+    async def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), timeout=10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        with contextlib.suppress(OSError):
+            self._workdir.cleanup()

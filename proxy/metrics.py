@@ -1,0 +1,97 @@
+"""The proxy's Prometheus metrics, built on a registry the application owns (names: docs/metrics.md)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proxy.registry import Replica
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_COMMIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STACK_LABELS = ("endpoint", "fingerprint", "model", "kernel_mode", "hardware")
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "stackpin_requests",
+            "Answered requests by HTTP status",
+            [*STACK_LABELS, "code"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "stackpin_request_duration_seconds",
+            "Time from receipt to the last byte",
+            STACK_LABELS,
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.errors = Counter(
+            "stackpin_request_errors",
+            "Errors by OpenAI error type",
+            ["endpoint", "fingerprint", "error"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "stackpin_tokens",
+            "Prompt and completion tokens",
+            ["fingerprint", "model", "direction"],
+            registry=registry,
+        )
+        self.replays = Counter("stackpin_replays", "Replays by outcome", ["outcome"], registry=registry)
+        self.replica_up = Gauge(
+            "stackpin_replica_up",
+            "1 while the replica is in rotation",
+            ["replica", "fingerprint"],
+            registry=registry,
+        )
+        self.replica_outstanding = Gauge(
+            "stackpin_replica_outstanding",
+            "Requests in flight to the replica",
+            ["replica"],
+            registry=registry,
+        )
+        self.quarantines = Counter(
+            "stackpin_quarantines", "Replicas taken out of rotation", ["replica", "reason"], registry=registry
+        )
+        self.records_marked = Counter(
+            "stackpin_records_marked",
+            "Records marked because their stack changed",
+            ["reason"],
+            registry=registry,
+        )
+        self.audit_commit = Histogram(
+            "stackpin_audit_commit_seconds",
+            "Time of one group commit",
+            buckets=_COMMIT_BUCKETS,
+            registry=registry,
+        )
+        self.audit_batch = Histogram(
+            "stackpin_audit_batch_size",
+            "Records in one group commit",
+            buckets=_BATCH_BUCKETS,
+            registry=registry,
+        )
+        self.audit_queue = Gauge(
+            "stackpin_audit_queue_depth", "Records waiting to be committed", registry=registry
+        )
+        self.fleet_stale = Gauge(
+            "stackpin_fleet_state_stale", "1 while the shared fleet state is unreachable", registry=registry
+        )
+
+    def observe_replicas(self, replicas: list[Replica]) -> None:
+        for replica in replicas:
+            self.replica_up.labels(replica.name, replica.fingerprint or "none").set(
+                1 if replica.in_rotation else 0
+            )
+            self.replica_outstanding.labels(replica.name).set(replica.outstanding)
+
+    # The audit store's CommitObserver.
+    def committed(self, batch_size: int, seconds: float) -> None:
+        self.audit_batch.observe(batch_size)
+        self.audit_commit.observe(seconds)
+
+    def queue_depth(self, depth: int) -> None:
+        self.audit_queue.set(depth)

@@ -1,0 +1,86 @@
+"""The replica registry: which replicas exist, which stack each has proved or declared, and which are in rotation.
+
+This is the in-process registry, the embedded default. It holds state only; the health monitor feeds it what the
+replicas say, and the router reads it. A replica enters rotation only once its stack is known: declared in
+configuration for an upstream API, or proved at `GET /v1/stack` for a pinned_backend. A replica whose proved stack
+changes is quarantined: out of rotation until an operator restarts the proxy, because every answer it gave since
+its last good check is now suspect (DESIGN.md, invariant 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import Enum
+
+from proxy.stack import Stack
+
+
+class Observation(Enum):
+    FIRST = "first"  # the replica proved its stack for the first time
+    SAME = "same"  # the stack is the one registered
+    CHANGED = "changed"  # the stack differs from the one registered: quarantine
+
+
+@dataclass
+class Replica:
+    name: str
+    url: str
+    declared: bool
+    stack: Stack | None = None
+    fingerprint: str | None = None
+    reachable: bool = False
+    quarantined: str | None = None
+    last_good_check: datetime | None = None
+    outstanding: int = 0
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.stack is not None and self.reachable and self.quarantined is None
+
+
+@dataclass
+class Registry:
+    replicas: dict[str, Replica] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, replicas: Iterable[Replica]) -> Registry:
+        return cls({replica.name: replica for replica in replicas})
+
+    def add(self, replica: Replica) -> None:
+        self.replicas[replica.name] = replica
+
+    def get(self, name: str) -> Replica | None:
+        return self.replicas.get(name)
+
+    def all(self) -> list[Replica]:
+        return list(self.replicas.values())
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.in_rotation]
+
+    def observe(self, name: str, stack: Stack, fingerprint: str, now: datetime) -> Observation:
+        replica = self.replicas[name]
+        if replica.fingerprint is None:
+            replica.stack, replica.fingerprint = stack, fingerprint
+            replica.reachable, replica.last_good_check = True, now
+            return Observation.FIRST
+        if replica.fingerprint == fingerprint:
+            replica.reachable = True
+            if replica.quarantined is None:
+                replica.last_good_check = now
+            return Observation.SAME
+        return Observation.CHANGED
+
+    def quarantine(self, name: str, reason: str) -> None:
+        self.replicas[name].quarantined = reason
+
+    def unreachable(self, name: str) -> None:
+        self.replicas[name].reachable = False
+
+    def acquire(self, name: str) -> None:
+        self.replicas[name].outstanding += 1
+
+    def release(self, name: str) -> None:
+        self.replicas[name].outstanding -= 1

@@ -1,0 +1,59 @@
+"""Choosing a replica: the pure decision, from the pin and the registry's view, of who may serve a request.
+
+Only replicas in rotation whose stack matches the pin are candidates. The first choice is the least-outstanding
+candidate; retries go only to replicas of that first choice's exact fingerprint (invariant 2), so a request can
+never drift to another stack because a replica failed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.errors import NoLiveReplica, NoMatchingStack
+from proxy.pins import Pin
+from proxy.registry import Replica
+from proxy.stack import short
+
+
+def choose(
+    replicas: list[Replica], pin: Pin, *, exclude: set[str] = frozenset(), fingerprint: str | None = None
+) -> Replica:  # type: ignore[assignment]
+    """The replica to try next; `fingerprint` restricts a retry to the first choice's exact stack."""
+    known = [r for r in replicas if r.stack is not None and r.fingerprint is not None]
+    matching = [r for r in known if pin.matches(r.stack, r.fingerprint)]  # type: ignore[arg-type]
+    if fingerprint is not None:
+        matching = [r for r in matching if r.fingerprint == fingerprint]
+    if not matching:
+        raise NoMatchingStack(
+            f"no stack matches the pin {pin.describe()}; live stacks are listed in 'live_stacks'",
+            extra={"live_stacks": live_stacks(replicas)},
+        )
+    candidates = [r for r in matching if r.in_rotation and r.name not in exclude]
+    if not candidates:
+        raise NoLiveReplica(
+            f"stacks match the pin {pin.describe()} but none of their replicas is in rotation"
+            + (f" (tried {', '.join(sorted(exclude))})" if exclude else ""),
+            extra={"live_stacks": live_stacks(replicas)},
+        )
+    # Ties go to the name so that the choice is a function of its inputs.
+    return min(candidates, key=lambda r: (r.outstanding, r.name))
+
+
+def live_stacks(replicas: list[Replica]) -> list[dict[str, Any]]:
+    """What a client can pin today: every stack in rotation, with its replicas."""
+    stacks: dict[str, dict[str, Any]] = {}
+    for replica in replicas:
+        if not replica.in_rotation or replica.stack is None or replica.fingerprint is None:
+            continue
+        entry = stacks.setdefault(
+            replica.fingerprint,
+            {
+                "fingerprint": replica.fingerprint,
+                "short": short(replica.fingerprint),
+                "declared": replica.declared,
+                "stack": replica.stack.document(),
+                "replicas": [],
+            },
+        )
+        entry["replicas"].append(replica.name)
+    return sorted(stacks.values(), key=lambda s: s["fingerprint"])

@@ -1,0 +1,93 @@
+"""A real proxy for the proxy's tests: create_app on a loopback port, fake replicas, a real audit store.
+
+`running_proxy` yields a `Harness` with the proxy's base URL, its application, and helpers to build clients. The
+store is an SQLite file or a fresh PostgreSQL schema (tests/audit_databases.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy.app import create_app
+from proxy.config import Secrets, Settings, resolve_secrets
+from proxy.keys import PROXY
+from proxy.serving import Proxy
+from tests.audit_databases import audit_database
+from tests.fake_replica import FakeReplica
+
+
+@dataclass
+class Harness:
+    url: str
+    app: web.Application
+    settings: Settings
+    secrets: Secrets
+
+    @property
+    def proxy(self) -> Proxy:
+        return self.app[PROXY]
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    async def post(
+        self, path: str, body: Any, *, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, dict[str, Any], Mapping[str, str]]:
+        async with aiohttp.ClientSession() as session, session.post(
+            self.url + path, json=body, headers=headers or {}
+        ) as response:
+            return response.status, await response.json(content_type=None), response.headers
+
+    async def get(self, path: str, *, headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as session, session.get(self.url + path, headers=headers or {}) as response:
+            return response.status, await response.json(content_type=None)
+
+
+def settings_for(
+    replicas: list[FakeReplica], store_url: str, schema: str | None = None, **sections: Any
+) -> Settings:
+    data: dict[str, Any] = {
+        "replicas": [{"name": f"replica-{i}", "url": r.url} for i, r in enumerate(replicas)],
+        "store": {"url": store_url, "postgres_schema": schema, "batch_wait_ms": 0.5},
+        "local_backend": {"enabled": "off"},
+        "health": {"interval_s": 3600},
+        "server": {"retry_deadline_s": 5},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return Settings(**data)
+
+
+@asynccontextmanager
+async def running_proxy(
+    replicas: list[FakeReplica],
+    folder: Path,
+    *,
+    store: str = "sqlite",
+    environ: Mapping[str, str] | None = None,
+    **sections: Any,
+) -> AsyncIterator[Harness]:
+    async with audit_database(store, folder) as database:
+        settings = settings_for(replicas, database.url, database.schema, **sections)
+        secrets = resolve_secrets(settings, environ or {})
+        app = create_app(settings, secrets)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            yield Harness(f"http://127.0.0.1:{port}", app, settings, secrets)
+        finally:
+            await runner.cleanup()

@@ -1,0 +1,154 @@
+"""The official OpenAI SDK, pointed at the proxy with base_url, works unchanged: plain, streaming, logprobs,
+extra_body pins, and its error classes map from the proxy's statuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.fake_replica import FakeReplica
+from tests.proxy_harness import Harness, running_proxy
+
+MESSAGES = [{"role": "user", "content": "Say something about lighthouses."}]
+
+
+def client(harness: Harness, **kwargs: object) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=harness.v1, api_key="unused-on-loopback", max_retries=0, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_plain_chat_completion_carries_record_and_stack(replica: FakeReplica, tmp_path: Path) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        raw = await client(harness).chat.completions.with_raw_response.create(
+            model="fake-model", messages=MESSAGES, temperature=0, max_tokens=6  # type: ignore[arg-type]
+        )
+        completion = raw.parse()
+        record_id = raw.headers["Stackpin-Record"]
+        assert completion.system_fingerprint == replica.fingerprint == raw.headers["Stackpin-Stack"]
+        assert completion.choices[0].message.content
+        record = await harness.proxy.store.get_record(record_id, "local")
+        assert record is not None, "the record must be committed before the answer reaches the client"
+        assert record.fingerprint == replica.fingerprint
+
+
+async def test_streaming_chat_relays_every_chunk_and_closes_the_record(replica: FakeReplica, tmp_path: Path) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        response = await client(harness).chat.completions.with_raw_response.create(
+            model="fake-model", messages=MESSAGES, temperature=0, max_tokens=5, stream=True  # type: ignore[arg-type]
+        )
+        record_id = response.headers["Stackpin-Record"]
+        stream = response.parse()
+        pieces = [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
+        expected = replica.completion({"messages": MESSAGES, "temperature": 0, "max_tokens": 5})[2]
+        assert "".join(p or "" for p in pieces) == expected
+        record = await harness.proxy.store.get_record(record_id, "local")
+        assert record is not None
+        assert [e.part for e in record.entries] == ["opened", "closed"]
+        assert record.status == "complete"
+
+
+async def test_logprobs_pass_through_as_openai_defines_them(replica: FakeReplica, tmp_path: Path) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        completion = await client(harness).chat.completions.create(
+            model="fake-model", messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True  # type: ignore[arg-type]
+        )
+        content = completion.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content is not None and len(content) == 3
+        assert all(isinstance(item.logprob, float) for item in content)
+
+
+async def test_extra_body_pin_selects_the_matching_stack(tmp_path: Path) -> None:
+    invariant = FakeReplica()
+    default = FakeReplica(stack={**invariant.stack, "kernel_mode": "default"})
+    for r in (invariant, default):
+        await r.start()
+    try:
+        async with running_proxy([invariant, default], tmp_path) as harness:
+            sdk = client(harness)
+            for mode, replica in (("default", default), ("batch_invariant", invariant)):
+                completion = await sdk.chat.completions.create(
+                    model="fake-model",
+                    messages=MESSAGES,  # type: ignore[arg-type]
+                    max_tokens=2,
+                    extra_body={"stackpin": {"kernel_mode": mode}},
+                )
+                assert completion.system_fingerprint == replica.fingerprint
+            assert "stackpin" not in default.requests[-1], "the pin is the proxy's and is never forwarded"
+    finally:
+        for r in (invariant, default):
+            await r.stop()
+
+
+async def test_legacy_completions_endpoint(replica: FakeReplica, tmp_path: Path) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        completion = await client(harness).completions.create(
+            model="fake-model", prompt="Once upon a time", max_tokens=4, temperature=0
+        )
+        assert completion.system_fingerprint == replica.fingerprint
+        assert completion.choices[0].text
+
+
+async def test_unknown_fields_pass_through_untouched(replica: FakeReplica, tmp_path: Path) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        await client(harness).chat.completions.create(
+            model="fake-model",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=2,
+            extra_body={"vendor_option": {"nested": [1, 2.5, None]}, "user": "u-17"},
+        )
+        assert replica.requests[-1]["vendor_option"] == {"nested": [1, 2.5, None]}
+        assert replica.requests[-1]["user"] == "u-17"
+
+
+async def test_models_lists_live_stacks_and_routes(replica: FakeReplica, tmp_path: Path) -> None:
+    async with running_proxy([replica], tmp_path, routes={"support": {"model": "fake-model"}}) as harness:
+        models = await client(harness).models.list()
+        ids = {m.id for m in models.data}
+        assert ids == {"fake-model", "support"}
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        ({"extra_body": {"stackpin": {"colour": "blue"}}}, openai.BadRequestError),
+        ({"extra_body": {"stackpin": {"kernel_mode": "nonexistent"}}}, openai.ConflictError),
+        ({"model": "no-such-model"}, openai.ConflictError),
+        ({"extra_body": {"stackpin": {"prompt": "support@9"}}}, openai.BadRequestError),
+    ],
+)
+async def test_errors_map_to_the_sdk_classes(
+    replica: FakeReplica, tmp_path: Path, call: dict[str, object], error: type[Exception]
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        kwargs: dict[str, object] = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 2, **call}
+        with pytest.raises(error) as raised:
+            await client(harness).chat.completions.create(**kwargs)  # type: ignore[call-overload]
+        assert raised.value.body and "message" in raised.value.body  # type: ignore[attr-defined]
+
+
+async def test_no_live_replica_is_a_503_listing_live_stacks(replica: FakeReplica, tmp_path: Path) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        harness.proxy.registry.unreachable("replica-0")
+        with pytest.raises(openai.InternalServerError) as raised:
+            await client(harness).chat.completions.create(
+                model="fake-model", messages=MESSAGES, max_tokens=2  # type: ignore[arg-type]
+            )
+        assert raised.value.status_code == 503
+
+
+async def test_unknown_api_key_is_a_401_and_another_tenants_record_a_404(replica: FakeReplica, tmp_path: Path) -> None:
+    tenants = [{"name": "acme", "api_key_env": "ACME_KEY"}, {"name": "globex", "api_key_env": "GLOBEX_KEY"}]
+    environ = {"ACME_KEY": "sk-acme-123", "GLOBEX_KEY": "sk-globex-456"}
+    async with running_proxy([replica], tmp_path, tenants=tenants, environ=environ) as harness:
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=harness.v1, api_key="sk-wrong", max_retries=0).models.list()
+        acme = openai.AsyncOpenAI(base_url=harness.v1, api_key="sk-acme-123", max_retries=0)
+        raw = await acme.chat.completions.with_raw_response.create(
+            model="fake-model", messages=MESSAGES, max_tokens=2  # type: ignore[arg-type]
+        )
+        record_id = raw.headers["Stackpin-Record"]
+        status, _ = await harness.get(f"/v1/records/{record_id}", headers={"Authorization": "Bearer sk-globex-456"})
+        assert status == 404
+        status, record = await harness.get(f"/v1/records/{record_id}", headers={"Authorization": "Bearer sk-acme-123"})
+        assert status == 200 and record["tenant"] == "acme"
