@@ -1,0 +1,123 @@
+"""Real audit databases for the audit tests: an SQLite file in a temporary folder, or a fresh PostgreSQL schema.
+
+Each PostgreSQL database is a schema of its own (dropped at the end), so that test runs sharing one server never
+see each other's chain. The server is the one named by STACKPIN_TEST_POSTGRES_URL.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
+
+from proxy.audit import AuditStore, NewEntry
+from proxy.audit.schema import upgrade_database_async
+
+POSTGRES_URL = os.environ.get(
+    "STACKPIN_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+)
+KINDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
+STACK = {
+    "schema": 1,
+    "model": "tiny",
+    "weights_sha256": "ab" * 32,
+    "quantisation": "fp32",
+    "hardware": "cpu-x86_64-avx512",
+    "hardware_detail": {"cpu_model": "test", "isa": "avx512"},
+    "kernel_mode": "batch_invariant",
+    "software": {"backend": "0.1.0", "torch": "2.13.0", "cuda": None, "triton": None, "driver": None},
+    "batching": {"policy": "continuous", "max_batch_size": 8, "max_step_tokens": 256, "kv_split_size": 64},
+}
+
+
+@dataclass
+class AuditDatabase:
+    kind: str
+    url: str
+    schema: str | None
+
+    async def open(self, **options: Any) -> AuditStore:
+        return await AuditStore.open(self.url, schema=self.schema, **options)
+
+    async def migrate(self, revision: str = "head") -> None:
+        await upgrade_database_async(self.url, revision, schema=self.schema)
+
+    async def execute(self, *statements: str) -> None:
+        """Raw SQL behind the store's back: how the tests tamper with a log."""
+        args = {"server_settings": {"search_path": self.schema}} if self.schema else {}
+        engine = create_async_engine(self.url, poolclass=NullPool, connect_args=args)
+        try:
+            async with engine.begin() as connection:
+                for statement in statements:
+                    await connection.exec_driver_sql(statement)
+        finally:
+            await engine.dispose()
+
+    async def scalar(self, statement: str) -> Any:
+        args = {"server_settings": {"search_path": self.schema}} if self.schema else {}
+        engine = create_async_engine(self.url, poolclass=NullPool, connect_args=args)
+        try:
+            async with engine.connect() as connection:
+                return (await connection.execute(text(statement))).scalar()
+        finally:
+            await engine.dispose()
+
+
+@asynccontextmanager
+async def audit_database(kind: str, folder: Path) -> AsyncIterator[AuditDatabase]:
+    """A blank database (no tables) of `kind`, removed afterwards."""
+    if kind == "sqlite":
+        yield AuditDatabase(kind, f"sqlite+aiosqlite:///{folder / 'audit.db'}", None)
+        return
+    schema = f"audit_test_{uuid.uuid4().hex[:12]}"
+    admin = create_async_engine(POSTGRES_URL, poolclass=NullPool)
+    try:
+        async with admin.begin() as connection:
+            await connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+        yield AuditDatabase(kind, POSTGRES_URL, schema)
+    finally:
+        async with admin.begin() as connection:
+            await connection.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        await admin.dispose()
+
+
+def entry(
+    record_id: str,
+    *,
+    part: str = "answer",
+    tenant: str = "acme",
+    seconds: float = 0.0,
+    replica: str | None = "replica-a",
+    with_stack: bool = True,
+    **overrides: Any,
+) -> NewEntry:
+    """A plausible entry, as the proxy would hand it over."""
+    values: dict[str, Any] = {
+        "record_id": record_id,
+        "part": part,
+        "tenant": tenant,
+        "created_at": T0 + timedelta(seconds=seconds),
+        "replica": replica,
+        "model": "tiny",
+        "stack": STACK if with_stack else None,
+        "fingerprint": None,
+        "prompt_text": "You are terse.",
+        "status": "complete",
+        "content": {
+            "request": {"messages": [{"role": "user", "content": f"hello {record_id}"}], "temperature": 0},
+            "response": {"token_ids": [1, 2, 3], "token_logprobs": [-0.125, -1.5e-7, -3.25]},
+        },
+    }
+    values.update(overrides)
+    return NewEntry(**values)
