@@ -376,6 +376,10 @@ class EngineRunner:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         with self._wake:
             self._stopping = True

@@ -7,12 +7,6 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from backend_standin import (
-    InvariantStandinKernels,
-    StandinAllocator,
-    StandinModel,
-    detokenize,
-)
 
 from pinned_backend.engine import (
     Engine,
@@ -25,6 +19,12 @@ from pinned_backend.engine import (
     TokenOutput,
 )
 from pinned_backend.sampling import SamplingParams
+from tests.backend_standin import (
+    InvariantStandinKernels,
+    StandinAllocator,
+    StandinModel,
+    detokenize,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 

@@ -1,0 +1,86 @@
+"""Small random checkpoints in the Hugging Face folder format, and engines over them, for the backend's tests.
+
+The weights are seeded noise: the model's answers mean nothing, but they are a real Qwen3-shaped decoder loaded by
+the real loader and run by the real kernels, small enough that many scheduled runs take seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pinned_backend.checkpoint import expected_shapes, parse_config
+from pinned_backend.engine import Engine, EngineConfig, StepStats
+from pinned_backend.kernels import KernelMode, select_kernels
+from pinned_backend.kvcache import BlockAllocator, PagedKVCache
+from pinned_backend.model import Transformer
+
+SMALL_CONFIG = {
+    "model_type": "qwen3",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+def write_random_checkpoint(folder: Path, seed: int = 0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SMALL_CONFIG))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in expected_shapes(parse_config(SMALL_CONFIG)).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = 1 + 0.1 * torch.randn(shape, generator=generator)
+        else:
+            tensors[name] = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+    # Larger logits give sampling something to choose between, rather than a near-uniform distribution.
+    tensors["lm_head.weight"] *= 4
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def letters(ids: Sequence[int]) -> str:
+    """A stand-in detokenizer: one letter or space per token, so stop strings have text to match."""
+    alphabet = "abcdefghijklmnopqrstuvwxyz "
+    return "".join(alphabet[i % len(alphabet)] for i in ids)
+
+
+def make_engine(
+    folder: Path,
+    mode: KernelMode = "batch_invariant",
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    kv_split_size: int = 8,
+    max_batch_size: int = 4,
+    max_step_tokens: int = 8,
+    max_queue: int = 8,
+    eos_token_ids: frozenset[int] = frozenset(),
+    on_step: Callable[[StepStats], None] | None = None,
+) -> Engine:
+    device, dtype = torch.device("cpu"), torch.float32
+    kernels = select_kernels(mode, device, kv_split_size=kv_split_size)
+    model = Transformer.from_pretrained(folder, kernels, device, dtype)
+    cache = PagedKVCache(model.config, num_blocks, block_size, device, dtype)
+    config = EngineConfig(
+        max_model_len=model.config.max_position_embeddings,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_batch_size=max_batch_size,
+        max_step_tokens=max_step_tokens,
+        max_queue=max_queue,
+        eos_token_ids=eos_token_ids,
+    )
+    return Engine(model, cache, BlockAllocator(num_blocks), kernels, config, letters, device, on_step)

@@ -1,0 +1,116 @@
+"""The property the backend exists for: a request's answer does not depend on what else the server is doing.
+
+For many random prompts, the completion a request gets when served alone must equal, token for token and logprob
+bit for bit, the completion it gets amid 1 to 16 other requests of random lengths that arrive at random steps. The
+engine's step loop is driven directly from a scripted arrival schedule, so every run is deterministic and fast;
+`test_http_answers_do_not_depend_on_concurrent_load` checks the same property through the HTTP server.
+
+In `default` mode the same schedules run and the differences found are reported, not asserted: whether plain
+PyTorch kernels change a row's result with the batch depends on the hardware.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pinned_backend.engine import Engine, TokenOutput
+from pinned_backend.kernels import KernelMode
+from pinned_backend.sampling import SamplingParams
+from tests.backend_checkpoint import make_engine, write_random_checkpoint
+
+CASES = 24
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("invariance") / "random-qwen3")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+def random_request(rng: random.Random, request_id: str, step: int) -> Arrival:
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
+    greedy = rng.random() < 0.5
+    params = SamplingParams(
+        temperature=0 if greedy else rng.choice([0.7, 1.0, 1.3]),
+        top_p=1.0 if greedy else rng.choice([1.0, 0.9]),
+        top_k=0 if greedy else rng.choice([0, 20]),
+        seed=None if greedy else rng.getrandbits(32),
+        max_tokens=rng.randint(1, 16),
+    )
+    return Arrival(step, request_id, prompt, params)
+
+
+def run_schedule(engine: Engine, arrivals: list[Arrival]) -> dict[str, list[TokenOutput]]:
+    """Submit each arrival before the step it is scheduled for, and step until every request has finished."""
+    outputs: dict[str, list[TokenOutput]] = {a.request_id: [] for a in arrivals}
+    pending = sorted(arrivals, key=lambda a: a.step)
+    step = 0
+    while pending or engine.has_work():
+        while pending and pending[0].step <= step:
+            a = pending.pop(0)
+            engine.submit(a.request_id, a.prompt, a.params, outputs[a.request_id].append)
+        engine.step()
+        step += 1
+        assert step < 10_000, "the schedule did not finish"
+    return outputs
+
+
+def answer(outputs: list[TokenOutput]) -> tuple[list[int], list[str]]:
+    """Token ids and the exact bits of their logprobs."""
+    return [o.token_id for o in outputs], [float.hex(o.logprob) for o in outputs]
+
+
+def crowded_schedule(rng: random.Random, target: Arrival) -> list[Arrival]:
+    others = [random_request(rng, f"other-{i}", rng.randint(0, 12)) for i in range(rng.randint(1, 16))]
+    return [Arrival(rng.randint(0, 12), "target", target.prompt, target.params), *others]
+
+
+def compare_alone_and_crowded(checkpoint: Path, mode: KernelMode, seed: int) -> tuple[bool, bool, int]:
+    """Serve one random request alone and amid others: (same bits?, same tokens?, largest batch it shared)."""
+    rng = random.Random(seed)
+    target = random_request(rng, "target", 0)
+    engine = make_engine(checkpoint, mode, num_blocks=96, max_batch_size=8, max_step_tokens=24, max_queue=32)
+    alone = run_schedule(engine, [target])["target"]
+    crowded = run_schedule(engine, crowded_schedule(rng, target))["target"]
+    assert len(alone) == target.params.max_tokens
+    same_tokens = answer(alone)[0] == answer(crowded)[0]
+    return answer(alone) == answer(crowded), same_tokens, crowded[-1].batch.max
+
+
+@pytest.mark.parametrize("seed", range(CASES))
+def test_batch_invariant_answers_do_not_depend_on_the_batch(checkpoint: Path, seed: int) -> None:
+    same, _, shared = compare_alone_and_crowded(checkpoint, "batch_invariant", seed)
+    assert same, f"case {seed}: the answer changed when served amid others (largest batch {shared})"
+
+
+def test_default_mode_is_reported(checkpoint: Path, record_property: pytest.RecordProperty) -> None:
+    results = [compare_alone_and_crowded(checkpoint, "default", seed) for seed in range(CASES)]
+    bits = sum(1 for same, _, _ in results if not same)
+    tokens = sum(1 for _, same_tokens, _ in results if not same_tokens)
+    record_property("default_mode_differing_logprob_bits", f"{bits}/{CASES}")
+    record_property("default_mode_differing_tokens", f"{tokens}/{CASES}")
+    print(
+        f"default mode on this CPU: amid others, {bits} of {CASES} answers changed logprob bits, {tokens} tokens"
+    )
+
+
+def test_default_mode_repeats_itself_under_an_identical_schedule(checkpoint: Path) -> None:
+    rng = random.Random(1234)
+    schedule = crowded_schedule(rng, random_request(rng, "target", 0))
+    first = run_schedule(make_engine(checkpoint, "default", max_batch_size=8, max_step_tokens=24), schedule)
+    second = run_schedule(make_engine(checkpoint, "default", max_batch_size=8, max_step_tokens=24), schedule)
+    assert {k: answer(v) for k, v in first.items()} == {k: answer(v) for k, v in second.items()}, (
+        "Same schedule, same kernels: the answers must be identical."
+    )
