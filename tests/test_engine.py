@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,12 +22,8 @@ from pinned_backend.engine import (
     TokenOutput,
 )
 from pinned_backend.sampling import SamplingParams
-from tests.backend_standin import (
-    InvariantStandinKernels,
-    StandinAllocator,
-    StandinModel,
-    detokenize,
-)
+from tests.backend_checkpoint import letters, write_random_checkpoint
+from tests.backend_checkpoint import make_engine as make_checkpoint_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -53,27 +52,25 @@ class Collector:
         return "".join(o.text for o in self.outputs)
 
 
-def make_engine(stats: list[StepStats] | None = None, model: object = None, **overrides: object) -> Engine:
-    fields: dict[str, object] = {
-        "max_model_len": 128,
-        "num_blocks": 32,
-        "block_size": 4,
-        "max_batch_size": 4,
-        "max_step_tokens": 8,
-        "max_queue": 8,
-    }
-    config = EngineConfig(**{**fields, **overrides})  # type: ignore[arg-type]
-    kernels = InvariantStandinKernels()
-    standin = StandinModel(kernels)
-    return Engine(
-        model=model or standin,  # type: ignore[arg-type]
-        cache=standin.new_cache(config.num_blocks, config.block_size),
-        allocator=StandinAllocator(config.num_blocks),
-        kernels=kernels,
-        config=config,
-        detokenize=detokenize,
-        on_step=None if stats is None else stats.append,
-    )
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("engine") / "random-qwen3")
+
+
+@pytest.fixture
+def make_engine(checkpoint: Path) -> Callable[..., Engine]:
+    def make(stats: list[StepStats] | None = None, **overrides: Any) -> Engine:
+        fields: dict[str, Any] = {
+            "num_blocks": 32,
+            "block_size": 4,
+            "max_batch_size": 4,
+            "max_step_tokens": 8,
+            "max_queue": 8,
+        }
+        on_step = None if stats is None else stats.append
+        return make_checkpoint_engine(checkpoint, **{**fields, **overrides}, on_step=on_step)
+
+    return make
 
 
 def run_until_idle(engine: Engine, limit: int = 500) -> None:
@@ -84,17 +81,19 @@ def run_until_idle(engine: Engine, limit: int = 500) -> None:
     raise AssertionError("the engine did not finish its work")
 
 
-def test_a_request_gets_max_tokens_tokens_and_finishes_with_length() -> None:
+def test_a_request_gets_max_tokens_tokens_and_finishes_with_length(
+    make_engine: Callable[..., Engine],
+) -> None:
     engine, out = make_engine(), Collector()
     engine.submit("a", [1, 2, 3], GREEDY, out)
     run_until_idle(engine)
     assert len(out.tokens) == 6
     assert [o.finish_reason for o in out.outputs] == [None] * 5 + ["length"]
     assert all(o.logprob <= 0 for o in out.outputs)
-    assert out.text == detokenize(out.tokens)
+    assert out.text == letters(out.tokens)
 
 
-def test_requests_join_and_leave_the_running_batch_at_every_step() -> None:
+def test_requests_join_and_leave_the_running_batch_at_every_step(make_engine: Callable[..., Engine]) -> None:
     stats: list[StepStats] = []
     engine, first, second = make_engine(stats), Collector(), Collector()
     engine.submit("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=10), first)
@@ -108,7 +107,9 @@ def test_requests_join_and_leave_the_running_batch_at_every_step() -> None:
     assert first.outputs[-1].batch.steps == 10
 
 
-def test_prefill_is_chunked_by_the_step_budget_and_shares_steps_with_decode() -> None:
+def test_prefill_is_chunked_by_the_step_budget_and_shares_steps_with_decode(
+    make_engine: Callable[..., Engine],
+) -> None:
     stats: list[StepStats] = []
     engine = make_engine(stats, max_step_tokens=8)
     engine.submit("a", [1, 2], SamplingParams(temperature=0, max_tokens=8), Collector())
@@ -120,7 +121,7 @@ def test_prefill_is_chunked_by_the_step_budget_and_shares_steps_with_decode() ->
     assert all(s.decode_tokens == 1 for s in stats[1:4])
 
 
-def test_chunked_prefill_gives_the_same_tokens_as_one_piece() -> None:
+def test_chunked_prefill_gives_the_same_tokens_as_one_piece(make_engine: Callable[..., Engine]) -> None:
     prompt = [(7 * i) % 40 for i in range(30)]
     small, large = Collector(), Collector()
     engine = make_engine(max_step_tokens=4)
@@ -133,7 +134,9 @@ def test_chunked_prefill_gives_the_same_tokens_as_one_piece() -> None:
     assert [o.logprob for o in small.outputs] == [o.logprob for o in large.outputs]
 
 
-def test_the_kv_budget_makes_requests_wait_and_every_block_comes_back() -> None:
+def test_the_kv_budget_makes_requests_wait_and_every_block_comes_back(
+    make_engine: Callable[..., Engine],
+) -> None:
     stats: list[StepStats] = []
     # Each request needs (4 + 6) / 4 -> 3 blocks; 5 blocks hold one at a time.
     engine = make_engine(stats, num_blocks=5)
@@ -147,7 +150,7 @@ def test_the_kv_budget_makes_requests_wait_and_every_block_comes_back() -> None:
     assert stats[-1].kv_used_ratio == 0
 
 
-def test_the_waiting_queue_is_bounded() -> None:
+def test_the_waiting_queue_is_bounded(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine(max_queue=2)
     engine.submit("a", [1], GREEDY, Collector())
     engine.submit("b", [1], GREEDY, Collector())
@@ -157,17 +160,17 @@ def test_the_waiting_queue_is_bounded() -> None:
     engine.submit("c", [1], GREEDY, Collector())
 
 
-def test_requests_that_can_never_fit_are_refused_up_front() -> None:
-    engine = make_engine(max_model_len=16, num_blocks=3)
-    with pytest.raises(RequestTooLarge, match="context length of 16"):
-        engine.submit("a", list(range(12)), GREEDY, Collector())
+def test_requests_that_can_never_fit_are_refused_up_front(make_engine: Callable[..., Engine]) -> None:
+    engine = make_engine(num_blocks=3)
+    with pytest.raises(RequestTooLarge, match="context length of 256"):
+        engine.submit("a", [1] * 251, GREEDY, Collector())
     with pytest.raises(RequestTooLarge, match="KV cache"):
         engine.submit("b", list(range(8)), GREEDY, Collector())
     with pytest.raises(RequestTooLarge, match="no tokens"):
         engine.submit("c", [], GREEDY, Collector())
 
 
-def test_a_stop_string_cuts_the_text_and_finishes_with_stop() -> None:
+def test_a_stop_string_cuts_the_text_and_finishes_with_stop(make_engine: Callable[..., Engine]) -> None:
     engine, free = make_engine(), Collector()
     engine.submit("free", [3, 1, 4], SamplingParams(temperature=0, max_tokens=12), free)
     run_until_idle(engine)
@@ -180,7 +183,7 @@ def test_a_stop_string_cuts_the_text_and_finishes_with_stop() -> None:
     assert cut.tokens == free.tokens[: len(cut.tokens)]
 
 
-def test_eos_finishes_with_stop_and_adds_no_text() -> None:
+def test_eos_finishes_with_stop_and_adds_no_text(make_engine: Callable[..., Engine]) -> None:
     engine, free = make_engine(), Collector()
     engine.submit("free", [3, 1, 4], SamplingParams(temperature=0, max_tokens=8), free)
     run_until_idle(engine)
@@ -191,10 +194,12 @@ def test_eos_finishes_with_stop_and_adds_no_text() -> None:
     first = free.tokens.index(eos)
     assert out.tokens == free.tokens[: first + 1]
     assert out.outputs[-1].finish_reason == "stop"
-    assert out.text == detokenize(free.tokens[:first])
+    assert out.text == letters(free.tokens[:first])
 
 
-def test_top_logprobs_come_from_the_same_distribution_as_the_token() -> None:
+def test_top_logprobs_come_from_the_same_distribution_as_the_token(
+    make_engine: Callable[..., Engine],
+) -> None:
     engine, out = make_engine(), Collector()
     engine.submit("a", [5, 6], SamplingParams(temperature=0, max_tokens=3, top_logprobs=4), out)
     run_until_idle(engine)
@@ -203,7 +208,7 @@ def test_top_logprobs_come_from_the_same_distribution_as_the_token() -> None:
         assert o.top_logprobs[0] == (o.token_id, o.logprob)
 
 
-def test_cancel_drops_a_request_and_frees_its_blocks() -> None:
+def test_cancel_drops_a_request_and_frees_its_blocks(make_engine: Callable[..., Engine]) -> None:
     engine, out = make_engine(), Collector()
     engine.submit("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50), out)
     engine.step()
@@ -218,8 +223,11 @@ class FailingModel:
         raise RuntimeError("boom")
 
 
-def test_the_runner_fails_requests_of_a_failed_step_and_keeps_serving() -> None:
-    engine = make_engine(model=FailingModel())
+def test_the_runner_fails_requests_of_a_failed_step_and_keeps_serving(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine()
+    real_model, engine.model = engine.model, FailingModel()
     runner = EngineRunner(engine)
     runner.start()
     try:
@@ -227,7 +235,7 @@ def test_the_runner_fails_requests_of_a_failed_step_and_keeps_serving() -> None:
         runner.submit("a", [1, 2], GREEDY, out)
         assert out.done.wait(30)
         assert "boom" in str(out.errors[0])
-        engine.model = StandinModel(InvariantStandinKernels())
+        engine.model = real_model
         again = Collector()
         runner.submit("b", [1, 2], GREEDY, again)
         assert again.done.wait(30)
@@ -236,7 +244,7 @@ def test_the_runner_fails_requests_of_a_failed_step_and_keeps_serving() -> None:
         runner.stop()
 
 
-def test_stopping_the_runner_fails_what_is_still_queued() -> None:
+def test_stopping_the_runner_fails_what_is_still_queued(make_engine: Callable[..., Engine]) -> None:
     engine = make_engine()
     runner = EngineRunner(engine)
     out = Collector()
