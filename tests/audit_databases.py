@@ -74,22 +74,36 @@ class AuditDatabase:
             await engine.dispose()
 
 
+async def create_blank(kind: str, folder: Path) -> AuditDatabase:
+    """A blank database (no tables) of `kind`; `drop` removes it."""
+    if kind == "sqlite":
+        return AuditDatabase(kind, f"sqlite+aiosqlite:///{folder / 'audit.db'}", None)
+    schema = f"audit_test_{uuid.uuid4().hex[:12]}"
+    await _admin(f'CREATE SCHEMA "{schema}"')
+    return AuditDatabase(kind, POSTGRES_URL, schema)
+
+
+async def drop(db: AuditDatabase) -> None:
+    if db.schema is not None:
+        await _admin(f'DROP SCHEMA IF EXISTS "{db.schema}" CASCADE')
+
+
+async def _admin(statement: str) -> None:
+    engine = create_async_engine(POSTGRES_URL, poolclass=NullPool)
+    try:
+        async with engine.begin() as connection:
+            await connection.exec_driver_sql(statement)
+    finally:
+        await engine.dispose()
+
+
 @asynccontextmanager
 async def audit_database(kind: str, folder: Path) -> AsyncIterator[AuditDatabase]:
-    """A blank database (no tables) of `kind`, removed afterwards."""
-    if kind == "sqlite":
-        yield AuditDatabase(kind, f"sqlite+aiosqlite:///{folder / 'audit.db'}", None)
-        return
-    schema = f"audit_test_{uuid.uuid4().hex[:12]}"
-    admin = create_async_engine(POSTGRES_URL, poolclass=NullPool)
+    db = await create_blank(kind, folder)
     try:
-        async with admin.begin() as connection:
-            await connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-        yield AuditDatabase(kind, POSTGRES_URL, schema)
+        yield db
     finally:
-        async with admin.begin() as connection:
-            await connection.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        await admin.dispose()
+        await drop(db)
 
 
 def entry(

@@ -32,7 +32,8 @@ def parse_url(url: str) -> URL:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise DatabaseUrlError(f"the audit database URL {url!r} cannot be parsed; use {SUPPORTED}") from exc
+        # The text is not echoed: it may hold a password.
+        raise DatabaseUrlError(f"the audit database URL cannot be parsed; use {SUPPORTED}") from exc
     driver = DRIVERS.get(parsed.drivername)
     if driver is None:
         raise DatabaseUrlError(

@@ -1,0 +1,154 @@
+"""The audit schema: made only by the Alembic migrations, which match the models, and checked when a store opens."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
+
+from proxy.audit import (
+    HEAD_REVISION,
+    AuditStore,
+    DatabaseUrlError,
+    SchemaOutdated,
+    SchemaTooNew,
+    schema_revision,
+    upgrade_database,
+)
+from proxy.audit.models import Base
+from proxy.audit.schema import downgrade_database, script_head
+from tests.audit_databases import KINDS, AuditDatabase, audit_database, create_blank, drop, entry
+
+TABLES = {"alembic_version", "chain_head", "entries", "prompts", "stacks"}
+
+
+@pytest.fixture(params=KINDS)
+async def blank(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[AuditDatabase]:
+    async with audit_database(request.param, tmp_path) as db:
+        yield db
+
+
+@pytest.fixture(params=KINDS)
+def blank_sync(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[AuditDatabase]:
+    """The same blank database for synchronous tests (the CLI's `stackpin db upgrade` runs without a loop)."""
+    db = asyncio.run(create_blank(request.param, tmp_path))
+    yield db
+    asyncio.run(drop(db))
+
+
+async def _run_sync(db: AuditDatabase, work: Any) -> Any:
+    args = {"server_settings": {"search_path": db.schema}} if db.schema else {}
+    engine = create_async_engine(db.url, poolclass=NullPool, connect_args=args)
+    try:
+        async with engine.connect() as connection:
+            return await connection.run_sync(work)
+    finally:
+        await engine.dispose()
+
+
+def test_head_revision_is_the_head_of_the_shipped_migrations() -> None:
+    assert script_head() == HEAD_REVISION
+
+
+def test_upgrade_database_makes_the_schema_without_an_event_loop(blank_sync: AuditDatabase) -> None:
+    upgrade_database(blank_sync.url, schema=blank_sync.schema)
+    assert asyncio.run(schema_revision(blank_sync.url, schema=blank_sync.schema)) == HEAD_REVISION
+    upgrade_database(blank_sync.url, schema=blank_sync.schema)  # a second run has nothing to do
+    assert asyncio.run(schema_revision(blank_sync.url, schema=blank_sync.schema)) == HEAD_REVISION
+
+
+async def test_migrations_build_exactly_what_the_models_describe(blank: AuditDatabase) -> None:
+    await blank.migrate()
+
+    def differences(connection: Connection) -> list[Any]:
+        return compare_metadata(MigrationContext.configure(connection), Base.metadata)
+
+    assert await _run_sync(blank, differences) == []
+    assert set(await _run_sync(blank, lambda c: inspect(c).get_table_names())) == TABLES
+    assert await blank.scalar("SELECT position FROM chain_head WHERE id = 1") == 0
+
+
+async def test_migrations_go_down_to_nothing_and_up_again(blank: AuditDatabase) -> None:
+    await blank.migrate()
+    await asyncio.to_thread(downgrade_database, blank.url, "base", schema=blank.schema)
+    assert set(await _run_sync(blank, lambda c: inspect(c).get_table_names())) == {"alembic_version"}
+    await blank.migrate()
+    assert await schema_revision(blank.url, schema=blank.schema) == HEAD_REVISION
+
+
+async def test_open_refuses_an_empty_database_and_names_the_command(blank: AuditDatabase) -> None:
+    with pytest.raises(SchemaOutdated, match="run `stackpin db upgrade`"):
+        await blank.open()
+    assert await schema_revision(blank.url, schema=blank.schema) is None, "open must not migrate on its own"
+
+
+async def test_create_if_empty_migrates_a_blank_database(blank: AuditDatabase) -> None:
+    store = await blank.open(create_if_empty=True)
+    try:
+        stored = await store.append(entry("first"))
+    finally:
+        await store.close()
+    assert stored.position == 1
+    assert await schema_revision(blank.url, schema=blank.schema) == HEAD_REVISION
+
+
+async def test_open_refuses_an_old_schema_until_it_is_upgraded(blank: AuditDatabase) -> None:
+    await blank.migrate("0001_chain")
+    with pytest.raises(SchemaOutdated, match=r"at schema revision 0001_chain.*run `stackpin db upgrade`"):
+        await blank.open(create_if_empty=True)
+    await blank.migrate()
+    store = await blank.open()
+    await store.close()
+
+
+async def test_open_refuses_a_schema_newer_than_this_stackpin(blank: AuditDatabase) -> None:
+    await blank.migrate()
+    await blank.execute("UPDATE alembic_version SET version_num = '9999_future'")
+    with pytest.raises(SchemaTooNew, match=r"9999_future.*upgrade stackpin"):
+        await blank.open()
+
+
+async def test_create_if_empty_leaves_a_database_with_foreign_tables_alone(blank: AuditDatabase) -> None:
+    await blank.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    with pytest.raises(SchemaOutdated, match="holds tables but no stackpin schema revision"):
+        await blank.open(create_if_empty=True)
+    assert set(await _run_sync(blank, lambda c: inspect(c).get_table_names())) == {"invoices"}
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("mysql+aiomysql://root@127.0.0.1/audit", "'mysql\\+aiomysql', which is not supported"),
+        ("sqlite+aiosqlite://", "needs an SQLite file"),
+        ("sqlite+aiosqlite:///:memory:", "needs an SQLite file"),
+        ("sqlite+aiosqlite:////nonexistent-folder/audit.db", "folder of the audit database"),
+        ("not a url", "cannot be parsed"),
+    ],
+)
+async def test_a_bad_database_url_says_what_would_do(url: str, message: str) -> None:
+    with pytest.raises(DatabaseUrlError, match=message):
+        await AuditStore.open(url)
+
+
+async def test_plain_driver_names_are_accepted(tmp_path: Path) -> None:
+    store = await AuditStore.open(f"sqlite:///{tmp_path / 'plain.db'}", create_if_empty=True)
+    await store.close()
+
+
+@pytest.mark.postgres
+async def test_a_password_never_appears_in_a_schema_error(tmp_path: Path) -> None:
+    async with audit_database("postgres", tmp_path) as db:
+        with_password = make_url(db.url).set(password="hunter2").render_as_string(hide_password=False)
+        with pytest.raises(SchemaOutdated) as caught:
+            await AuditStore.open(with_password, schema=db.schema)
+    assert "hunter2" not in str(caught.value)
+    assert "***" in str(caught.value)
