@@ -504,3 +504,18 @@ def test_values_that_would_break_the_fleet_are_refused(
     result = helm("template", RELEASE, CHART, "-f", path)
     assert result.returncode != 0, f"rendered although {values}"
     assert message in result.stderr
+
+
+def test_every_container_runs_the_one_image_by_digest_when_given(
+    variant: tuple[list[Manifest], dict],
+) -> None:
+    manifests, values = variant
+    image = values["image"]
+    expected = (
+        f"{image['repository']}@{image['digest']}"
+        if image["digest"]
+        else f"{image['repository']}:{image['tag'] or yaml.safe_load((CHART / 'Chart.yaml').read_text())['appVersion']}"
+    )
+    for where, pod in pod_specs(manifests):
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c["image"] == expected, f"{where}/{c['name']}"

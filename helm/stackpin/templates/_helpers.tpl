@@ -30,8 +30,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: stackpin
 {{- end }}
 
+{{/* By digest when one is given: a tag can move, and the image's software enters every stack's fingerprint. */}}
 {{- define "stackpin.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{- define "stackpin.serviceAccountName" -}}
