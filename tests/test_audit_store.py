@@ -173,6 +173,17 @@ async def test_one_bad_entry_fails_alone_in_a_shared_commit(store: AuditStore) -
     assert report.ok and report.head_position == 7
 
 
+async def test_numbers_survive_storage_bit_for_bit(store: AuditStore) -> None:
+    numbers = [2.0**60, -0.0, 5e-324, 0.1, 1e300, 2**53 - 1, -3.2500000000000004]
+    await store.append(entry("n", content={"numbers": numbers}))
+    record = await store.get_record("n", tenant="acme")
+    assert record is not None
+    assert [repr(x) for x in record.entries[0].content["numbers"]] == [
+        repr(x) for x in [2.0**60, 0, *numbers[2:]]
+    ]
+    assert (await store.verify()).ok
+
+
 async def test_a_known_stack_need_not_be_sent_again(store: AuditStore) -> None:
     await store.append(entry("first"))
     await store.append(entry("second", with_stack=False, fingerprint=FINGERPRINT))

@@ -144,11 +144,26 @@ def chain_links(head_position: int, head_sha256: str, batch: list[EntryFields]) 
     return links
 
 
+SAFE_INTEGER = 2**53 - 1
+
+
+def _parse_int(literal: str) -> int | float:
+    # JCS writes an integral float such as 2.0**53 without a fraction; only floats reach past 2**53 - 1 there,
+    # so reading such a literal back as an int would make it uncanonicalizable.
+    value = int(literal)
+    return value if -SAFE_INTEGER <= value <= SAFE_INTEGER else float(value)
+
+
+def load_canonical(text: str) -> Any:
+    """Reads JSON written by `canonical_json` back into the value it came from."""
+    return json.loads(text, parse_int=_parse_int)
+
+
 def parse_content(text: str) -> tuple[dict[str, Any] | None, bool]:
     """The content object stored as `text`, and whether `text` is its canonical form."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = load_canonical(text)
+    except (json.JSONDecodeError, ValueError):
         return None, False
     if not isinstance(value, dict):
         return None, False
@@ -185,7 +200,12 @@ def check_link(expected_position: int, expected_prev: str, link: Link) -> ChainP
             message=f"entry {link.position} stores content that is not canonical JSON of an object (edited)",
             **where,
         )
-    recomputed = entry_hash(link.position, link.prev_sha256, link.fields)
+    try:
+        recomputed = entry_hash(link.position, link.prev_sha256, link.fields)
+    except (NotCanonicalizable, ValueError) as exc:
+        return ChainProblem(
+            kind="hash_mismatch", message=f"entry {link.position} cannot be hashed: {exc}", **where
+        )
     if recomputed != link.sha256:
         return ChainProblem(
             kind="hash_mismatch",

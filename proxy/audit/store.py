@@ -8,7 +8,6 @@ business; how a chain is judged is `chain.py`'s; the schema is made only by the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -17,6 +16,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from proxy.audit.chain import load_canonical
 from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import describe, make_engine, parse_url
 from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew
@@ -137,7 +137,7 @@ class AuditStore:
             replica=first["replica"],
             replay_of=first["replay_of"],
             status=main[-1]["status"],
-            stack=None if stack_row is None else json.loads(stack_row.canonical_json),
+            stack=None if stack_row is None else load_canonical(stack_row.canonical_json),
             stack_declared=None if stack_row is None else bool(stack_row.declared),
             prompt_sha256=prompt_sha,
             prompt_text=prompt_text,
@@ -215,7 +215,7 @@ class AuditStore:
                     select(STACKS.c.canonical_json).where(STACKS.c.fingerprint == fingerprint)
                 )
             ).scalar_one_or_none()
-        return None if found is None else json.loads(found)
+        return None if found is None else load_canonical(found)
 
     async def verify(self, *, expect_head: tuple[int, str] | None = None) -> VerifyReport:
         """Walks the whole chain in pages; reports the first problem, with its position and record id."""
@@ -264,7 +264,7 @@ def _view(row: RowMapping) -> EntryView:
         replica=row["replica"],
         model=row["model"],
         fingerprint=row["fingerprint"],
-        content=json.loads(row["content"]),
+        content=load_canonical(row["content"]),
         sha256=row["sha256"],
         prev_sha256=row["prev_sha256"],
     )
