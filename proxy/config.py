@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from proxy.errors import ConfigError
+from proxy.errors import BadRequest, ConfigError
 from proxy.pins import PIN_KEYS, Pin, parse_prompt_ref
 from proxy.stack import Stack
 
@@ -59,7 +59,9 @@ class ServerSettings(_Section):
 
 class StoreSettings(_Section):
     url: str = "sqlite+aiosqlite:///stackpin.db"
-    postgres_schema: str | None = None  # the PostgreSQL schema holding the tables; None: the server's search_path
+    postgres_schema: str | None = (
+        None  # the PostgreSQL schema holding the tables; None: the server's search_path
+    )
     batch_max: int = Field(default=256, ge=1)
     batch_wait_ms: float = Field(default=1.0, ge=0)
 
@@ -139,7 +141,10 @@ class Settings(BaseSettings):
     @classmethod
     def _prompt_refs(cls, prompts: dict[str, str]) -> dict[str, str]:
         for ref in prompts:
-            parse_prompt_ref(ref)
+            try:
+                parse_prompt_ref(ref)
+            except BadRequest as e:
+                raise ValueError(e.message) from e
         return prompts
 
     @field_validator("routes")
@@ -147,6 +152,11 @@ class Settings(BaseSettings):
     def _route_pins(cls, routes: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
         for name, keys in routes.items():
             unknown = set(keys) - set(PIN_KEYS)
+            if "prompt" in keys:
+                try:
+                    parse_prompt_ref(keys["prompt"])
+                except BadRequest as e:
+                    raise ValueError(f"route {name!r}: {e.message}") from e
             if unknown:
                 raise ValueError(
                     f"route {name!r} has unknown pin keys {sorted(unknown)}; known: {list(PIN_KEYS)}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 
 import aiohttp
 import structlog
@@ -22,7 +22,7 @@ from proxy.forward import ReplicaGarbage, ReplicaRejected, ReplicaUnavailable, g
 from proxy.metrics import ProxyMetrics
 from proxy.records import flag_entry
 from proxy.registry import Observation, Registry, Replica
-from proxy.stack import Stack, fingerprint, short
+from proxy.stack import Stack, fingerprint
 
 log = structlog.get_logger("stackpin.health")
 
@@ -64,6 +64,7 @@ class HealthMonitor:
             KeyError,
             TypeError,
             ValidationError,
+            ValueError,
         ) as e:
             if replica.reachable:
                 log.warning("replica_unreachable", replica=replica.name, error=str(e)[:300])
@@ -74,9 +75,7 @@ class HealthMonitor:
             return
         outcome = self.registry.observe(replica.name, stack, computed, now)
         if outcome is Observation.FIRST:
-            log.info(
-                "replica_proved_stack", replica=replica.name, fingerprint=computed, stack=short(computed)
-            )
+            log.info("replica_proved_stack", replica=replica.name, fingerprint=computed)
         elif outcome is Observation.CHANGED:
             await self.quarantine(replica, "stack_changed", claimed=computed)
 
@@ -95,7 +94,7 @@ class HealthMonitor:
             registered=replica.fingerprint,
             observed=claimed,
         )
-        since = replica.last_good_check or datetime.min
+        since = replica.last_good_check or datetime(1970, 1, 1, tzinfo=UTC)
         now = self.clock()
         for record_id in await self.store.records_served_since(replica.name, since):
             record = await self.store.get_record(record_id, None)

@@ -41,21 +41,25 @@ class Harness:
     async def post(
         self, path: str, body: Any, *, headers: Mapping[str, str] | None = None
     ) -> tuple[int, dict[str, Any], Mapping[str, str]]:
-        async with aiohttp.ClientSession() as session, session.post(
-            self.url + path, json=body, headers=headers or {}
-        ) as response:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(self.url + path, json=body, headers=headers or {}) as response,
+        ):
             return response.status, await response.json(content_type=None), response.headers
 
     async def get(self, path: str, *, headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
-        async with aiohttp.ClientSession() as session, session.get(self.url + path, headers=headers or {}) as response:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(self.url + path, headers=headers or {}) as response,
+        ):
             return response.status, await response.json(content_type=None)
 
 
 def settings_for(
-    replicas: list[FakeReplica], store_url: str, schema: str | None = None, **sections: Any
+    fakes: list[FakeReplica], store_url: str, schema: str | None = None, **sections: Any
 ) -> Settings:
     data: dict[str, Any] = {
-        "replicas": [{"name": f"replica-{i}", "url": r.url} for i, r in enumerate(replicas)],
+        "replicas": [{"name": f"replica-{i}", "url": r.url} for i, r in enumerate(fakes)],
         "store": {"url": store_url, "postgres_schema": schema, "batch_wait_ms": 0.5},
         "local_backend": {"enabled": "off"},
         "health": {"interval_s": 3600},
@@ -71,7 +75,7 @@ def settings_for(
 
 @asynccontextmanager
 async def running_proxy(
-    replicas: list[FakeReplica],
+    fakes: list[FakeReplica],
     folder: Path,
     *,
     store: str = "sqlite",
@@ -79,7 +83,8 @@ async def running_proxy(
     **sections: Any,
 ) -> AsyncIterator[Harness]:
     async with audit_database(store, folder) as database:
-        settings = settings_for(replicas, database.url, database.schema, **sections)
+        await database.migrate()
+        settings = settings_for(fakes, database.url, database.schema, **sections)
         secrets = resolve_secrets(settings, environ or {})
         app = create_app(settings, secrets)
         runner = web.AppRunner(app)

@@ -21,7 +21,10 @@ def client(harness: Harness, **kwargs: object) -> openai.AsyncOpenAI:
 async def test_plain_chat_completion_carries_record_and_stack(replica: FakeReplica, tmp_path: Path) -> None:
     async with running_proxy([replica], tmp_path) as harness:
         raw = await client(harness).chat.completions.with_raw_response.create(
-            model="fake-model", messages=MESSAGES, temperature=0, max_tokens=6  # type: ignore[arg-type]
+            model="fake-model",
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=6,  # type: ignore[arg-type]
         )
         completion = raw.parse()
         record_id = raw.headers["Stackpin-Record"]
@@ -32,10 +35,16 @@ async def test_plain_chat_completion_carries_record_and_stack(replica: FakeRepli
         assert record.fingerprint == replica.fingerprint
 
 
-async def test_streaming_chat_relays_every_chunk_and_closes_the_record(replica: FakeReplica, tmp_path: Path) -> None:
+async def test_streaming_chat_relays_every_chunk_and_closes_the_record(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
     async with running_proxy([replica], tmp_path) as harness:
         response = await client(harness).chat.completions.with_raw_response.create(
-            model="fake-model", messages=MESSAGES, temperature=0, max_tokens=5, stream=True  # type: ignore[arg-type]
+            model="fake-model",
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=5,
+            stream=True,  # type: ignore[arg-type]
         )
         record_id = response.headers["Stackpin-Record"]
         stream = response.parse()
@@ -51,7 +60,11 @@ async def test_streaming_chat_relays_every_chunk_and_closes_the_record(replica: 
 async def test_logprobs_pass_through_as_openai_defines_them(replica: FakeReplica, tmp_path: Path) -> None:
     async with running_proxy([replica], tmp_path) as harness:
         completion = await client(harness).chat.completions.create(
-            model="fake-model", messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True  # type: ignore[arg-type]
+            model="fake-model",
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=3,
+            logprobs=True,  # type: ignore[arg-type]
         )
         content = completion.choices[0].logprobs.content  # type: ignore[union-attr]
         assert content is not None and len(content) == 3
@@ -132,12 +145,16 @@ async def test_no_live_replica_is_a_503_listing_live_stacks(replica: FakeReplica
         harness.proxy.registry.unreachable("replica-0")
         with pytest.raises(openai.InternalServerError) as raised:
             await client(harness).chat.completions.create(
-                model="fake-model", messages=MESSAGES, max_tokens=2  # type: ignore[arg-type]
+                model="fake-model",
+                messages=MESSAGES,
+                max_tokens=2,  # type: ignore[arg-type]
             )
         assert raised.value.status_code == 503
 
 
-async def test_unknown_api_key_is_a_401_and_another_tenants_record_a_404(replica: FakeReplica, tmp_path: Path) -> None:
+async def test_unknown_api_key_is_a_401_and_another_tenants_record_a_404(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
     tenants = [{"name": "acme", "api_key_env": "ACME_KEY"}, {"name": "globex", "api_key_env": "GLOBEX_KEY"}]
     environ = {"ACME_KEY": "sk-acme-123", "GLOBEX_KEY": "sk-globex-456"}
     async with running_proxy([replica], tmp_path, tenants=tenants, environ=environ) as harness:
@@ -145,10 +162,16 @@ async def test_unknown_api_key_is_a_401_and_another_tenants_record_a_404(replica
             await openai.AsyncOpenAI(base_url=harness.v1, api_key="sk-wrong", max_retries=0).models.list()
         acme = openai.AsyncOpenAI(base_url=harness.v1, api_key="sk-acme-123", max_retries=0)
         raw = await acme.chat.completions.with_raw_response.create(
-            model="fake-model", messages=MESSAGES, max_tokens=2  # type: ignore[arg-type]
+            model="fake-model",
+            messages=MESSAGES,
+            max_tokens=2,  # type: ignore[arg-type]
         )
         record_id = raw.headers["Stackpin-Record"]
-        status, _ = await harness.get(f"/v1/records/{record_id}", headers={"Authorization": "Bearer sk-globex-456"})
+        status, _ = await harness.get(
+            f"/v1/records/{record_id}", headers={"Authorization": "Bearer sk-globex-456"}
+        )
         assert status == 404
-        status, record = await harness.get(f"/v1/records/{record_id}", headers={"Authorization": "Bearer sk-acme-123"})
+        status, record = await harness.get(
+            f"/v1/records/{record_id}", headers={"Authorization": "Bearer sk-acme-123"}
+        )
         assert status == 200 and record["tenant"] == "acme"

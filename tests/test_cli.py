@@ -1,0 +1,122 @@
+"""The `stackpin` command line: schema management, verification, audit and listing on a real audit store, and
+`serve` refusing a database whose schema is old."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.audit import AuditStore
+from proxy.audit.schema import upgrade_database
+from proxy.cli import main as stackpin
+from tests.audit_databases import entry
+
+
+def write_config(folder: Path, db: Path) -> Path:
+    config = folder / "stackpin.toml"
+    config.write_text(f'[store]\nurl = "sqlite+aiosqlite:///{db}"\n[local_backend]\nenabled = "off"\n')
+    return config
+
+
+def fill(url: str, count: int) -> None:
+    async def go() -> None:
+        store = await AuditStore.open(url)
+        try:
+            for i in range(count):
+                tenant = "acme" if i % 2 == 0 else "globex"
+                await store.append(entry(f"rec_{i:04d}", tenant=tenant, seconds=i))
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    db = tmp_path / "audit.db"
+    path = write_config(tmp_path, db)
+    assert stackpin(["db", "upgrade", "--config", str(path)]) == 0
+    fill(f"sqlite+aiosqlite:///{db}", 6)
+    return path
+
+
+def test_db_upgrade_creates_the_schema_and_is_idempotent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path, tmp_path / "new.db")
+    assert stackpin(["db", "upgrade", "--config", str(path)]) == 0
+    assert stackpin(["db", "upgrade", "--config", str(path)]) == 0
+    assert "newest schema" in capsys.readouterr().out
+
+
+def test_verify_passes_on_an_intact_chain_and_locates_an_edit(
+    config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert stackpin(["verify", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "chain intact" in out
+    head = next(line.split()[1] for line in out.splitlines() if line.startswith("head:"))
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "audit.db") as db:
+        db.execute("UPDATE entries SET content = replace(content, 'hello', 'HELLO') WHERE position = 3")
+    assert stackpin(["verify", "--config", str(config)]) == 1
+    assert "CHAIN BROKEN" in capsys.readouterr().out
+    assert stackpin(["verify", "--config", str(config), "--expect-head", head]) == 1
+
+
+def test_audit_prints_the_full_stack_and_the_chain_link(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert stackpin(["audit", "rec_0002", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "cpu-x86_64-avx512" in out and "batch_invariant" in out and "verifies" in out
+    assert stackpin(["audit", "rec_0002", "--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chain_ok"] is True
+    assert stackpin(["audit", "rec_missing", "--config", str(config)]) == 2
+
+
+def test_records_lists_and_filters(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert stackpin(["records", "--config", str(config), "--tenant", "acme", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert sorted(r["id"] for r in listed) == ["rec_0000", "rec_0002", "rec_0004"]
+    assert stackpin(["records", "--config", str(config), "--model", "nope"]) == 0
+    assert "no records match" in capsys.readouterr().out
+    assert (
+        stackpin(["records", "--config", str(config), "--since", "2026-01-02T03:04:08+00:00", "--json"]) == 0
+    )
+    assert len(json.loads(capsys.readouterr().out)) == 3
+
+
+def test_serve_refuses_an_old_schema_and_names_the_command(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    upgrade_database(f"sqlite+aiosqlite:///{db}", "0001_chain")
+    path = write_config(tmp_path, db)
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "STACKPIN_SERVER__PORT": "0"},
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2
+    assert "stackpin db upgrade" in result.stderr
+
+
+def test_a_bad_configuration_is_one_clear_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[server]\nhost = "0.0.0.0"\n')
+    assert stackpin(["records", "--config", str(path)]) == 2
+    assert "tenants" in capsys.readouterr().err
+    path.write_text("[store\n")
+    assert stackpin(["records", "--config", str(path)]) == 2
+    assert "not valid TOML" in capsys.readouterr().err

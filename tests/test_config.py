@@ -1,0 +1,94 @@
+"""Configuration: a TOML file with environment overrides, validated once, with secrets resolved from the
+environment and never from the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.config import hash_api_key, load_settings
+from proxy.errors import ConfigError
+
+FULL = """
+[server]
+host = "127.0.0.1"
+port = 9000
+
+[store]
+url = "postgresql+asyncpg://stackpin@127.0.0.1:5432/stackpin"
+
+[[replicas]]
+name = "local"
+url = "http://127.0.0.1:8001/"
+
+[[replicas]]
+name = "openai"
+url = "https://api.example.invalid"
+api_key_env = "UPSTREAM_KEY"
+stack = { model = "gpt-4o-mini-2024-07-18" }
+
+[prompts]
+"support@3" = "You are a careful support agent."
+
+[routes.support-bot]
+model = "qwen3-8b"
+prompt = "support@3"
+
+[[tenants]]
+name = "acme"
+api_key_env = "ACME_KEY"
+"""
+ENV = {"UPSTREAM_KEY": "sk-up", "ACME_KEY": "sk-acme"}
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "stackpin.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_full_file_loads_and_resolves_secrets(tmp_path: Path) -> None:
+    settings, secrets = load_settings(write(tmp_path, FULL), ENV)
+    assert settings.server.port == 9000
+    assert settings.replicas[0].url == "http://127.0.0.1:8001"
+    assert settings.replicas[1].stack is not None and settings.replicas[1].stack.kernel_mode == "unknown"
+    assert secrets.replica_keys["openai"].get_secret_value() == "sk-up"
+    assert secrets.tenant_key_hashes == {hash_api_key("sk-acme"): "acme"}
+    assert "sk-up" not in repr(secrets)
+    assert settings.route_pins()["support-bot"].prompt == "support@3"
+
+
+def test_the_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STACKPIN_STORE__URL", "sqlite+aiosqlite:///elsewhere.db")
+    monkeypatch.setenv("STACKPIN_SERVER__PORT", "9100")
+    settings, _ = load_settings(write(tmp_path, FULL), ENV)
+    assert settings.store.url == "sqlite+aiosqlite:///elsewhere.db"
+    assert settings.server.port == 9100
+
+
+def test_no_file_is_the_embedded_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings, secrets = load_settings(None, {})
+    assert settings.server.loopback_only and settings.store.url.startswith("sqlite")
+    assert not secrets.tenant_key_hashes
+
+
+@pytest.mark.parametrize(
+    ("text", "environ", "fragment"),
+    [
+        (FULL, {"ACME_KEY": "k"}, "UPSTREAM_KEY is not set"),
+        ('[server]\nhost = "0.0.0.0"\n', {}, "no [[tenants]]"),
+        ('[prompts]\n"support" = "x"\n', {}, "name@N"),
+        ('[routes.r]\nprompt = "missing@1"\n', {}, "does not define"),
+        ('[routes.r]\ncolour = "blue"\n', {}, "unknown pin keys"),
+        ('[[replicas]]\nname = "x"\nurl = "ftp://nope"\n', {}, "http://"),
+        ("[server]\nport = 'eighty'\n", {}, "server.port"),
+        ("[sever]\n", {}, "sever"),
+    ],
+)
+def test_bad_configuration_names_what_to_fix(
+    tmp_path: Path, text: str, environ: dict[str, str], fragment: str
+) -> None:
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        load_settings(write(tmp_path, text), environ)

@@ -1,0 +1,48 @@
+"""Choosing a replica: least outstanding among matching replicas in rotation; retries bound to one fingerprint."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.errors import NoLiveReplica, NoMatchingStack
+from proxy.pins import Pin
+from proxy.registry import Replica
+from proxy.router import choose, live_stacks
+from proxy.stack import Stack
+from tests.fake_replica import tiny_stack
+
+INVARIANT = Stack.model_validate(tiny_stack())
+DEFAULT = Stack.model_validate(tiny_stack(kernel_mode="default"))
+
+
+def replica(name: str, stack: Stack, outstanding: int = 0, reachable: bool = True) -> Replica:
+    return Replica(
+        name, f"http://127.0.0.1/{name}", False, stack, stack.fingerprint, reachable, None, None, outstanding
+    )
+
+
+def test_least_outstanding_wins_and_ties_go_to_the_name() -> None:
+    replicas = [replica("b", INVARIANT, 1), replica("a", INVARIANT, 1), replica("c", INVARIANT, 0)]
+    assert choose(replicas, Pin()).name == "c"
+    replicas[2].outstanding = 5
+    assert choose(replicas, Pin()).name == "a"
+
+
+def test_a_retry_stays_on_the_first_fingerprint() -> None:
+    replicas = [replica("inv", INVARIANT, 0), replica("def", DEFAULT, 0)]
+    with pytest.raises(NoLiveReplica):
+        choose(replicas, Pin(model="fake-model"), exclude={"inv"}, fingerprint=INVARIANT.fingerprint)
+
+
+def test_no_match_lists_what_is_live() -> None:
+    replicas = [replica("inv", INVARIANT), replica("down", DEFAULT, reachable=False)]
+    with pytest.raises(NoMatchingStack) as raised:
+        choose(replicas, Pin(hardware="nvidia-h200"))
+    assert [s["replicas"] for s in raised.value.extra["live_stacks"]] == [["inv"]]
+    with pytest.raises(NoLiveReplica):
+        choose(replicas, Pin(kernel_mode="default"))
+
+
+def test_live_stacks_groups_replicas_by_fingerprint() -> None:
+    stacks = live_stacks([replica("a", INVARIANT), replica("b", INVARIANT), replica("c", DEFAULT)])
+    assert sorted(len(s["replicas"]) for s in stacks) == [1, 2]

@@ -1,0 +1,62 @@
+"""The stack fingerprint: SHA-256 of RFC 8785 canonical JSON, stable across key order and processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.stack import Stack, canonical_json, fingerprint
+from tests.fake_replica import fingerprint_of, tiny_stack
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53) + 1, 2**53 - 1) | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@given(st.dictionaries(st.text(max_size=8), json_values, max_size=6))
+def test_fingerprint_ignores_key_order(document: dict[str, object]) -> None:
+    reversed_order = dict(reversed(list(document.items())))
+    assert fingerprint(document) == fingerprint(reversed_order)
+    assert fingerprint(document) == hashlib.sha256(canonical_json(document)).hexdigest()
+
+
+@given(st.dictionaries(st.text(max_size=8), json_values, min_size=1, max_size=6))
+def test_fingerprint_changes_with_any_value(document: dict[str, object]) -> None:
+    changed = {**document, next(iter(document)): ["changed"]}
+    if changed != document:
+        assert fingerprint(changed) != fingerprint(document)
+
+
+def test_a_stack_round_trips_to_the_document_the_backend_hashed() -> None:
+    document = tiny_stack()
+    stack = Stack.model_validate(document)
+    assert stack.document() == document
+    assert stack.fingerprint == fingerprint_of(document)
+
+
+def test_the_fingerprint_is_the_same_in_another_process() -> None:
+    document = tiny_stack()
+    code = "import json,sys; from proxy.stack import fingerprint; print(fingerprint(json.loads(sys.stdin.read())))"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        input=json.dumps(document, sort_keys=False),
+        capture_output=True,
+        text=True,
+    )
+    assert result.stdout.strip() == fingerprint(document)
+
+
+def test_a_declared_stack_fills_every_key() -> None:
+    stack = Stack(model="gpt-4o-mini-2024-07-18")
+    document = stack.document()
+    assert set(document) == set(tiny_stack())
+    assert document["kernel_mode"] == "unknown" and document["weights_sha256"] is None
