@@ -492,7 +492,12 @@ TINY = {
         ({"stacks": [{**TINY, "dtype": "int3"}]}, "dtype"),
         ({"stacks": [TINY, TINY]}, "appears twice"),
         ({"stacks": [{**TINY, "name": "x" * 60}]}, "longer than 63"),
-        ({"upstreams": [{"name": "tiny-cpu", "url": "https://api.example"}]}, "name of a stack"),
+        (
+            {"upstreams": [{"name": "tiny-cpu", "url": "https://api.example", "stack": {"model": "m"}}]},
+            "name of a stack",
+        ),
+        ({"stacks": [{**TINY, "kernel_mode": "default"}]}, "Additional property kernel_mode is not allowed"),
+        ({"stack": [TINY]}, "Additional property stack is not allowed"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -519,3 +524,27 @@ def test_every_container_runs_the_one_image_by_digest_when_given(
     for where, pod in pod_specs(manifests):
         for c in pod["containers"] + pod.get("initContainers", []):
             assert c["image"] == expected, f"{where}/{c['name']}"
+
+
+def test_one_proxy_may_run_without_redis(tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {"fleet": {"enabled": False}, "proxy": {"replicaCount": 1, "autoscaling": {"enabled": False}}}
+        )
+    )
+    manifests = render(path)
+    assert "fleet" not in proxy_config(manifests)
+    assert one(manifests, "Deployment", RELEASE)["spec"]["replicas"] == 1
+    assert not find(manifests, "HorizontalPodAutoscaler")
+
+
+def test_weights_may_come_from_a_host_path(tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    stack = {**TINY, "name": "on-host"}
+    path.write_text(yaml.safe_dump({"backend": {"weights": {"hostPath": "/srv/models"}}, "stacks": [stack]}))
+    deployment = one(render(path), "Deployment", backend_name(stack))
+    (models,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"]
+    assert models == {"name": "models", "hostPath": {"path": "/srv/models", "type": "Directory"}}
+    (mount,) = [m for m in container(deployment, "backend")["volumeMounts"] if m["name"] == "models"]
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
