@@ -31,7 +31,17 @@ TIMED_M = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 
 
 def candidates(n: int, k: int) -> list[MatmulConfig]:
-    tiles = [(64, 64, 64), (64, 64, 128), (64, 128, 64), (64, 128, 128), (128, 64, 64), (128, 128, 64)]
+    tiles = [
+        (64, 32, 128),
+        (64, 64, 64),
+        (64, 64, 128),
+        (64, 128, 64),
+        (64, 128, 128),
+        (64, 256, 64),
+        (128, 64, 64),
+        (128, 128, 64),
+        (128, 256, 64),
+    ]
     splits = [1] if n > 50000 else [1, 2] if n > 8192 else [1, 2, 4, 8] if k > 4096 else [1, 2, 4]
     out = []
     for bm, bn, bk in tiles:
@@ -93,7 +103,7 @@ def main() -> None:
         x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16)
         w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
         ref = x[:64].double() @ w.double().T
-        cublas_ms = {m: bench_ms(lambda m=m: x[:m] @ w.T) for m in TIMED_M}
+        cublas_ms = {m: bench_ms(lambda m=m, x=x, w=w: x[:m] @ w.T) for m in TIMED_M}
         cublas_bad = invariance_failures(lambda a, b: a @ b.T, x, w, all_m)
         rows = []
         for cfg in candidates(n, k):
@@ -102,7 +112,7 @@ def main() -> None:
                 out = matmul(x[:64], w, cfg)
                 err = float((out.double() - ref).norm() / ref.norm())
                 bad = invariance_failures(lambda a, b, c=cfg: matmul(a, b, c), x, w, all_m)
-                t = {m: bench_ms(lambda m=m, c=cfg: matmul(x[:m], w, c)) for m in TIMED_M}
+                t = {m: bench_ms(lambda m=m, c=cfg, x=x, w=w: matmul(x[:m], w, c)) for m in TIMED_M}
             except Exception as exc:  # a configuration that does not fit is a result, not a crash
                 rows.append({"config": cfg.__dict__, "error": repr(exc)[:300]})
                 continue
@@ -136,7 +146,6 @@ def main() -> None:
             )
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
-        del x, w
     print(
         "\nshape     N       K     best config                                   worst  geomean  cublas-variant-M"
     )

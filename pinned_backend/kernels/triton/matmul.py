@@ -36,7 +36,13 @@ class MatmulConfig:
 
 
 # (N, K) -> configuration, measured on an H200 by bench/matmul_sweep.py (see bench/results/).
-TUNED: dict[tuple[int, int], MatmulConfig] = {}
+TUNED: dict[tuple[int, int], MatmulConfig] = {
+    (4096, 2048): MatmulConfig(64, 128, 128, split_k=1, num_warps=4, num_stages=3),
+    (12288, 2048): MatmulConfig(64, 128, 128, split_k=1, num_warps=4, num_stages=3),
+    (2048, 2048): MatmulConfig(64, 64, 128, split_k=1, num_warps=4, num_stages=3),
+    (2048, 6144): MatmulConfig(128, 128, 64, split_k=8, num_warps=8, num_stages=3),
+    (151936, 2048): MatmulConfig(64, 128, 64, split_k=1, num_warps=4, num_stages=4),
+}
 
 
 def rule_config(n: int, k: int) -> MatmulConfig:
@@ -91,23 +97,24 @@ def _matmul_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Out-of-range rows and columns read a valid row again instead of masking: each row's result depends only on
-    # its own inputs, and the stores below drop the duplicates.
-    rows = offs_m % M
+    # Rows past M are masked, so they cost no memory traffic (re-reading a valid row instead made the 63 idle
+    # rows of an M = 1 tile hit one address and ran 1.5x slower); columns past N re-read a valid column, and
+    # the store drops them. Each row's result depends on its own inputs only, either way.
+    row_ok = (offs_m < M)[:, None]
     cols = offs_n % N
     k_lo = pid_k * K_PER_SPLIT
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_lo + offs_k)[None, :]
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K_PER_SPLIT, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs)
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
             w = tl.load(w_ptrs)
         else:
-            k_ok = (k_lo + k + offs_k) < K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            k_ok = ((k_lo + k + offs_k) < K)[None, :]
+            x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

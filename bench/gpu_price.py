@@ -1,0 +1,373 @@
+"""The price of reproducibility on one GPU, measured side by side in one run.
+
+A Qwen3-1.7B-shaped model (28 layers, hidden 2048, intermediate 6144, 16 query / 8 KV heads of 128, vocabulary
+151936, tied embeddings) with random seeded bf16 weights: no checkpoint can be downloaded where this runs, so the
+numbers are about speed and bit-reproducibility, never about answer quality. The model is the project's own
+`Transformer` (and, for the divergence experiment, its `Engine`), run in two kernel modes:
+
+- `batch_invariant`: `TritonKernels`, every reduction in a fixed order per row.
+- `default`: the same, except that matmuls go to cuBLAS (`F.linear`), the op whose reduction order follows the
+  batch. RMSNorm, log-softmax and attention stay the fused Triton kernels in both modes, so the ratio prices the
+  matmul alone; the project's CPU-friendly `TorchKernels` attention loops over sequences on the host and would
+  make `default` look slower than it is on a GPU.
+
+Measured: matmul TFLOP/s against cuBLAS at the model's shapes for M = 1..512; decode throughput (CUDA graph per
+step) and prefill throughput at batch 1, 8, 32, 128; decode step time against the bandwidth floor (weight bytes
+over the measured copy bandwidth); and the divergence experiment: one prompt sent 1000 times at temperature 0
+through the engine amid random concurrent requests, in each mode. Usage: python bench/gpu_price.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pinned_backend.checkpoint import ModelConfig, expected_shapes
+from pinned_backend.engine import Engine, EngineConfig, EngineError, TokenOutput
+from pinned_backend.kernels.triton import TritonKernels, matmul
+from pinned_backend.kvcache import BlockAllocator, PagedKVCache
+from pinned_backend.model import Transformer
+from pinned_backend.sampling import SamplingParams
+
+BATCHES = [1, 8, 32, 128]
+MATMUL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+PAGE = 16
+CONTEXT = 512  # prompt tokens per sequence before decode is timed
+DECODE_STEPS = 64
+DEVICE = "cuda"
+
+
+class CublasKernels(TritonKernels):
+    """`default` mode on the GPU: cuBLAS matmuls, whose kernel and split of K follow M."""
+
+    mode = "default"  # type: ignore[assignment]
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+
+def qwen3_1_7b() -> ModelConfig:
+    return ModelConfig(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        qk_norm=True,
+    )
+
+
+def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded weights on the GPU: matrices with std 1/sqrt(fan_in), embeddings std 1, norms near 1."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    out = {}
+    for name, shape in expected_shapes(config).items():
+        if len(shape) == 1:
+            t = 1.0 + 0.1 * torch.randn(shape, device=DEVICE, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            t = torch.randn(shape, device=DEVICE, generator=gen)
+        else:
+            t = torch.randn(shape, device=DEVICE, generator=gen) / math.sqrt(shape[1])
+        out[name] = t.to(torch.bfloat16)
+    return out
+
+
+def bench_ms(fn: Any) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 2 / bench_ms(lambda: dst.copy_(src)) / 1e9  # TB/s, read + write
+
+
+def matmul_table(model: Transformer) -> list[dict[str, Any]]:
+    layer = model.layers[0]
+    weights = {"qkv": layer.qkv, "o_proj": layer.o, "gate_up": layer.gate_up, "down": layer.down}
+    weights["lm_head"] = model.lm_head
+    rows = []
+    for name, w in weights.items():
+        n, k = w.shape
+        x = torch.randn(512, k, device=DEVICE, dtype=torch.bfloat16)
+        for m in MATMUL_M:
+            flop = 2 * m * n * k
+            t_inv = bench_ms(lambda m=m, w=w, x=x: matmul(x[:m], w))
+            t_ref = bench_ms(lambda m=m, w=w, x=x: F.linear(x[:m], w))
+            rows.append(
+                {
+                    "weight": name,
+                    "n": n,
+                    "k": k,
+                    "m": m,
+                    "invariant_us": t_inv * 1e3,
+                    "cublas_us": t_ref * 1e3,
+                    "invariant_tflops": flop / t_inv / 1e9,
+                    "cublas_tflops": flop / t_ref / 1e9,
+                    "ratio": t_inv / t_ref,
+                }
+            )
+    return rows
+
+
+def _fill(
+    model: Transformer, cache: PagedKVCache, tables: torch.Tensor, length: int, gen: torch.Generator
+) -> None:
+    """Prefill `length` random tokens for every row of `tables`, a few sequences per step."""
+    batch = tables.shape[0]
+    per_step = max(1, 16384 // length)
+    for lo in range(0, batch, per_step):
+        seqs = torch.arange(lo, min(batch, lo + per_step), dtype=torch.int32, device=DEVICE)
+        seq = seqs.repeat_interleave(length)
+        pos = torch.arange(length, dtype=torch.int32, device=DEVICE).repeat(len(seqs))
+        tokens = torch.randint(model.config.vocab_size, (len(seq),), device=DEVICE, generator=gen)
+        last = torch.arange(1, len(seqs) + 1, device=DEVICE) * length - 1
+        model.forward(tokens, seq, pos, tables, cache, last)
+
+
+def decode_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[str, float]:
+    """Greedy decode steps of `batch` sequences at context CONTEXT, each step one CUDA graph replay."""
+    gen = torch.Generator(device=DEVICE).manual_seed(batch)
+    blocks = -(-(CONTEXT + DECODE_STEPS + 4) // PAGE)
+    tables = torch.arange(batch * blocks, dtype=torch.int32, device=DEVICE).view(batch, blocks)
+    _fill(model, cache, tables, CONTEXT, gen)
+    tokens = torch.randint(model.config.vocab_size, (batch,), device=DEVICE, generator=gen)
+    seq = torch.arange(batch, dtype=torch.int32, device=DEVICE)
+    pos = torch.full((batch,), CONTEXT, dtype=torch.int32, device=DEVICE)
+    rows = torch.arange(batch, device=DEVICE)
+
+    def step() -> None:
+        logits = model.forward(tokens, seq, pos, tables, cache, rows)
+        tokens.copy_(logits.argmax(-1))
+        pos.add_(1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager_start, eager_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    pos.fill_(CONTEXT)
+    eager_start.record()
+    for _ in range(4):
+        step()
+    eager_end.record()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    pos.fill_(CONTEXT)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    pos.fill_(CONTEXT)
+    start.record()
+    for _ in range(DECODE_STEPS):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    step_ms = start.elapsed_time(end) / DECODE_STEPS
+    del graph
+    return {
+        "step_ms": step_ms,
+        "eager_step_ms": eager_start.elapsed_time(eager_end) / 4,
+        "tokens_per_s": batch / step_ms * 1e3,
+    }
+
+
+def prefill_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[str, float]:
+    """One step that prefills `batch` prompts of CONTEXT tokens each."""
+    gen = torch.Generator(device=DEVICE).manual_seed(1000 + batch)
+    blocks = -(-CONTEXT // PAGE)
+    tables = torch.arange(batch * blocks, dtype=torch.int32, device=DEVICE).view(batch, blocks)
+    seq = torch.arange(batch, dtype=torch.int32, device=DEVICE).repeat_interleave(CONTEXT)
+    pos = torch.arange(CONTEXT, dtype=torch.int32, device=DEVICE).repeat(batch)
+    tokens = torch.randint(model.config.vocab_size, (len(seq),), device=DEVICE, generator=gen)
+    last = torch.arange(1, batch + 1, device=DEVICE) * CONTEXT - 1
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model.forward(tokens, seq, pos, tables, cache, last)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = sorted(times[1:])[0]  # the first run compiles
+    return {"step_ms": ms, "tokens_per_s": batch * CONTEXT / ms * 1e3}
+
+
+def weight_bytes(model: Transformer) -> int:
+    per_layer = [model.layers[0].qkv, model.layers[0].o, model.layers[0].gate_up, model.layers[0].down]
+    layer = sum(w.numel() * w.element_size() for w in per_layer)
+    return layer * len(model.layers) + model.lm_head.numel() * model.lm_head.element_size()
+
+
+def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int) -> Engine:
+    cache = PagedKVCache(model.config, num_blocks, PAGE, torch.device(DEVICE), torch.bfloat16)
+    config = EngineConfig(
+        max_model_len=1024,
+        num_blocks=num_blocks,
+        block_size=PAGE,
+        max_batch_size=64,
+        max_step_tokens=512,
+        max_queue=100000,
+    )
+    return Engine(model, cache, BlockAllocator(num_blocks), kernels, config, lambda ids: "", device=DEVICE)
+
+
+def divergence(
+    model: Transformer, kernels: TritonKernels, trials: int, seed: int, budget_s: float
+) -> dict[str, Any]:
+    """The same greedy request `trials` times amid random concurrent requests, through the engine."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(32)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    outputs: dict[str, list[int]] = {}
+    batches: dict[str, tuple[int, int]] = {}
+
+    def sink_for(rid: str) -> Any:
+        def sink(event: TokenOutput | EngineError) -> None:
+            if isinstance(event, EngineError):
+                raise RuntimeError(f"{rid}: {event}")
+            outputs.setdefault(rid, []).append(event.token_id)
+            batches[rid] = (event.batch.min, event.batch.max)
+
+        return sink
+
+    alone = _engine(model, kernels, num_blocks=8)
+    alone.submit("alone", prompt, greedy, sink_for("alone"))
+    while alone.has_work():
+        alone.step()
+    del alone
+    reference = outputs.pop("alone")
+
+    jobs: list[tuple[str, list[int], SamplingParams]] = [(f"t{i}", prompt, greedy) for i in range(trials)]
+    for i in range(trials):
+        noise = [rng.randrange(vocab) for _ in range(rng.randint(1, 300))]
+        jobs.append((f"b{i}", noise, SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 48))))
+    rng.shuffle(jobs)
+    engine = _engine(model, kernels, num_blocks=64 * 24 + 64)
+    started, steps = time.perf_counter(), 0
+    while jobs or engine.has_work():
+        if time.perf_counter() - started > budget_s:
+            jobs = []  # out of time: finish what is in flight, report how many trials ran
+        for _ in range(rng.randint(0, 3)):
+            if jobs and engine.queue_depth < 16:
+                rid, ids, params = jobs.pop()
+                engine.submit(rid, ids, params, sink_for(rid))
+        engine.step()
+        steps += 1
+    completions = [tuple(v) for k, v in outputs.items() if k.startswith("t")]
+    ref = tuple(reference)
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(c, ref, strict=True)) if a != b), None) for c in completions
+    ]
+    diverged = [f for f in firsts if f is not None]
+    sizes = [batches[k] for k in outputs if k.startswith("t")]
+    return {
+        "trials": len(completions),
+        "distinct_completions": len(Counter(completions)),
+        "trials_differing_from_alone": len(diverged),
+        "first_divergent_position": min(diverged) if diverged else None,
+        "median_divergent_position": sorted(diverged)[len(diverged) // 2] if diverged else None,
+        "batch_sizes_seen": [min(s[0] for s in sizes), max(s[1] for s in sizes)] if sizes else None,
+        "steps": steps,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def main() -> None:
+    out_path = sys.argv[1]
+    trials = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
+    import triton
+
+    config = qwen3_1_7b()
+    modes = {"default": CublasKernels(), "batch_invariant": TritonKernels(kv_split_size=256)}
+    weights = random_weights(config, seed=0)
+    models = {
+        name: Transformer(config, dict(weights), k, torch.device(DEVICE), torch.bfloat16)
+        for name, k in modes.items()
+    }
+    del weights
+    props = torch.cuda.get_device_properties(0)
+    report: dict[str, Any] = {
+        "device": props.name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "model": "Qwen3-1.7B shape, random seeded bf16 weights (seed 0), tied embeddings",
+        "context_tokens": CONTEXT,
+        "copy_TBps": copy_bandwidth(),
+    }
+    report["weight_bytes"] = weight_bytes(models["default"])
+    report["bandwidth_floor_ms"] = report["weight_bytes"] / report["copy_TBps"] / 1e9
+    print(f"copy {report['copy_TBps']:.2f} TB/s, floor {report['bandwidth_floor_ms']:.3f} ms", flush=True)
+    report["matmul"] = matmul_table(models["batch_invariant"])
+    print("matmul done", flush=True)
+
+    cache = PagedKVCache(config, 128 * 37 + 16, PAGE, torch.device(DEVICE), torch.bfloat16)
+    for phase, fn in (("decode", decode_rate), ("prefill", prefill_rate)):
+        report[phase] = {}
+        for batch in BATCHES:
+            row = {name: fn(model, cache, batch) for name, model in models.items()}
+            row["ratio"] = row["batch_invariant"]["tokens_per_s"] / row["default"]["tokens_per_s"]
+            report[phase][str(batch)] = row
+            print(phase, batch, json.dumps(row), flush=True)
+    del cache
+    torch.cuda.empty_cache()
+    report["divergence"] = {}
+    for name, model in models.items():
+        report["divergence"][name] = divergence(model, modes[name], trials, seed=7, budget_s=100)
+        print("divergence", name, json.dumps(report["divergence"][name]), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(report)
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(f"\n{r['device']}  torch {r['torch']}  triton {r['triton']}  copy {r['copy_TBps']:.2f} TB/s")
+    worst: dict[str, float] = {}
+    for row in r["matmul"]:
+        worst[row["weight"]] = max(worst.get(row["weight"], 0.0), row["ratio"])
+    print(
+        "matmul worst ratio to cuBLAS over M=1..512: " + ", ".join(f"{k} {v:.2f}" for k, v in worst.items())
+    )
+    print("batch  decode tok/s default  invariant  ratio | prefill tok/s default  invariant  ratio")
+    for b in BATCHES:
+        d, p = r["decode"][str(b)], r["prefill"][str(b)]
+        print(
+            f"{b:5d}  {d['default']['tokens_per_s']:12.0f}  {d['batch_invariant']['tokens_per_s']:9.0f}  "
+            f"{d['ratio']:5.2f} | {p['default']['tokens_per_s']:13.0f}  {p['batch_invariant']['tokens_per_s']:9.0f}"
+            f"  {p['ratio']:5.2f}"
+        )
+    step = r["decode"]["1"]["batch_invariant"]["step_ms"]
+    print(
+        f"decode step at batch 1: {step:.3f} ms, floor {r['bandwidth_floor_ms']:.3f} ms, x{step / r['bandwidth_floor_ms']:.2f}"
+    )
+    for name, d in r["divergence"].items():
+        print(
+            f"divergence {name}: {d['trials']} trials, {d['distinct_completions']} distinct, "
+            f"{d['trials_differing_from_alone']} differ from alone, first at {d['first_divergent_position']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
