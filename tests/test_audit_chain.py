@@ -23,6 +23,7 @@ from proxy.audit.chain import (
     check_prompt_row,
     check_stack_row,
     entry_hash,
+    envelope_text,
     format_timestamp,
     load_canonical,
     parse_content,
@@ -59,7 +60,7 @@ fields_strategy = st.builds(
     prompt_sha256=st.none() | st.text("0123456789abcdef", min_size=64, max_size=64),
     replay_of=st.none() | st.text(min_size=1, max_size=8),
     status=st.text(min_size=1, max_size=8),
-    content=json_objects,
+    content_json=json_objects.map(canonical_json),
 )
 
 
@@ -78,6 +79,7 @@ def fields(record_id: str = "r1", **overrides: Any) -> EntryFields:
         "content": {"token_ids": [1, 2], "token_logprobs": [-0.5, -1.25]},
     }
     values.update(overrides)
+    values["content_json"] = canonical_json(values.pop("content"))
     return EntryFields(**values)
 
 
@@ -97,6 +99,20 @@ def test_a_stack_fingerprint_is_sha256_of_its_canonical_json() -> None:
     expected = '{"model":"tiny","schema":1,"software":{"cuda":null,"torch":"2.13.0"}}'
     assert stack_fingerprint(stack) == hashlib.sha256(expected.encode()).hexdigest()
     assert prompt_sha256("Ünïcode") == hashlib.sha256("Ünïcode".encode()).hexdigest()
+
+
+@settings(max_examples=60)
+@given(fields_strategy, st.integers(1, 10**12), st.text("0123456789abcdef", min_size=64, max_size=64))
+def test_the_envelope_is_the_canonical_json_of_the_documented_object(
+    fields: EntryFields, position: int, prev: str
+) -> None:
+    """The hash splices the stored content text into the envelope; that must equal canonicalizing it all."""
+    whole = {
+        "position": position,
+        "prev": prev,
+        "entry": {**fields.header(), "content": load_canonical(fields.content_json)},
+    }
+    assert envelope_text(position, prev, fields) == canonical_json(whole)
 
 
 @given(json_objects)
@@ -138,7 +154,7 @@ def test_every_field_is_covered_by_the_hash(base: EntryFields, name: str, positi
     before = entry_hash(position, GENESIS_SHA256, base)
     changed: dict[str, Any] = {
         "created_at": base.created_at + timedelta(microseconds=1),
-        "content": {**base.content, "\x00extra": True},
+        "content_json": canonical_json({**load_canonical(base.content_json), "\x00extra": True}),
     }
     old = getattr(base, name)
     new_value = changed.get(name, "x" if old is None else (old + "x" if isinstance(old, str) else None))
@@ -194,7 +210,8 @@ def test_any_single_tampering_is_found_and_located(
         tampered[k] = replace(links[k], sha256="f" * 64)
         expected_kind, expected_position = "hash_mismatch", k + 1
     elif mutation == "respace":
-        tampered[k] = replace(links[k], content_canonical=False)
+        respaced = " " + links[k].fields.content_json
+        tampered[k] = replace(links[k], fields=replace(links[k].fields, content_json=respaced))
         expected_kind, expected_position = "content_not_canonical", k + 1
     elif mutation == "swap":
         first, second = links[k], links[k + 1]

@@ -93,9 +93,12 @@ class EntryFields:
     prompt_sha256: str | None
     replay_of: str | None
     status: str
-    content: Mapping[str, Any]
+    # The canonical JSON text of the content object: computed once when the entry is made, and hashed as
+    # stored when it is verified, so that neither side canonicalizes the (large) content again.
+    content_json: str
 
-    def as_json(self) -> dict[str, Any]:
+    def header(self) -> dict[str, Any]:
+        """Every hashed field but the content."""
         return {
             "record_id": self.record_id,
             "part": self.part,
@@ -107,25 +110,34 @@ class EntryFields:
             "prompt_sha256": self.prompt_sha256,
             "replay_of": self.replay_of,
             "status": self.status,
-            "content": dict(self.content),
         }
 
 
+def envelope_text(position: int, prev_sha256: str, fields: EntryFields) -> str:
+    """JCS({"position": p, "prev": prev, "entry": {...header, "content": content}}), built around the content.
+
+    "content" sorts before every other key of an entry, and "entry" before "position" and "prev", so the
+    canonical text is the content member followed by the header's members; a test holds this equal to
+    canonicalizing the whole object.
+    """
+    header = canonical_json(fields.header())
+    entry = '{"content":' + fields.content_json + "," + header[1:]
+    tail = ',"position":' + canonical_json(position) + ',"prev":' + canonical_json(prev_sha256) + "}"
+    return '{"entry":' + entry + tail
+
+
 def entry_hash(position: int, prev_sha256: str, fields: EntryFields) -> str:
-    envelope = {"position": position, "prev": prev_sha256, "entry": fields.as_json()}
-    return sha256_hex(canonical_json(envelope))
+    return sha256_hex(envelope_text(position, prev_sha256, fields))
 
 
 @dataclass(frozen=True)
 class Link:
-    """One stored entry as verification sees it: content still as the text that was stored."""
+    """One entry with its place in the chain; on verification, the content text is the one stored."""
 
     position: int
     prev_sha256: str
     sha256: str
     fields: EntryFields
-    # False when the stored content text was not the canonical JSON of its value (or not JSON at all).
-    content_canonical: bool = True
 
     @property
     def record_id(self) -> str:
@@ -173,6 +185,13 @@ def parse_content(text: str) -> tuple[dict[str, Any] | None, bool]:
         return value, False
 
 
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def check_link(expected_position: int, expected_prev: str, link: Link) -> ChainProblem | None:
     """What is wrong with `link` as successor of (`expected_position` - 1, `expected_prev`), if anything."""
     where = {"position": link.position, "record_id": link.record_id}
@@ -194,12 +213,14 @@ def check_link(expected_position: int, expected_prev: str, link: Link) -> ChainP
             ),
             **where,
         )
-    if not link.content_canonical:
-        return ChainProblem(
-            kind="content_not_canonical",
-            message=f"entry {link.position} stores content that is not canonical JSON of an object (edited)",
-            **where,
-        )
+    not_canonical = ChainProblem(
+        kind="content_not_canonical",
+        message=f"entry {link.position} stores content that is not the canonical JSON of an object (edited)",
+        **where,
+    )
+    # Splicing the content text into the envelope is unambiguous only for a complete JSON object.
+    if not _is_json_object(link.fields.content_json):
+        return not_canonical
     try:
         recomputed = entry_hash(link.position, link.prev_sha256, link.fields)
     except (NotCanonicalizable, ValueError) as exc:
@@ -207,6 +228,8 @@ def check_link(expected_position: int, expected_prev: str, link: Link) -> ChainP
             kind="hash_mismatch", message=f"entry {link.position} cannot be hashed: {exc}", **where
         )
     if recomputed != link.sha256:
+        if not parse_content(link.fields.content_json)[1]:
+            return not_canonical
         return ChainProblem(
             kind="hash_mismatch",
             message=(

@@ -98,7 +98,7 @@ class NewEntry(BaseModel):
             prompt_sha256=self.prompt_sha256,
             replay_of=self.replay_of,
             status=self.status,
-            content=self.content,
+            content_json=self.content_json,
         )
 
 

@@ -22,7 +22,6 @@ from proxy.audit.chain import (
     check_link,
     check_prompt_row,
     check_stack_row,
-    parse_content,
 )
 from proxy.audit.models import ChainHead, Entry, Prompt, Stack
 from proxy.audit.values import LinkCheck, VerifyReport
@@ -34,7 +33,6 @@ PROMPTS = Prompt.__table__
 
 
 def link_from_row(row: RowMapping) -> Link:
-    content, canonical = parse_content(row["content"])
     fields = EntryFields(
         record_id=row["record_id"],
         part=row["part"],
@@ -46,14 +44,13 @@ def link_from_row(row: RowMapping) -> Link:
         prompt_sha256=row["prompt_sha256"],
         replay_of=row["replay_of"],
         status=row["status"],
-        content=content if content is not None else {},
+        content_json=row["content"],
     )
     return Link(
         position=row["position"],
         prev_sha256=row["prev_sha256"],
         sha256=row["sha256"],
         fields=fields,
-        content_canonical=canonical,
     )
 
 
