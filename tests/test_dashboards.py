@@ -2,7 +2,8 @@
 
 Every metric a dashboard queries must be a documented name (docs/metrics.md) that the code really exports:
 the names are read from `proxy.metrics.ProxyMetrics` and `pinned_backend.metrics.BackendMetrics` built on
-fresh registries. A small PromQL scanner finds the metric names in each query; its own tests come first.
+fresh registries. Queries are parsed with a PromQL parser (promql-parser, installed by .ci/tools.sh), so a
+query Prometheus would reject fails here too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import promql_parser
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -25,41 +27,36 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 # Labels Prometheus adds to every scraped series; a dashboard may group by them without the code exporting them.
 TARGET_LABELS = {"instance", "job", "namespace", "pod", "service", "container", "endpoint"}
 
-# --- PromQL scanning ------------------------------------------------------------------------------------------
+# --- PromQL --------------------------------------------------------------------------------------------------
 
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
-_GRAFANA_VARIABLE = re.compile(r"\$(?:\{\w+(?::\w+)?\}|\w+)")
-_RANGE = re.compile(r"\[[^\]]*\]")
-_MATCHERS = re.compile(r"\{[^}]*\}")
-_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_BARE_MODIFIER = re.compile(r"\b(?:group_left|group_right|bool)\b")
-_IDENTIFIER = re.compile(r"(?<![\w.:])([A-Za-z_:][A-Za-z0-9_:]*+)(?!\s*\()")
-_KEYWORDS = {"and", "or", "unless", "offset", "inf", "nan", "by", "without", "on", "ignoring"}
-_SELECTOR_MATCHERS = re.compile(r"([A-Za-z_:][A-Za-z0-9_:]*)\s*\{([^}]*)\}")
-_MATCHER_LABEL = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
+# Grafana fills these in before the query reaches Prometheus; any duration parses the same.
+_GRAFANA_INTERVALS = re.compile(
+    r"\$(?:\{(?:__rate_interval|__interval|__range)\}|__rate_interval|__interval|__range)\b"
+)
 _LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(?P<selector>.+?)\s*,\s*)?(?P<label>\w+)\s*\)\s*$")
 
 
-def _without_strings(expr: str) -> str:
-    return _STRING.sub('""', expr)
+def parse_query(expr: str) -> promql_parser.Expr:
+    """A dashboard query as Prometheus parses it (raises ValueError on a syntax error)."""
+    return promql_parser.parse(_GRAFANA_INTERVALS.sub("5m", expr))
+
+
+def selectors(expr: str) -> list[tuple[str, set[str]]]:
+    """(metric name, label names its matchers use) for every series selector in the query."""
+    found: list[tuple[str, set[str]]] = []
+
+    def visit(node: promql_parser.Expr) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            labels = {matcher.name for matcher in node.matchers.matchers}
+            assert node.name, f"select metrics by name, not through __name__ matchers: {expr}"
+            found.append((node.name, labels))
+
+    promql_parser.walk(parse_query(expr), visit)
+    return found
 
 
 def promql_metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects: identifiers that are not functions, keywords or labels."""
-    text = _GRAFANA_VARIABLE.sub("", _without_strings(expr))
-    text = _RANGE.sub(" ", text)
-    text = _MATCHERS.sub(" ", text)
-    text = _GROUPING.sub(" ", text)
-    text = _BARE_MODIFIER.sub(" ", text)
-    return {name for name in _IDENTIFIER.findall(text) if name not in _KEYWORDS}
-
-
-def promql_matcher_labels(expr: str) -> dict[str, set[str]]:
-    """For each metric written with a `{...}` selector, the label names its matchers use."""
-    labels: dict[str, set[str]] = {}
-    for metric, matchers in _SELECTOR_MATCHERS.findall(_without_strings(expr)):
-        labels.setdefault(metric, set()).update(_MATCHER_LABEL.findall(matchers))
-    return labels
+    return {name for name, _ in selectors(expr)}
 
 
 # --- the dashboards ------------------------------------------------------------------------------------------
@@ -100,20 +97,19 @@ def _variable_queries(board: dict[str, Any]) -> list[tuple[str, str]]:
     return queries
 
 
-def queried_series(board: dict[str, Any]) -> list[tuple[str, str, dict[str, set[str]]]]:
+def queried_series(board: dict[str, Any]) -> list[tuple[str, str, set[str]]]:
     """(where, metric, labels its matchers use) for every metric any panel or variable of the board queries."""
     found = []
     for where, expr in _panel_queries(board):
-        matchers = promql_matcher_labels(expr)
-        for metric in promql_metric_names(expr):
-            found.append((f"panel {where!r}", metric, matchers.get(metric, set())))
+        found += [(f"panel {where!r}", metric, labels) for metric, labels in selectors(expr)]
     for where, query in _variable_queries(board):
         match = _LABEL_VALUES.match(query)
         assert match is not None, f"variable {where!r}: expected label_values(...), got {query!r}"
-        selector = match["selector"] or ""
-        matchers = promql_matcher_labels(selector)
-        for metric in promql_metric_names(selector):
-            found.append((f"variable {where!r}", metric, matchers.get(metric, set()) | {match["label"]}))
+        if match["selector"]:
+            found += [
+                (f"variable {where!r}", metric, labels | {match["label"]})
+                for metric, labels in selectors(match["selector"])
+            ]
     return found
 
 
@@ -172,18 +168,24 @@ def base_name(metric: str, documented: dict[str, DocumentedMetric]) -> str:
         ('a / on (instance) group_left (model) b{hardware!="cpu"} > bool 1e3', {"a", "b"}),
         ("count(max by (replica) (up offset 1h) == 0) or vector(0)", {"up"}),
         ('sum(increase(m{l="x and y"}[$__range])) unless ignoring (pod) n', {"m", "n"}),
-        ("${datasource_metric:raw}", set()),
+        ('label_replace(vector(1), "a", "$1", "b", "(.*)")', set()),
     ],
 )
-def test_promql_scanner_finds_metric_names_and_nothing_else(expr: str, names: set[str]) -> None:
+def test_metric_names_are_read_from_the_parsed_query(expr: str, names: set[str]) -> None:
     assert promql_metric_names(expr) == names
 
 
-def test_promql_scanner_reads_the_labels_of_selector_matchers() -> None:
+def test_matcher_labels_are_read_per_selector() -> None:
     expr = (
         'sum by (le) (rate(h_bucket{model=~"$model", kernel_mode!="default"}[1m])) * on (instance) i{pod="p"}'
     )
-    assert promql_matcher_labels(expr) == {"h_bucket": {"model", "kernel_mode"}, "i": {"pod"}}
+    assert sorted(selectors(expr)) == [("h_bucket", {"model", "kernel_mode"}), ("i", {"pod"})]
+
+
+@pytest.mark.parametrize("expr", ["sum(rate(x[$__rate_interval])", "rate(x)[5m]", 'x{a="b"', "sum by (le x)"])
+def test_a_query_prometheus_would_reject_fails(expr: str) -> None:
+    with pytest.raises(ValueError):
+        parse_query(expr)
 
 
 def test_metrics_doc_tables_are_read() -> None:
@@ -226,9 +228,13 @@ def test_datasource_is_a_template_variable_that_every_query_uses(path: Path) -> 
 
 
 @pytest.mark.parametrize("path", _dashboard_files(), ids=lambda p: p.name)
-def test_every_query_selects_a_metric(path: Path) -> None:
+def test_every_query_parses_and_selects_a_metric(path: Path) -> None:
     for title, expr in _panel_queries(_load(path)):
-        assert promql_metric_names(expr), f"{path.name}: panel {title!r} selects no metric: {expr}"
+        try:
+            names = promql_metric_names(expr)
+        except ValueError as e:
+            pytest.fail(f"{path.name}: panel {title!r}: {e}: {expr}")
+        assert names, f"{path.name}: panel {title!r} selects no metric: {expr}"
 
 
 @pytest.mark.parametrize("path", _dashboard_files(), ids=lambda p: p.name)
