@@ -91,7 +91,8 @@ async def probe(target: tuple[str, str | None], args: argparse.Namespace) -> int
         "temperature": args.temperature,
     }
     semaphore = asyncio.Semaphore(max(1, args.concurrency))
-    answers: Counter[str] = Counter()
+    answers: Counter[str] = Counter()  # by token ids (or text, from replicas that give no ids)
+    bitwise: Counter[str] = Counter()  # by token ids and the bits of their logprobs
     failures: Counter[str] = Counter()
     stacks: set[str] = set()
 
@@ -106,8 +107,12 @@ async def probe(target: tuple[str, str | None], args: argparse.Namespace) -> int
                 return
             stacks.add(response.headers.get("Stackpin-Stack", "?"))
             extension = result.get("stackpin") or {}
-            key = json.dumps(extension.get("token_ids")) if extension.get("token_ids") is not None else None
-            answers[key or result["choices"][0]["message"]["content"]] += 1
+            text = result["choices"][0]["message"]["content"]
+            ids = extension.get("token_ids")
+            key = json.dumps(ids) if ids is not None else text
+            answers[key] += 1
+            bits = [float(lp).hex() for lp in extension.get("token_logprobs") or []]
+            bitwise[json.dumps([key, bits])] += 1
 
     try:
         async with aiohttp.ClientSession() as session:
@@ -120,6 +125,7 @@ async def probe(target: tuple[str, str | None], args: argparse.Namespace) -> int
         "concurrency": args.concurrency,
         "answered": sum(answers.values()),
         "distinct_completions": len(answers),
+        "distinct_bitwise": len(bitwise),
         "largest_group": max(answers.values(), default=0),
         "stacks": sorted(stacks),
         "failures": dict(failures),
@@ -129,7 +135,8 @@ async def probe(target: tuple[str, str | None], args: argparse.Namespace) -> int
     else:
         print(
             f"{summary['answered']}/{args.requests} answered at concurrency {args.concurrency}: "
-            f"{summary['distinct_completions']} distinct completion(s); stacks {', '.join(summary['stacks'])}"
+            f"{summary['distinct_completions']} distinct completion(s), {summary['distinct_bitwise']} distinct "
+            f"counting logprob bits; stacks {', '.join(summary['stacks'])}"
         )
         for message, count in failures.items():
             print(f"  {count} failed: {message}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from proxy.answers import Tokens, tokens_of
 from proxy.audit import AuditRecord
 from proxy.compare import Comparison, compare
@@ -96,8 +98,10 @@ async def replay(
     answer = dispatched.result
     replayed = tokens_of(answer.body)
     comparison = compare(original.tokens, replayed)
+    record_id = new_record_id()
+    structlog.contextvars.bind_contextvars(record_id=record_id, replay_of=original.record_id)
     served = Served(
-        record_id=new_record_id(),
+        record_id=record_id,
         tenant=tenant,
         endpoint=original.endpoint,
         pin=pin,

@@ -89,10 +89,10 @@ class Proxy:
         answer = dispatched.result
         upstream_fp = _body_fingerprint(answer.body)
         tokens = tokens_of(answer.body)
-        log.bind(record_id=served.record_id)
         await self.store.append(
             answer_entry(served, answer.body, tokens, self.clock(), upstream_fingerprint=upstream_fp)
         )
+        log.info("answered", tenant=tenant, endpoint=request.endpoint, tokens=len(tokens.token_ids or []))
         return served, answer
 
     async def stream(
@@ -114,7 +114,6 @@ class Proxy:
         dispatched = await self._dispatch(request, send)
         served = self._served(request, tenant, received_at, dispatched)
         upstream = dispatched.result
-        bound = log.bind(record_id=served.record_id, replica=served.replica.name)
         self.registry.acquire(served.replica.name)
         try:
             try:
@@ -122,13 +121,11 @@ class Proxy:
             except BaseException:
                 upstream.close()
                 raise
-            return await self._relay(served, upstream, http_request, bound)
+            return await self._relay(served, upstream, http_request)
         finally:
             self.registry.release(served.replica.name)
 
-    async def _relay(
-        self, served: Served, upstream: Stream, http_request: web.Request, bound: structlog.BoundLogger
-    ) -> web.StreamResponse:
+    async def _relay(self, served: Served, upstream: Stream, http_request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -163,7 +160,7 @@ class Proxy:
             )
             # The closing record must land even when the client's disconnect cancels this task.
             await asyncio.shield(self.store.append(closed))
-        bound.info("stream_closed", status=status, chunks=assembly.chunks)
+        log.info("stream_closed", status=status, chunks=assembly.chunks)
         if status == "complete":
             self._count_tokens(served, assembly.usage)
             await response.write(b"data: [DONE]\n\n")
@@ -189,8 +186,13 @@ class Proxy:
     def _served(
         self, request: ClientRequest, tenant: str, received_at: datetime, dispatched: Dispatched[Any]
     ) -> Served:
+        record_id = new_record_id()
+        # Every log line from here to the end of this request's task carries the record id.
+        structlog.contextvars.bind_contextvars(
+            record_id=record_id, replica=dispatched.replica.name, fingerprint=dispatched.replica.fingerprint
+        )
         return Served(
-            record_id=new_record_id(),
+            record_id=record_id,
             tenant=tenant,
             endpoint=request.endpoint,
             pin=request.pin,

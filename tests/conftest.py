@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 
 import pytest
 
+from proxy.logs import configure_logging
 from tests.fake_replica import FakeReplica
+
+
+@pytest.fixture(autouse=True)
+def json_logs_on_stderr() -> None:
+    """The proxy's logs as in production, kept out of stdout, where CLI tests read what the commands print."""
+    configure_logging("info", sys.stderr)
 
 
 @pytest.fixture

@@ -175,3 +175,19 @@ async def test_unknown_api_key_is_a_401_and_another_tenants_record_a_404(
             f"/v1/records/{record_id}", headers={"Authorization": "Bearer sk-acme-123"}
         )
         assert status == 200 and record["tenant"] == "acme"
+
+
+async def test_a_streams_record_is_committed_before_its_first_byte(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    import aiohttp
+
+    async with running_proxy([replica], tmp_path) as harness:
+        body = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 4, "stream": True}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{harness.v1}/chat/completions", json=body) as r,
+        ):
+            record = await harness.proxy.store.get_record(r.headers["Stackpin-Record"], "local")
+            assert record is not None and record.entries[0].part == "opened"
+            await r.read()

@@ -1,0 +1,45 @@
+"""Logs are JSON lines, each line about a request carries its record id, and no key ever reaches a line."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+from proxy.logs import configure_logging
+from tests.fake_replica import FakeReplica
+from tests.proxy_harness import running_proxy
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+
+
+async def test_request_lines_carry_the_record_id_and_never_a_key(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    sink = io.StringIO()
+    configure_logging("info", sink)
+    try:
+        replicas = [
+            {"name": "upstream", "url": replica.url, "api_key_env": "UP", "stack": {"model": "fake-model"}}
+        ]
+        tenants = [{"name": "acme", "api_key_env": "ACME"}]
+        environ = {"UP": "sk-upstream-very-secret", "ACME": "sk-client-very-secret"}
+        async with running_proxy(
+            [], tmp_path, replicas=replicas, tenants=tenants, environ=environ
+        ) as harness:
+            auth = {"Authorization": "Bearer sk-client-very-secret"}
+            status, _, headers = await harness.post("/v1/chat/completions", CHAT, headers=auth)
+            assert status == 200
+            await harness.post("/v1/chat/completions", CHAT, headers={"Authorization": "Bearer sk-wrong-key"})
+            replica.failure = "500"
+            await harness.post("/v1/chat/completions", CHAT, headers=auth)
+    finally:
+        configure_logging("info", sys.stderr)
+    text = sink.getvalue()
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert all("event" in line and "timestamp" in line for line in lines)
+    answered = [line for line in lines if line["event"] == "answered"]
+    assert answered and answered[0]["record_id"] == headers["Stackpin-Record"]
+    for secret in ("sk-upstream-very-secret", "sk-client-very-secret", "sk-wrong-key"):
+        assert secret not in text
