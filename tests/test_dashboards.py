@@ -228,6 +228,23 @@ def test_datasource_is_a_template_variable_that_every_query_uses(path: Path) -> 
 
 
 @pytest.mark.parametrize("path", _dashboard_files(), ids=lambda p: p.name)
+def test_panels_have_unique_ids_and_fit_the_grid_without_overlapping(path: Path) -> None:
+    panels = _load(path)["panels"]  # rows are not collapsed: every panel has its own place on the grid
+    ids = [panel["id"] for panel in panels]
+    assert len(set(ids)) == len(ids), f"{path.name}: panel ids repeat"
+    taken: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, (
+            f"{path.name}: {panel['title']!r} leaves the grid"
+        )
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in taken, f"{path.name}: {panel['title']!r} overlaps {taken[(x, y)]!r}"
+                taken[(x, y)] = panel["title"]
+
+
+@pytest.mark.parametrize("path", _dashboard_files(), ids=lambda p: p.name)
 def test_every_query_parses_and_selects_a_metric(path: Path) -> None:
     for title, expr in _panel_queries(_load(path)):
         try:

@@ -27,8 +27,9 @@ FLEET_VALUES = CHART / "ci" / "values-gpu-fleet.yaml"
 DASHBOARDS = REPO / "dashboards"
 RELEASE = "stackpin"
 NAMESPACE = "stackpin"
-# The helm and kubectl that .ci/tools.sh installs are those of Kubernetes 1.31.
+# The helm and kubectl that .ci/tools.sh installs are those of Kubernetes 1.31; the chart's kubeVersion allows 1.25.
 KUBERNETES_VERSION = "1.31.0"
+OLDEST_KUBERNETES_VERSION = "1.25.0"
 CRD_GROUPS = {"monitoring.coreos.com"}
 CONFIG_PATH = "/etc/stackpin/stackpin.toml"
 
@@ -145,20 +146,26 @@ def test_lint_passes(name: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("version", [OLDEST_KUBERNETES_VERSION, KUBERNETES_VERSION])
 def test_every_manifest_validates_against_the_kubernetes_schemas(
-    variant: tuple[list[Manifest], dict],
+    variant: tuple[list[Manifest], dict], version: str
 ) -> None:
     manifests, _ = variant
     errors = []
     for manifest in manifests:
         if manifest["apiVersion"].split("/")[0] in CRD_GROUPS:
-            continue  # no schema offline; test_service_monitor checks its shape
+            continue  # no schema offline; test_service_monitor_scrapes_the_proxy_and_every_backend checks its shape
         try:
-            kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
+            kubernetes_validate.validate(manifest, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             path = ".".join(str(part) for part in e.path)
             errors.append(f"{manifest['kind']}/{manifest['metadata']['name']}: {path}: {e.message}")
     assert not errors, "\n".join(errors)
+
+
+def test_the_oldest_version_validated_is_the_charts_lower_bound() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == f">={OLDEST_KUBERNETES_VERSION}-0"
 
 
 @pytest.mark.parametrize(
