@@ -555,3 +555,12 @@ def test_weights_may_come_from_a_host_path(tmp_path: Path) -> None:
     assert models == {"name": "models", "hostPath": {"path": "/srv/models", "type": "Directory"}}
     (mount,) = [m for m in container(deployment, "backend")["volumeMounts"] if m["name"] == "models"]
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+
+
+def test_a_stack_can_be_scaled_to_zero_and_stays_listed(tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    stack = {**TINY, "name": "parked", "replicas": 0}
+    path.write_text(yaml.safe_dump({"stacks": [stack]}))
+    manifests = render(path)
+    assert one(manifests, "Deployment", backend_name(stack))["spec"]["replicas"] == 0
+    assert [r["name"] for r in proxy_config(manifests)["replicas"]] == ["parked"]
