@@ -19,8 +19,6 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from proxy.config import load_settings
-
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "stackpin"
 FLEET_VALUES = CHART / "ci" / "values-gpu-fleet.yaml"
@@ -130,10 +128,6 @@ def flags(args: list[str]) -> dict[str, str]:
 
 def proxy_config(manifests: list[Manifest]) -> dict[str, Any]:
     return tomllib.loads(one(manifests, "ConfigMap", RELEASE)["data"]["stackpin.toml"])
-
-
-def is_hook(manifest: Manifest) -> bool:
-    return "helm.sh/hook" in manifest["metadata"].get("annotations", {})
 
 
 # --- helm lint and the Kubernetes schemas ----------------------------------------------------------------------
@@ -268,6 +262,8 @@ def test_keys_and_urls_come_from_existing_secrets(variant: tuple[list[Manifest],
 def test_the_rendered_config_is_accepted_by_the_proxy(
     variant: tuple[list[Manifest], dict], tmp_path: Path
 ) -> None:
+    from proxy.config import load_settings  # here, so that only this test depends on the proxy's code
+
     manifests, values = variant
     path = tmp_path / "stackpin.toml"
     path.write_text(one(manifests, "ConfigMap", RELEASE)["data"]["stackpin.toml"])
