@@ -1,8 +1,9 @@
 """create_app: the proxy's aiohttp application, its resources as cleanup contexts, its routes.
 
 Resources, acquired in order and released in reverse: the audit store, the HTTP client for replicas, the embedded
-local backend (when configured), and the replica registry with its health monitor, which checks every replica
-before the first request is accepted.
+local backend (when configured), the replica registry with its health monitor, which checks every replica
+before the first request is accepted, and the fleet (proxy/fleet/runtime.py): rate limits, and in fleet mode the
+shared view in Redis.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.audit import AuditStore
 from proxy.config import Secrets, Settings
+from proxy.fleet.runtime import fleet_for
 from proxy.handlers import error_middleware, routes
 from proxy.health import HealthMonitor
 from proxy.keys import PROMPTS, PROXY, ROUTES
@@ -96,8 +98,11 @@ def create_app(
                     declared=replica.declared,
                 )
             monitor_task = asyncio.create_task(health.run(settings.health.interval_s))
-            app[PROXY] = Proxy(settings, secrets, registry, store, session, metrics, health, clock)
-            yield
+            async with fleet_for(settings, registry, health, metrics, clock=clock) as fleet:
+                app[PROXY] = Proxy(
+                    settings, secrets, registry, store, session, metrics, health, clock, fleet=fleet
+                )
+                yield
         finally:
             if monitor_task is not None:
                 monitor_task.cancel()

@@ -102,6 +102,24 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--temperature", type=float, default=0.0)
     probe.add_argument("--json", action="store_true")
     probe.set_defaults(run=_probe)
+
+    fleet = commands.add_parser("fleet", help="fleet mode: shared state in Redis")
+    fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True)
+    heartbeat = fleet_commands.add_parser(
+        "heartbeat",
+        parents=[config],
+        help="beside a backend: prove its stack at GET /v1/stack and renew its lease in Redis",
+    )
+    heartbeat.add_argument(
+        "--replica-url", required=True, help="the backend's base URL, e.g. http://127.0.0.1:8000"
+    )
+    heartbeat.add_argument("--name", required=True, help="the replica's name, unique in the fleet")
+    heartbeat.add_argument("--redis", help="Redis URL (default: the configuration's [fleet] redis_url)")
+    heartbeat.add_argument("--lease-s", type=float, default=15.0, help="lease length in seconds (default 15)")
+    heartbeat.add_argument(
+        "--interval-s", type=float, help="seconds between beats (default: a third of the lease)"
+    )
+    heartbeat.set_defaults(run=_fleet_heartbeat)
     return parser
 
 
@@ -169,6 +187,40 @@ def _probe(args: argparse.Namespace) -> int:
 
     settings, _ = load_settings(args.config)
     return asyncio.run(probe(_client_target(args, settings), args))
+
+
+def _fleet_heartbeat(args: argparse.Namespace) -> int:
+    import re
+
+    from proxy.app import utc_now
+    from proxy.fleet.heartbeat import run_sidecar
+    from proxy.logs import configure_logging
+
+    settings = _settings(args)
+    redis_url = args.redis or settings.fleet.redis_url
+    if not redis_url:
+        raise ConfigError("fleet heartbeat needs Redis: pass --redis URL or set [fleet] redis_url")
+    if not re.match(r"^https?://[^\s/]+", args.replica_url):
+        raise ConfigError(f"--replica-url must start with http:// or https://, got {args.replica_url!r}")
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", args.name):
+        raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {args.name!r}")
+    interval_s = args.interval_s if args.interval_s is not None else args.lease_s / 3
+    if args.lease_s <= 0 or not 0 < interval_s < args.lease_s:
+        raise ConfigError("--lease-s must be positive and --interval-s shorter than the lease")
+    configure_logging(settings.log_level)
+    asyncio.run(
+        run_sidecar(
+            redis_url,
+            key_prefix=settings.fleet.key_prefix,
+            name=args.name,
+            replica_url=args.replica_url,
+            lease_s=args.lease_s,
+            interval_s=interval_s,
+            timeout_s=min(settings.fleet.timeout_s, interval_s),
+            clock=utc_now,
+        )
+    )
+    return EXIT_OK
 
 
 def _client_target(args: argparse.Namespace, settings: Settings) -> tuple[str, str | None]:

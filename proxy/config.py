@@ -82,7 +82,13 @@ class LocalBackendSettings(_Section):
 
 
 class FleetSettings(_Section):
+    """Fleet mode (proxy/fleet/): shared replica view and rate limits in Redis, on when `redis_url` is set."""
+
     redis_url: str | None = None
+    key_prefix: str = "stackpin:"  # every key this fleet writes starts with it (one Redis, several fleets)
+    sync_interval_s: float = Field(default=1.0, gt=0)  # how often the shared view is read back
+    max_stale_s: float = Field(default=30.0, ge=0)  # how long the last view is served while Redis is away
+    timeout_s: float = Field(default=1.0, gt=0)  # one Redis call; an outage shows within this
 
 
 class ReplicaSettings(_Section):
@@ -103,6 +109,8 @@ class TenantSettings(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     api_key_env: str | None = None
     api_key_sha256: list[str] = Field(default_factory=list)
+    requests_per_minute: int | None = Field(default=None, ge=1)  # across the fleet when Redis is configured
+    tokens_per_minute: int | None = Field(default=None, ge=1)  # prompt plus completion tokens
 
     @model_validator(mode="after")
     def _has_a_key(self) -> TenantSettings:

@@ -85,6 +85,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         routes=request.app[ROUTES],
         prompts=request.app[PROMPTS],
     )
+    if proxy.fleet is not None:
+        await proxy.fleet.limiter.admit(tenant)
     if client_request.stream:
         response = await proxy.stream(client_request, tenant, received_at, request)
         served_fp = response.headers.get("Stackpin-Stack", "none")
@@ -194,15 +196,32 @@ async def readyz(request: web.Request) -> web.Response:
         problems.append(f"audit store unreachable: {type(e).__name__}")
     if not proxy.registry.live():
         problems.append("no replica is in rotation")
+    body: dict[str, Any] = {"problems": problems}
+    sync = proxy.fleet.sync if proxy.fleet is not None else None
+    if sync is not None:
+        state = sync.status()
+        body["fleet"] = {
+            "state": "stale" if state.stale else "fresh",
+            "stale_for_s": round(state.stale_for_s, 1),
+            "max_stale_s": sync.max_stale_s,
+            "error": sync.last_error,
+        }
+        # Stale within the bound is still ready: dropping every proxy from the load balancer because Redis
+        # blinked would turn a degraded fleet into an outage. Past the bound the leased replicas are out anyway.
+        if state.expired:
+            problems.append(
+                f"fleet state (Redis) unreachable for {state.stale_for_s:.0f} s, longer than fleet.max_stale_s"
+            )
     status = 503 if problems else 200
-    return web.json_response(
-        {"status": "ready" if not problems else "not ready", "problems": problems}, status=status
-    )
+    body["status"] = "ready" if not problems else "not ready"
+    return web.json_response(body, status=status)
 
 
 async def metrics(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
     proxy.metrics.observe_replicas(proxy.registry.all())
+    if proxy.fleet is not None and proxy.fleet.sync is not None:
+        proxy.metrics.fleet_stale.set(1 if proxy.fleet.sync.status().stale else 0)
     body = generate_latest(proxy.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

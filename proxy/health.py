@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime
+from typing import Protocol
 
 import aiohttp
 import structlog
@@ -25,6 +26,14 @@ from proxy.registry import Observation, Registry, Replica
 from proxy.stack import Stack, fingerprint
 
 log = structlog.get_logger("stackpin.health")
+
+
+class QuarantineBoard(Protocol):
+    """Where a fleet shares its quarantines (proxy/fleet/sync.py); absent for a single proxy."""
+
+    async def publish(self, replica: Replica, reason: str, observed: str | None, since: datetime) -> bool:
+        """Shares the quarantine; True when this proxy is the one to mark the replica's records."""
+        ...
 
 
 class HealthMonitor:
@@ -44,9 +53,12 @@ class HealthMonitor:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.clock = clock
+        self.board: QuarantineBoard | None = None
 
     async def check_all(self) -> None:
-        replicas = [r for r in self.registry.all() if not r.declared and r.quarantined is None]
+        replicas = [
+            r for r in self.registry.all() if not r.declared and not r.leased and r.quarantined is None
+        ]
         await asyncio.gather(*(self.check(r) for r in replicas))
         self.metrics.observe_replicas(self.registry.all())
 
@@ -82,7 +94,10 @@ class HealthMonitor:
     async def on_mismatch(self, mismatch: StackMismatch) -> None:
         await self.quarantine(mismatch.replica, "fingerprint_mismatch", claimed=mismatch.claimed)
 
-    async def quarantine(self, replica: Replica, reason: str, *, claimed: str | None) -> None:
+    async def quarantine(
+        self, replica: Replica, reason: str, *, claimed: str | None, since: datetime | None = None
+    ) -> None:
+        """Out of rotation for good, and a `flag` on every record since `since` (default: its last good check)."""
         if replica.quarantined is not None:
             return
         self.registry.quarantine(replica.name, reason)
@@ -94,7 +109,9 @@ class HealthMonitor:
             registered=replica.fingerprint,
             observed=claimed,
         )
-        since = replica.last_good_check or datetime(1970, 1, 1, tzinfo=UTC)
+        since = since or replica.last_good_check or datetime(1970, 1, 1, tzinfo=UTC)
+        if self.board is not None and not await self.board.publish(replica, reason, claimed, since):
+            return  # another proxy of the fleet marks the records
         now = self.clock()
         for record_id in await self.store.records_served_since(replica.name, since):
             record = await self.store.get_record(record_id, None)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
+from typing import Protocol
 
 from proxy.stack import Stack
 
@@ -34,15 +35,25 @@ class Replica:
     quarantined: str | None = None
     last_good_check: datetime | None = None
     outstanding: int = 0
+    leased: bool = (
+        False  # fleet mode: its heartbeat sidecar proves its stack, not this proxy's health monitor
+    )
 
     @property
     def in_rotation(self) -> bool:
         return self.stack is not None and self.reachable and self.quarantined is None
 
 
+class OutstandingCounter(Protocol):
+    """Told of every request that starts or ends on a replica (fleet mode shares the counts); must not block."""
+
+    def moved(self, name: str, delta: int) -> None: ...
+
+
 @dataclass
 class Registry:
     replicas: dict[str, Replica] = field(default_factory=dict)
+    counter: OutstandingCounter | None = None
 
     @classmethod
     def of(cls, replicas: Iterable[Replica]) -> Registry:
@@ -81,6 +92,10 @@ class Registry:
 
     def acquire(self, name: str) -> None:
         self.replicas[name].outstanding += 1
+        if self.counter is not None:
+            self.counter.moved(name, 1)
 
     def release(self, name: str) -> None:
         self.replicas[name].outstanding -= 1
+        if self.counter is not None:
+            self.counter.moved(name, -1)

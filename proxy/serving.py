@@ -24,6 +24,7 @@ from proxy.audit import AuditStore
 from proxy.config import Secrets, Settings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
 from proxy.errors import ReplicaFailed, StackpinError
+from proxy.fleet.runtime import Fleet
 from proxy.forward import (
     Answer,
     ReplicaGarbage,
@@ -60,6 +61,7 @@ class Proxy:
     metrics: ProxyMetrics
     health: HealthMonitor
     clock: Callable[[], datetime]
+    fleet: Fleet | None = None  # rate limits, and the shared view in fleet mode
 
     async def send_json(self, replica: Replica, body: dict[str, Any], endpoint: str) -> Answer:
         answer = await post_json(
@@ -207,9 +209,13 @@ class Proxy:
         if not isinstance(usage, dict):
             return
         model = served.replica.stack.model if served.replica.stack else "unknown"
+        total = 0
         for direction, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
             if isinstance(usage.get(key), int):
                 self.metrics.tokens.labels(served.fingerprint, model, direction).inc(usage[key])
+                total += usage[key]
+        if self.fleet is not None:
+            self.fleet.limiter.charge(served.tenant, total)
 
     def answer_response(self, served: Served, answer: Answer) -> web.Response:
         self._count_tokens(served, answer.body.get("usage"))

@@ -1,0 +1,210 @@
+"""Folding the fleet's shared view into this proxy's registry, once a second or so, and knowing when it is stale.
+
+Each round publishes this proxy's in-flight counts and reads every lease, quarantine and the other proxies'
+counts; then it updates the local `Registry`, which the router reads without ever waiting on Redis:
+
+- a replica with a live lease is in rotation with the stack its sidecar proved; one whose lease expired leaves;
+- a lease whose stack is not the one its replica registered with, or a quarantine in Redis, quarantines the
+  replica here too, and a quarantine found here is published there; a proxy never lifts one;
+- outstanding counts are the other proxies' published counts plus this proxy's own, exact ones. Requests move
+  the shared counters fire-and-forget (`moved`), so routing never waits on Redis; every round rewrites this
+  proxy's absolute counts, which heals a lost increment, and a crashed proxy's counts expire with it.
+
+When Redis cannot be reached the proxy keeps its last view for `max_stale_s`, reports itself stale
+(`stackpin_fleet_state_stale`, `/readyz`), then takes the leased replicas out of rotation: it refuses rather than
+trust a view it cannot renew. Pins are matched against proved stacks only, so staleness can cost availability,
+never a wrong stack; an answer under another fingerprint is still caught per request (`dispatch.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+import structlog
+from pydantic import ValidationError
+
+from proxy.fleet.documents import Lease, Quarantine
+from proxy.fleet.state import FleetState, FleetUnavailable, FleetView
+from proxy.health import HealthMonitor
+from proxy.metrics import ProxyMetrics
+from proxy.registry import Observation, Registry, Replica
+from proxy.stack import Stack
+
+log = structlog.get_logger("stackpin.fleet")
+
+
+@dataclass(frozen=True)
+class Staleness:
+    stale: bool
+    stale_for_s: float  # 0 while fresh
+    expired: bool  # stale for longer than the bound: the last view is no longer served
+
+
+def staleness(
+    last_ok: datetime | None, stale_since: datetime | None, now: datetime, max_stale_s: float
+) -> Staleness:
+    """Whether the last view may still be served; stale from the first failed round since the last good one."""
+    if stale_since is None:
+        return Staleness(False, 0.0, False)
+    for_s = max(0.0, (now - (last_ok or stale_since)).total_seconds())
+    return Staleness(True, for_s, for_s > max_stale_s)
+
+
+class FleetSync:
+    def __init__(
+        self,
+        state: FleetState,
+        registry: Registry,
+        health: HealthMonitor,
+        metrics: ProxyMetrics,
+        *,
+        proxy_id: str,
+        interval_s: float,
+        max_stale_s: float,
+        clock: Callable[[], datetime],
+    ) -> None:
+        self.state = state
+        self.registry = registry
+        self.health = health
+        self.metrics = metrics
+        self.proxy_id = proxy_id
+        self.interval_s = interval_s
+        self.max_stale_s = max_stale_s
+        self.clock = clock
+        self.last_ok: datetime | None = None
+        self.stale_since: datetime | None = None
+        self.last_error: str | None = None
+        self.inflight: dict[str, int] = {}
+        self._unshared: dict[str, Quarantine] = {}  # quarantines found while Redis was away
+        self._sends: set[asyncio.Task[None]] = set()
+
+    def status(self) -> Staleness:
+        return staleness(self.last_ok, self.stale_since, self.clock(), self.max_stale_s)
+
+    # The registry's OutstandingCounter: called on the hot path, so it only schedules.
+
+    def moved(self, name: str, delta: int) -> None:
+        self.inflight[name] = self.inflight.get(name, 0) + delta
+        task = asyncio.get_running_loop().create_task(self.state.move_outstanding(self.proxy_id, name, delta))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    # The health monitor's QuarantineBoard.
+
+    async def publish(self, replica: Replica, reason: str, observed: str | None, since: datetime) -> bool:
+        """Shares a quarantine this proxy found; True when this proxy is the one to mark the records."""
+        note = Quarantine(
+            reason=reason,
+            registered=replica.fingerprint,
+            observed=observed,
+            last_good_check=since,
+            at=self.clock(),
+            by=self.proxy_id,
+        )
+        try:
+            await self.state.quarantine(replica.name, note)
+            return await self.state.claim_flagging(replica.name, self.proxy_id)
+        except FleetUnavailable as e:
+            # Marking twice is harmless, never marking is not: mark here, publish when Redis is back.
+            log.warning("quarantine_not_shared_yet", replica=replica.name, error=str(e)[:300])
+            self._unshared[replica.name] = note
+            return True
+
+    async def round(self) -> bool:
+        """One sync; False when Redis could not be reached (the last view stays, within the bound)."""
+        now = self.clock()
+        ttl_s = max(5.0, 5 * self.interval_s)
+        try:
+            own = {name: count for name, count in self.inflight.items() if count > 0}
+            await self.state.publish_outstanding(
+                self.proxy_id, own, expires_at=now.timestamp() + ttl_s, ttl_s=ttl_s
+            )
+            view = await self.state.read(self.proxy_id, now.timestamp())
+            await self._share_local_quarantines(view)
+        except FleetUnavailable as e:
+            self._went_stale(now, str(e))
+            return False
+        if self.stale_since is not None:
+            log.info("fleet_state_reachable_again", stale_s=(now - self.stale_since).total_seconds())
+        self.last_ok, self.stale_since, self.last_error = now, None, None
+        self.metrics.fleet_stale.set(0)
+        await self.apply(view)
+        return True
+
+    def _went_stale(self, now: datetime, error: str) -> None:
+        if self.stale_since is None:
+            self.stale_since = now
+            log.error("fleet_state_unreachable", error=error[:300], max_stale_s=self.max_stale_s)
+        self.last_error = error
+        self.metrics.fleet_stale.set(1)
+        if self.status().expired:
+            for replica in self.registry.all():
+                if replica.leased and replica.reachable:
+                    log.error("fleet_view_expired", replica=replica.name)
+                    self.registry.unreachable(replica.name)
+
+    async def _share_local_quarantines(self, view: FleetView) -> None:
+        for name, note in list(self._unshared.items()):
+            if name not in view.quarantines:
+                await self.state.quarantine(name, note)
+                await self.state.claim_flagging(name, self.proxy_id)  # this proxy marked them already
+            del self._unshared[name]
+
+    async def apply(self, view: FleetView) -> None:
+        leased = {r.name for r in self.registry.all() if r.leased}
+        for name in sorted(view.names | leased):
+            lease, note = view.leases.get(name), view.quarantines.get(name)
+            replica = self.registry.get(name)
+            if replica is None:
+                if lease is None:
+                    continue
+                replica = Replica(name=name, url=lease.url, declared=False, leased=True)
+                self.registry.add(replica)
+                log.info("replica_leased", replica=name, url=lease.url, fingerprint=lease.fingerprint)
+            elif lease is not None and not replica.leased and not replica.declared:
+                replica.leased = True  # its sidecar now speaks for it; the health monitor stops polling it
+            if note is not None and replica.quarantined is None:
+                await self.health.quarantine(
+                    replica, note.reason, claimed=note.observed, since=note.last_good_check
+                )
+            if replica.leased:
+                await self._apply_lease(replica, lease)
+        for replica in self.registry.all():
+            replica.outstanding = view.outstanding.get(replica.name, 0) + max(
+                0, self.inflight.get(replica.name, 0)
+            )
+
+    async def _apply_lease(self, replica: Replica, lease: Lease | None) -> None:
+        if lease is None:
+            if replica.reachable:
+                log.warning("lease_expired", replica=replica.name)
+            self.registry.unreachable(replica.name)
+            return
+        replica.url = lease.url
+        try:
+            stack = Stack.model_validate(lease.stack)
+        except ValidationError:
+            self.registry.unreachable(replica.name)
+            return
+        if lease.fingerprint != lease.registered:
+            await self.health.quarantine(replica, "stack_changed", claimed=lease.fingerprint)
+            return
+        outcome = self.registry.observe(replica.name, stack, lease.fingerprint, lease.proved_at)
+        if outcome is Observation.CHANGED:
+            await self.health.quarantine(replica, "stack_changed", claimed=lease.fingerprint)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.round()
+            except Exception:  # one bad round must not end the sync
+                log.exception("fleet_round_failed")
+
+    async def drain(self) -> None:
+        """Waits for the fire-and-forget sends still in flight (at shutdown)."""
+        if self._sends:
+            await asyncio.gather(*self._sends, return_exceptions=True)
