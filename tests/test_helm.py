@@ -560,3 +560,19 @@ def test_a_stack_can_be_scaled_to_zero_and_stays_listed(tmp_path: Path) -> None:
     manifests = render(path)
     assert one(manifests, "Deployment", backend_name(stack))["spec"]["replicas"] == 0
     assert [r["name"] for r in proxy_config(manifests)["replicas"]] == ["parked"]
+
+
+def test_only_the_proxies_and_listed_peers_reach_the_backends(variant: tuple[list[Manifest], dict]) -> None:
+    manifests, values = variant
+    (policy,) = find(manifests, "NetworkPolicy")
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    backends = [one(manifests, "Deployment", backend_name(s)) for s in values["stacks"]]
+    assert all(selector.items() <= d["spec"]["template"]["metadata"]["labels"].items() for d in backends)
+    proxy_labels = one(manifests, "Deployment", RELEASE)["spec"]["template"]["metadata"]["labels"]
+    assert not selector.items() <= proxy_labels.items()
+
+    (rule,) = policy["spec"]["ingress"]
+    first, *extra = rule["from"]
+    assert first["podSelector"]["matchLabels"].items() <= proxy_labels.items()
+    assert extra == values["networkPolicy"]["backendIngressFrom"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
