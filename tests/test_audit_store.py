@@ -173,6 +173,43 @@ async def test_one_bad_entry_fails_alone_in_a_shared_commit(store: AuditStore) -
     assert report.ok and report.head_position == 7
 
 
+async def test_each_caller_gets_its_own_entry_back_when_one_is_refused(store: AuditStore) -> None:
+    names = ["a", "b", "lost", "c", "d"]
+    results = await asyncio.gather(
+        *(
+            store.append(entry(n, with_stack=False, fingerprint="f" * 64) if n == "lost" else entry(n))
+            for n in names
+        ),
+        return_exceptions=True,
+    )
+    assert isinstance(results[2], UnknownStack)
+    kept = [r for r in results if not isinstance(r, BaseException)]
+    assert [r.record_id for r in kept] == ["a", "b", "c", "d"]
+    for stored in kept:
+        record = await store.get_record(stored.record_id, tenant="acme")
+        assert record is not None and record.entries[0].position == stored.position
+        assert record.entries[0].sha256 == stored.sha256
+
+
+class BrokenObserver:
+    def committed(self, batch_size: int, seconds: float) -> None:
+        raise RuntimeError("metrics backend down")
+
+    def queue_depth(self, depth: int) -> None:
+        raise RuntimeError("metrics backend down")
+
+
+async def test_a_failing_observer_does_not_stop_the_writer(database: AuditDatabase) -> None:
+    store = await database.open(observer=BrokenObserver())
+    try:
+        first = await store.append(entry("one"))
+        second = await store.append(entry("two"))
+        await store.ping()
+    finally:
+        await store.close()
+    assert (first.position, second.position) == (1, 2)
+
+
 async def test_numbers_survive_storage_bit_for_bit(store: AuditStore) -> None:
     numbers = [2.0**60, -0.0, 5e-324, 0.1, 1e300, 2**53 - 1, -3.2500000000000004]
     await store.append(entry("n", content={"numbers": numbers}))

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import structlog
 from sqlalchemy import insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
@@ -27,6 +28,8 @@ from proxy.audit.chain import chain_links
 from proxy.audit.errors import AuditError, DuplicateEntry, StoreClosed, UnknownStack
 from proxy.audit.models import ChainHead, Entry, Prompt, Stack
 from proxy.audit.values import NewEntry, StoredEntry
+
+log = structlog.get_logger(__name__)
 
 # Known-stack and known-prompt caches only save a round trip; past this size they start over.
 CACHE_LIMIT = 10_000
@@ -106,8 +109,14 @@ class GroupCommitter:
         stopping = False
         while not stopping:
             batch, stopping = await self._collect()
-            if batch:
+            try:
                 await self._commit_batch(batch)
+            except (
+                Exception
+            ) as exc:  # the writer must outlive any one batch, or every later append would hang
+                log.exception("audit_batch_failed", batch_size=len(batch))
+                for pending in batch:
+                    pending.fail(exc)
 
     async def _collect(self) -> tuple[list[_Pending], bool]:
         """The next batch, and whether the stop mark was reached."""
@@ -136,7 +145,17 @@ class GroupCommitter:
 
     def _report_depth(self) -> None:
         if self._observer is not None:
-            self._observer.queue_depth(self._queue.qsize())
+            try:
+                self._observer.queue_depth(self._queue.qsize())
+            except Exception:
+                log.exception("audit_observer_failed")
+
+    def _report_commit(self, batch_size: int, started: float) -> None:
+        if self._observer is not None:
+            try:
+                self._observer.committed(batch_size, time.perf_counter() - started)
+            except Exception:
+                log.exception("audit_observer_failed")
 
     async def _commit_batch(self, batch: list[_Pending]) -> None:
         batch = self._drop_duplicates_within(batch)
@@ -144,7 +163,7 @@ class GroupCommitter:
             return
         started = time.perf_counter()
         try:
-            stored = await self._transaction(batch)
+            committed = await self._transaction(batch)
         except IntegrityError:
             # Someone's entry collides with one already stored: commit the others one by one, so that only
             # the offender fails.
@@ -154,25 +173,26 @@ class GroupCommitter:
             for pending in batch:
                 pending.fail(exc)
             return
-        if self._observer is not None:
-            self._observer.committed(len(stored), time.perf_counter() - started)
-        for pending, entry in zip(batch, stored, strict=True):
-            pending.resolve(entry)
+        self._resolve(committed, started)
 
     async def _commit_each(self, batch: list[_Pending]) -> None:
         for pending in batch:
             started = time.perf_counter()
             try:
-                (stored,) = await self._transaction([pending])
+                committed = await self._transaction([pending])
             except IntegrityError as exc:
                 pending.fail(_explain_integrity_error(pending.entry, exc))
                 continue
             except Exception as exc:
                 pending.fail(exc)
                 continue
-            if self._observer is not None:
-                self._observer.committed(1, time.perf_counter() - started)
+            self._resolve(committed, started)
+
+    def _resolve(self, committed: list[tuple[_Pending, StoredEntry]], started: float) -> None:
+        for pending, stored in committed:
             pending.resolve(stored)
+        if committed:
+            self._report_commit(len(committed), started)
 
     @staticmethod
     def _drop_duplicates_within(batch: list[_Pending]) -> list[_Pending]:
@@ -187,7 +207,8 @@ class GroupCommitter:
             kept.append(pending)
         return kept
 
-    async def _transaction(self, batch: list[_Pending]) -> list[StoredEntry]:
+    async def _transaction(self, batch: list[_Pending]) -> list[tuple[_Pending, StoredEntry]]:
+        """Commits what it can of `batch` in one transaction; entries it refuses are failed, not returned."""
         async with self._engine.begin() as connection:
             head = (
                 await connection.execute(
@@ -214,13 +235,16 @@ class GroupCommitter:
         self._remember(self._known_stacks, new_stacks)
         self._remember(self._known_prompts, new_prompts)
         return [
-            StoredEntry(
-                record_id=p.entry.record_id,
-                part=p.entry.part,
-                position=link.position,
-                sha256=link.sha256,
-                prev_sha256=link.prev_sha256,
-                created_at=p.entry.created_at,
+            (
+                p,
+                StoredEntry(
+                    record_id=p.entry.record_id,
+                    part=p.entry.part,
+                    position=link.position,
+                    sha256=link.sha256,
+                    prev_sha256=link.prev_sha256,
+                    created_at=p.entry.created_at,
+                ),
             )
             for p, link in zip(batch, links, strict=True)
         ]
