@@ -31,7 +31,7 @@ from proxy.audit.values import (
     StoredEntry,
     VerifyReport,
 )
-from proxy.audit.verify import verify_chain, verify_record_links
+from proxy.audit.verify import PAGE_SIZE, verify_chain, verify_record_links
 
 ENTRIES = Entry.__table__
 STACKS = Stack.__table__
@@ -217,9 +217,13 @@ class AuditStore:
             ).scalar_one_or_none()
         return None if found is None else load_canonical(found)
 
-    async def verify(self, *, expect_head: tuple[int, str] | None = None) -> VerifyReport:
-        """Walks the whole chain in pages; reports the first problem, with its position and record id."""
-        return await verify_chain(self._reader, expect_head=expect_head)
+    async def verify(
+        self, *, expect_head: tuple[int, str] | None = None, page_size: int = PAGE_SIZE
+    ) -> VerifyReport:
+        """Walks the whole chain, `page_size` entries at a time; reports the first problem and where it is."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        return await verify_chain(self._reader, expect_head=expect_head, page_size=page_size)
 
     async def verify_record(self, record_id: str) -> list[LinkCheck]:
         """One check per entry of the record (empty when the record does not exist)."""
