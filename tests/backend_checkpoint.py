@@ -7,9 +7,11 @@ the real loader and run by the real kernels, small enough that many scheduled ru
 from __future__ import annotations
 
 import json
+import string
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import tokenizers
 import torch
 from safetensors.torch import save_file
 
@@ -35,12 +37,24 @@ SMALL_CONFIG = {
 }
 
 
-def write_random_checkpoint(folder: Path, seed: int = 0) -> Path:
+CHARACTERS = string.ascii_letters + string.digits + " ,.!?'\n"
+SPECIAL_TOKENS = ("<unk>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_random_checkpoint(folder: Path, seed: int = 0, *, with_tokenizer: bool = False) -> Path:
+    """A random Qwen3-format checkpoint; `with_tokenizer` adds a character-level tokenizer and chat template."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(SMALL_CONFIG))
+    config = dict(SMALL_CONFIG)
+    if with_tokenizer:
+        config["vocab_size"] = _write_character_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps(config))
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in expected_shapes(parse_config(SMALL_CONFIG)).items():
+    for name, shape in expected_shapes(parse_config(config)).items():
         if name.endswith("norm.weight"):
             tensors[name] = 1 + 0.1 * torch.randn(shape, generator=generator)
         else:
@@ -49,6 +63,17 @@ def write_random_checkpoint(folder: Path, seed: int = 0) -> Path:
     tensors["lm_head.weight"] *= 4
     save_file(tensors, str(folder / "model.safetensors"))
     return folder
+
+
+def _write_character_tokenizer(folder: Path) -> int:
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.decoder = tokenizers.decoders.Fuse()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return len(vocab)
 
 
 def letters(ids: Sequence[int]) -> str:

@@ -1,0 +1,172 @@
+"""The OpenAI requests the backend accepts, validated, and the errors it answers with.
+
+Requests are pydantic models that ignore unknown fields and refuse known fields of the wrong type;
+`parse_request` turns a validation failure into an `ApiError` naming the field and what to send instead. The
+error hierarchy below is mapped to OpenAI-style JSON (`{"error": {"message", "type", "param", "code"}}`) by
+the server in one place.
+
+    ApiError                  status, type, code, param, message
+      BadRequest (400)        malformed JSON, wrong types, out-of-range values, prompts too long, n > 1
+      NotFound (404)          unknown route
+      Overloaded (429)        the engine's waiting queue is full
+      EngineFailed (500)      the engine failed the request
+      Unavailable (503)       the server is shutting down
+
+This module knows nothing of tokenizers or the engine; the server turns a request into prompt ids and
+`SamplingParams`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pinned_backend.sampling import MAX_TOP_LOGPROBS
+
+MAX_COMPLETION_LOGPROBS = 5
+
+
+class ApiError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class Overloaded(ApiError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class EngineFailed(ApiError):
+    status = 500
+    type = "server_error"
+    code = "engine_error"
+
+
+class Unavailable(ApiError):
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+
+
+class _Request(BaseModel):
+    # strict: "5" is not a number and 1 is not a boolean; extra: clients send fields we do not use.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _Decoding(_Request):
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stops):
+            raise BadRequest("stop strings must not be empty", param="stop")
+        return tuple(stops)
+
+
+class ChatRequest(_Decoding):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprob_count(self) -> int:
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+        return self.top_logprobs or 0
+
+
+class CompletionRequest(_Decoding):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | list[int]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: Literal[False] = False
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def top_logprob_count(self) -> int:
+        return self.logprobs or 0
+
+
+R = TypeVar("R", bound=_Request)
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def parse_request(model: type[R], body: Any) -> R:
+    """Validate a decoded JSON body; the first problem becomes a 400 that names the field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        # Unions add their branch's type to the location ("content.str"); a client knows the field only.
+        loc = [str(p) for p in error["loc"] if p not in _TYPE_NAMES and "[" not in str(p)]
+        param = ".".join(loc) or None
+        raise BadRequest(f"{param}: {_explain(error)}", param=param) from None
+
+
+def _explain(error: Any) -> str:
+    kind, message = error["type"], error["msg"]
+    if kind == "missing":
+        return "this field is required"
+    if kind == "literal_error" and error["loc"] == ("echo",):
+        return "echo is not supported; leave it out or set it to false"
+    if error["loc"] == ("n",) and kind == "less_than_equal":
+        return "only n = 1 is supported; send one request per completion"
+    return f"{message} (got {error.get('input')!r})"

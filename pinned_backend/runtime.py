@@ -1,0 +1,113 @@
+"""Assembling a serving backend from its settings: checkpoint, tokenizer, kernels, KV cache, engine, stack.
+
+`BackendSettings` is the one validated configuration object (the CLI builds it from its flags; nothing reads
+the environment). `load_runtime` loads what the settings name and describes the stack from what was actually
+loaded: the weight files' digest, the dtype, the device the kernels run on, the kernel mode they report. The
+runtime's engine runner is not started here; the server starts and stops it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pinned_backend.checkpoint import load_config, weights_sha256
+from pinned_backend.engine import Engine, EngineConfig, EngineRunner, StepStats
+from pinned_backend.kernels import select_kernels
+from pinned_backend.kvcache import BlockAllocator, PagedKVCache
+from pinned_backend.model import Transformer
+from pinned_backend.stack import DTYPE_NAMES, batching_policy, build_stack, detect_hardware, detect_software
+from pinned_backend.tokenizer import Tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class BackendSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Path
+    model_name: str | None = None  # defaults to the checkpoint folder's name
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
+    kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    kv_cache_mb: float = Field(default=64, gt=0)
+    block_size: int = Field(default=16, ge=1)
+    kv_split_size: int = Field(default=256, ge=1)
+    max_batch_size: int = Field(default=16, ge=1)
+    max_step_tokens: int = Field(default=256, ge=1)
+    max_queue: int = Field(default=64, ge=0)
+    default_max_tokens: int = Field(default=256, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BackendSettings:
+        if self.max_step_tokens < self.max_batch_size:
+            raise ValueError(
+                f"max_step_tokens ({self.max_step_tokens}) must be at least max_batch_size ({self.max_batch_size})"
+            )
+        if self.kv_split_size % self.block_size:
+            raise ValueError(
+                f"kv_split_size ({self.kv_split_size}) must be a multiple of block_size ({self.block_size})"
+            )
+        return self
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or self.model.resolve().name
+
+
+@dataclass
+class Runtime:
+    settings: BackendSettings
+    tokenizer: Tokenizer
+    engine: Engine
+    runner: EngineRunner
+    stack: dict[str, Any]
+    max_model_len: int
+
+
+def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None] | None = None) -> Runtime:
+    """Load the checkpoint and build the engine; raises CheckpointError or ValueError saying what is wrong."""
+    device = torch.device(settings.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device; use --device cpu")
+    dtype = DTYPES[settings.dtype]
+    config = load_config(settings.model)
+    kernels = select_kernels(settings.kernel_mode, device, kv_split_size=settings.kv_split_size)
+    digest = weights_sha256(settings.model)
+    model = Transformer.from_pretrained(settings.model, kernels, device, dtype)
+    tokenizer = Tokenizer.from_pretrained(settings.model)
+    num_blocks = PagedKVCache.blocks_for_budget(
+        config, int(settings.kv_cache_mb * 2**20), settings.block_size, dtype
+    )
+    cache = PagedKVCache(config, num_blocks, settings.block_size, device, dtype)
+    engine_config = EngineConfig(
+        max_model_len=config.max_position_embeddings,
+        num_blocks=num_blocks,
+        block_size=settings.block_size,
+        max_batch_size=settings.max_batch_size,
+        max_step_tokens=settings.max_step_tokens,
+        max_queue=settings.max_queue,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+    )
+    engine = Engine(
+        model, cache, BlockAllocator(num_blocks), kernels, engine_config, tokenizer.decode, device, on_step
+    )
+    stack = build_stack(
+        model=settings.served_name,
+        weights_sha256=digest,
+        quantisation=DTYPE_NAMES[dtype],
+        hardware=detect_hardware(device),
+        kernel_mode=kernels.mode,
+        software=detect_software(device),
+        # The default kernels do not split attention by a fixed size; 0 says so.
+        batching=batching_policy(
+            settings.max_batch_size, settings.max_step_tokens, getattr(kernels, "kv_split_size", 0)
+        ),
+    )
+    return Runtime(settings, tokenizer, engine, EngineRunner(engine), stack, config.max_position_embeddings)

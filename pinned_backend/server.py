@@ -1,0 +1,310 @@
+"""The backend's HTTP face: the OpenAI routes, the stack description, health and metrics, on aiohttp.
+
+`create_app(settings)` builds the application. Its one resource, the loaded runtime with its engine thread,
+lives in a `cleanup_ctx` and hangs on a typed `AppKey`. Handlers parse and validate the request
+(protocol.py), turn it into prompt ids and sampling parameters, hand it to the engine, and write the answer
+(responses.py) as one JSON body or as server-sent events. Errors become OpenAI-style JSON in one middleware.
+Every response carries the stack's fingerprint in the `Stackpin-Stack` header.
+
+The server decides nothing about scheduling or sampling, and never touches the model or its cache directly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from pinned_backend.engine import EngineError, EngineStopped, QueueFull, RequestTooLarge, TokenOutput
+from pinned_backend.metrics import BackendMetrics
+from pinned_backend.protocol import (
+    ApiError,
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    EngineFailed,
+    NotFound,
+    Overloaded,
+    Unavailable,
+    parse_request,
+)
+from pinned_backend.responses import (
+    Completion,
+    Meta,
+    first_chunk,
+    full_body,
+    token_chunk,
+    usage_chunk,
+)
+from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
+from pinned_backend.sampling import SamplingParams, draw_seed
+from pinned_backend.stack import fingerprint
+
+STACK_HEADER = "Stackpin-Stack"
+
+RUNTIME = web.AppKey("runtime", Runtime)
+SETTINGS = web.AppKey("settings", BackendSettings)
+METRICS = web.AppKey("metrics", BackendMetrics)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+FINGERPRINT = web.AppKey("fingerprint", str)
+SEEDS = web.AppKey("seeds", random.Random)
+CLOCK = web.AppKey("clock", Callable[[], float])  # type: ignore[arg-type]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    settings: BackendSettings,
+    *,
+    seeds: random.Random | None = None,
+    clock: Callable[[], float] = time.time,
+) -> web.Application:
+    """`seeds` draws the seed of a sampled request that sent none; `clock` stamps `created`."""
+    app = web.Application(middlewares=[_errors_and_headers])
+    app[SETTINGS] = settings
+    app[REGISTRY] = CollectorRegistry()
+    app[METRICS] = BackendMetrics(app[REGISTRY])
+    app[SEEDS] = seeds or random.Random()
+    app[CLOCK] = clock
+    app.cleanup_ctx.append(_runtime_ctx)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/stack", _stack)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
+    metrics = app[METRICS]
+    loop = asyncio.get_running_loop()
+    runtime = await loop.run_in_executor(None, load_runtime, app[SETTINGS], metrics.observe_step)
+    app[RUNTIME] = runtime
+    app[FINGERPRINT] = fingerprint(runtime.stack)
+    metrics.set_stack(runtime.stack, app[FINGERPRINT])
+    runtime.runner.start()
+    try:
+        yield
+    finally:
+        await loop.run_in_executor(None, runtime.runner.stop)
+
+
+@web.middleware
+async def _errors_and_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place errors become OpenAI-style JSON; also stamps the stack header and counts the answer."""
+    try:
+        response = await handler(request)
+    except ApiError as exc:
+        response = web.json_response(exc.body(), status=exc.status)
+    except web.HTTPNotFound:
+        response = web.json_response(NotFound(f"no route {request.method} {request.path}").body(), status=404)
+    except web.HTTPMethodNotAllowed as exc:
+        body = BadRequest(
+            f"{request.method} is not allowed on {request.path}; use {', '.join(exc.allowed_methods)}"
+        )
+        response = web.json_response(body.body(), status=405)
+    if not response.prepared and FINGERPRINT in request.app:
+        response.headers[STACK_HEADER] = request.app[FINGERPRINT]
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "unmatched"
+    request.app[METRICS].observe_request(endpoint, response.status)
+    return response
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    body = parse_request(ChatRequest, await _json_body(request))
+    runtime = request.app[RUNTIME]
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        prompt_ids = runtime.tokenizer.encode_chat(messages)
+    except ValueError as exc:
+        raise BadRequest(f"messages: {exc}", param="messages") from None
+    return await _serve(request, body, prompt_ids, chat=True, logprobs=body.logprobs)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    body = parse_request(CompletionRequest, await _json_body(request))
+    runtime = request.app[RUNTIME]
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        vocab = runtime.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):  # type: ignore[operator]
+            raise BadRequest(f"prompt: token ids must lie in [0, {vocab})", param="prompt")
+        prompt_ids = list(prompt)
+    else:
+        text = prompt if isinstance(prompt, str) else prompt[0]
+        prompt_ids = runtime.tokenizer.encode(text)  # type: ignore[arg-type]
+    return await _serve(request, body, prompt_ids, chat=False, logprobs=body.logprobs is not None)
+
+
+def _sampling_params(
+    body: ChatRequest | CompletionRequest, prompt_len: int, runtime: Runtime, seeds: random.Random
+) -> SamplingParams:
+    context = runtime.max_model_len
+    if prompt_len == 0:
+        raise BadRequest("the prompt is empty; send at least one token", param="prompt")
+    if prompt_len >= context:
+        raise BadRequest(
+            f"the prompt has {prompt_len} tokens; the model's context is {context}: shorten the prompt",
+            param="messages" if isinstance(body, ChatRequest) else "prompt",
+        )
+    requested = body.requested_max_tokens()
+    room = context - prompt_len
+    if requested is not None and requested > room:
+        raise BadRequest(
+            f"max_tokens is {requested}, but the prompt's {prompt_len} tokens leave room for {room} "
+            f"in the model's context of {context}: lower max_tokens",
+            param="max_tokens",
+        )
+    max_tokens = requested if requested is not None else min(room, runtime.settings.default_max_tokens)
+    seed = body.seed
+    if body.temperature > 0 and seed is None:
+        seed = draw_seed(seeds)
+    return SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=seed if body.temperature > 0 else body.seed,
+        max_tokens=max_tokens,
+        stop=body.stop_strings(),
+        top_logprobs=body.top_logprob_count(),
+    )
+
+
+async def _serve(
+    request: web.Request,
+    body: ChatRequest | CompletionRequest,
+    prompt_ids: list[int],
+    *,
+    chat: bool,
+    logprobs: bool,
+) -> web.StreamResponse:
+    app = request.app
+    runtime = app[RUNTIME]
+    params = _sampling_params(body, len(prompt_ids), runtime, app[SEEDS])
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    meta = Meta(request_id, int(app[CLOCK]()), runtime.settings.served_name, app[FINGERPRINT], chat)
+    completion = Completion(prompt_ids, params.seed if not params.greedy else None)
+    queue: asyncio.Queue[TokenOutput | EngineError] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def sink(event: TokenOutput | EngineError) -> None:  # called on the engine's thread
+        loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    try:
+        runtime.runner.submit(request_id, prompt_ids, params, sink)
+    except QueueFull as exc:
+        raise Overloaded(str(exc)) from None
+    except RequestTooLarge as exc:
+        raise BadRequest(str(exc), param="max_tokens") from None
+    token_text = _token_text(runtime)
+    try:
+        if not body.stream:
+            while completion.finish_reason is None:
+                completion.outputs.append(_checked(await queue.get()))
+            return web.json_response(full_body(meta, completion, logprobs, token_text))
+        return await _stream(request, body, meta, completion, queue, logprobs)
+    finally:
+        if completion.finish_reason is None:
+            runtime.runner.cancel(request_id)
+
+
+def _token_text(runtime: Runtime) -> Callable[[int], str]:
+    """How one token reads on its own, special tokens included, for OpenAI's logprobs."""
+    decode = runtime.tokenizer.decode
+    return lambda token_id: decode([token_id], skip_special_tokens=False)
+
+
+def _checked(event: TokenOutput | EngineError) -> TokenOutput:
+    if isinstance(event, EngineStopped):
+        raise Unavailable(str(event))
+    if isinstance(event, EngineError):
+        raise EngineFailed(str(event))
+    return event
+
+
+async def _stream(
+    request: web.Request,
+    body: ChatRequest | CompletionRequest,
+    meta: Meta,
+    completion: Completion,
+    queue: asyncio.Queue[TokenOutput | EngineError],
+    logprobs: bool,
+) -> web.StreamResponse:
+    token_text = _token_text(request.app[RUNTIME])
+    # The first event is awaited before the headers go out, so an engine failure can still be a clean error.
+    first = _checked(await queue.get())
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            STACK_HEADER: request.app[FINGERPRINT],
+        }
+    )
+    await response.prepare(request)
+
+    async def send(payload: dict[str, Any]) -> None:
+        await response.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+    if meta.chat:
+        await send(first_chunk(meta))
+    event: TokenOutput | EngineError = first
+    while True:
+        if isinstance(event, EngineError):
+            await send(_checked_error(event))
+            await response.write_eof()
+            return response
+        start = len(completion.outputs)
+        completion.outputs.append(event)
+        await send(token_chunk(meta, completion, start, logprobs, token_text))
+        if completion.finish_reason is not None:
+            break
+        event = await queue.get()
+    if body.stream_options is not None and body.stream_options.include_usage:
+        await send(usage_chunk(meta, completion))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _checked_error(event: EngineError) -> dict[str, Any]:
+    error: ApiError = (
+        Unavailable(str(event)) if isinstance(event, EngineStopped) else EngineFailed(str(event))
+    )
+    return error.body()
+
+
+async def _models(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    model = {"id": runtime.settings.served_name, "object": "model", "created": 0, "owned_by": "stackpin"}
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def _stack(request: web.Request) -> web.Response:
+    return web.json_response({"stack": request.app[RUNTIME].stack, "fingerprint": request.app[FINGERPRINT]})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    if not runtime.runner.alive:
+        raise Unavailable("the engine thread is not running")
+    return web.json_response({"status": "ok", "queue_depth": runtime.engine.queue_depth})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
