@@ -1,0 +1,185 @@
+"""What the fleet tests share: a Redis key prefix of their own, a relay that can cut Redis off, a clock the test
+moves, and proxies in fleet mode on loopback sharing one audit store and one Redis.
+
+Each test gets a fresh prefix in the Redis named by STACKPIN_TEST_REDIS_URL and deletes its keys afterwards, so
+runs that share the server never see each other. The relay is a real TCP hop in front of Redis: closing it is a
+real outage as the proxy sees it, without touching the server others use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from proxy.app import create_app
+from proxy.config import resolve_secrets
+from proxy.fleet.documents import FleetKeys
+from proxy.fleet.heartbeat import Heartbeat
+from proxy.fleet.state import FleetState, connect
+from proxy.fleet.sync import FleetSync
+from tests.audit_databases import AuditDatabase
+from tests.fake_replica import FakeReplica
+from tests.proxy_harness import Harness, settings_for
+
+REDIS_URL = os.environ.get("STACKPIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+T0 = datetime(2026, 3, 4, 5, 6, 30, tzinfo=UTC)  # thirty seconds into a minute
+
+
+@dataclass
+class Clock:
+    now: datetime = T0
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@asynccontextmanager
+async def redis_prefix() -> AsyncIterator[str]:
+    """A key prefix no other run uses; every key under it is deleted at the end (never FLUSHDB)."""
+    prefix = f"stackpin-test-{uuid.uuid4().hex[:12]}:"
+    try:
+        yield prefix
+    finally:
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            keys = [key async for key in client.scan_iter(match=f"{prefix}*")]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+
+class RedisRelay:
+    """A TCP relay on loopback in front of the test Redis; `cut()` drops every connection and refuses new ones."""
+
+    def __init__(self, target: str = REDIS_URL) -> None:
+        address = target.split("://", 1)[1].split("/", 1)[0]
+        self.host, _, port = address.rpartition(":")
+        self.port = int(port)
+        self.db = target.rsplit("/", 1)[1] if target.count("/") > 2 else "0"
+        self.server: asyncio.Server | None = None
+        self.listen_port = 0
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.listen_port}/{self.db}"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.listen_port)
+        self.listen_port = self.server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in list(self.writers):
+            writer.close()
+        await self.server.wait_closed()
+        self.server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        self.writers.update((writer, up_writer))
+
+        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, OSError):
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+        self.writers.difference_update((writer, up_writer))
+
+
+@dataclass
+class Fleet:
+    """Proxies in fleet mode sharing one store and one Redis prefix, and heartbeats for the fake replicas."""
+
+    proxies: list[Harness]
+    prefix: str
+    clock: Clock
+    state: FleetState
+    beats: dict[str, Heartbeat] = field(default_factory=dict)
+
+    def sync(self, index: int) -> FleetSync:
+        fleet = self.proxies[index].proxy.fleet
+        assert fleet is not None and fleet.sync is not None
+        return fleet.sync
+
+    async def beat(self, *names: str) -> None:
+        for name in names or tuple(self.beats):
+            await self.beats[name].beat()
+
+    async def sync_all(self) -> None:
+        for index in range(len(self.proxies)):
+            await self.sync(index).round()
+
+
+@asynccontextmanager
+async def heartbeat_for(
+    state: FleetState, replica: FakeReplica, name: str, clock: Callable[[], datetime], lease_s: float = 15.0
+) -> AsyncIterator[Heartbeat]:
+    async with aiohttp.ClientSession() as session:
+        yield Heartbeat(
+            state, session, name=name, replica_url=replica.url, lease_s=lease_s, timeout_s=2.0, clock=clock
+        )
+
+
+@asynccontextmanager
+async def running_fleet(
+    database: AuditDatabase,
+    leased: Mapping[str, FakeReplica],
+    *,
+    proxies: int = 2,
+    redis_url: str = REDIS_URL,
+    configured: list[FakeReplica] | None = None,
+    environ: Mapping[str, str] | None = None,
+    **sections: Any,
+) -> AsyncIterator[Fleet]:
+    """`proxies` proxies on loopback; each fake in `leased` heartbeats under its name (beats are driven by the
+    test, as are the proxies' sync rounds: the background sync runs once an hour)."""
+    clock = Clock()
+    async with AsyncExitStack() as stack:
+        prefix = await stack.enter_async_context(redis_prefix())
+        state = FleetState(connect(REDIS_URL, timeout_s=2.0), FleetKeys(prefix))
+        stack.push_async_callback(state.close)
+        fleet = Fleet([], prefix, clock, state)
+        for name, fake in leased.items():
+            fleet.beats[name] = await stack.enter_async_context(heartbeat_for(state, fake, name, clock))
+        await fleet.beat()
+        fleet_section = {
+            "redis_url": redis_url,
+            "key_prefix": prefix,
+            "sync_interval_s": 3600,
+            "max_stale_s": 30,
+        }
+        fleet_section.update(sections.pop("fleet", {}))
+        for _ in range(proxies):
+            settings = settings_for(
+                configured or [], database.url, database.schema, fleet=fleet_section, **sections
+            )
+            secrets = resolve_secrets(settings, environ or {})
+            app = create_app(settings, secrets, clock=clock)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            stack.push_async_callback(runner.cleanup)
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            fleet.proxies.append(Harness(f"http://127.0.0.1:{port}", app, settings, secrets))
+        yield fleet
