@@ -11,11 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import socket
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -183,3 +187,124 @@ async def running_fleet(
             port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
             fleet.proxies.append(Harness(f"http://127.0.0.1:{port}", app, settings, secrets))
         yield fleet
+
+
+# Real processes: `stackpin serve` and `stackpin fleet heartbeat`, as a fleet runs them (also used by bench/fleet.py).
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def fleet_config(folder: Path, *, port: int, store_url: str, redis_url: str, sync_interval_s: float) -> Path:
+    path = folder / f"proxy-{port}.toml"
+    path.write_text(
+        f'log_level = "warning"\n\n[server]\nport = {port}\n\n[store]\nurl = "{store_url}"\n\n[local_backend]\nenabled = "off"\n\n'
+        f'[fleet]\nredis_url = "{redis_url}"\nsync_interval_s = {sync_interval_s}\n'
+    )
+    return path
+
+
+@dataclass
+class Processes:
+    folder: Path
+    env: dict[str, str]
+    running: list[tuple[asyncio.subprocess.Process, Path]] = field(default_factory=list)
+
+    async def start(self, *args: str, log_name: str) -> asyncio.subprocess.Process:
+        log = self.folder / f"{log_name}.log"
+        with log.open("wb") as sink:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proxy.cli", *args, cwd=ROOT, env=self.env, stdout=sink, stderr=sink
+            )
+        self.running.append((process, log))
+        return process
+
+    async def run(self, *args: str) -> tuple[int, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            *args,
+            cwd=ROOT,
+            env=self.env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await process.communicate()
+        return int(process.returncode or 0), out.decode()
+
+    async def stop_all(self) -> None:
+        for process, _ in self.running:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+        for process, _ in self.running:
+            try:
+                await asyncio.wait_for(process.wait(), 20)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text()[-2000:]}" for _, log in self.running)
+
+
+@asynccontextmanager
+async def proxy_processes(
+    folder: Path,
+    *,
+    proxies: int,
+    replicas: Mapping[str, str],
+    store_url: str,
+    schema: str | None,
+    redis_url: str,
+    prefix: str,
+    sync_interval_s: float = 0.2,
+    lease_s: float = 5.0,
+) -> AsyncIterator[tuple[list[str], Processes]]:
+    """`proxies` `stackpin serve` processes and one heartbeat per replica URL; yields the proxies' base URLs once
+    every one of them is ready, and stops them all (SIGTERM) at the end."""
+    env = {**os.environ, "STACKPIN_FLEET__KEY_PREFIX": prefix}
+    if schema is not None:
+        env["STACKPIN_STORE__POSTGRES_SCHEMA"] = schema
+    processes = Processes(folder, env)
+    urls = []
+    sidecar_config = folder / "heartbeat.toml"
+    sidecar_config.write_text('log_level = "warning"\n[local_backend]\nenabled = "off"\n')
+    try:
+        for name, url in replicas.items():
+            await processes.start(
+                "fleet", "heartbeat", "--replica-url", url, "--name", name, "--redis", redis_url,
+                "--lease-s", str(lease_s), "--config", str(sidecar_config), log_name=f"heartbeat-{name}",
+            )  # fmt: skip
+        for _ in range(proxies):
+            port = free_port()
+            config = fleet_config(
+                folder, port=port, store_url=store_url, redis_url=redis_url, sync_interval_s=sync_interval_s
+            )
+            await processes.start("serve", "--config", str(config), log_name=f"proxy-{port}")
+            urls.append(f"http://127.0.0.1:{port}")
+        await wait_ready(urls, processes)
+        yield urls, processes
+    finally:
+        await processes.stop_all()
+
+
+async def wait_ready(urls: list[str], processes: Processes, timeout_s: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{url}/readyz") as response:
+                        if response.status == 200:
+                            break
+                if asyncio.get_running_loop().time() > deadline or any(
+                    p.returncode is not None for p, _ in processes.running
+                ):
+                    raise RuntimeError(f"{url} did not become ready:\n{processes.logs()}")
+                await asyncio.sleep(0.2)
