@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
-from sqlalchemy import insert, select, update
+from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from proxy.audit.chain import chain_links
+from proxy.audit.chain import Link, chain_links
 from proxy.audit.errors import AuditError, DuplicateEntry, StoreClosed, UnknownStack
 from proxy.audit.models import ChainHead, Entry, Prompt, Stack
 from proxy.audit.values import NewEntry, StoredEntry
+from proxy.audit.writer import TransactionRunner
 
 log = structlog.get_logger(__name__)
 
@@ -41,6 +41,17 @@ class CommitObserver(Protocol):
     def committed(self, batch_size: int, seconds: float) -> None: ...
 
     def queue_depth(self, depth: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What one transaction did: the chain links of the entries it stored, and what it learnt on the way."""
+
+    links: list[Link]
+    missing_stacks: set[str]
+    found_stacks: set[str]
+    new_stacks: set[str]
+    new_prompts: set[str]
 
 
 @dataclass
@@ -60,13 +71,13 @@ class _Pending:
 class GroupCommitter:
     def __init__(
         self,
-        engine: AsyncEngine,
+        writer: TransactionRunner,
         *,
         batch_max: int,
         batch_wait_ms: float,
         observer: CommitObserver | None = None,
     ) -> None:
-        self._engine = engine
+        self._writer = writer
         self._batch_max = batch_max
         self._batch_wait_s = batch_wait_ms / 1000.0
         self._observer = observer
@@ -209,31 +220,21 @@ class GroupCommitter:
 
     async def _transaction(self, batch: list[_Pending]) -> list[tuple[_Pending, StoredEntry]]:
         """Commits what it can of `batch` in one transaction; entries it refuses are failed, not returned."""
-        async with self._engine.begin() as connection:
-            head = (
-                await connection.execute(
-                    select(ChainHead.position, ChainHead.sha256).where(ChainHead.id == 1).with_for_update()
+        entries = [p.entry for p in batch]
+        written = await self._writer.run(lambda connection: self._write(connection, entries))
+        self._remember(self._known_stacks, written.found_stacks | written.new_stacks)
+        self._remember(self._known_prompts, written.new_prompts)
+        kept = []
+        for pending in batch:
+            if pending.entry.fingerprint in written.missing_stacks:
+                pending.fail(
+                    UnknownStack(
+                        f"stack {pending.entry.fingerprint} was never stored: "
+                        "pass `stack` with the first entry that names it"
+                    )
                 )
-            ).one()
-            batch = await self._refuse_unknown_stacks(connection, batch)
-            if not batch:
-                return []
-            new_stacks, new_prompts = await self._store_stacks_and_prompts(connection, batch)
-            links = chain_links(head.position, head.sha256, [p.entry.fields() for p in batch])
-            await connection.execute(
-                insert(Entry),
-                [
-                    _entry_row(p.entry, link.position, link.prev_sha256, link.sha256)
-                    for p, link in zip(batch, links, strict=True)
-                ],
-            )
-            await connection.execute(
-                update(ChainHead)
-                .where(ChainHead.id == 1)
-                .values(position=links[-1].position, sha256=links[-1].sha256)
-            )
-        self._remember(self._known_stacks, new_stacks)
-        self._remember(self._known_prompts, new_prompts)
+            else:
+                kept.append(pending)
         return [
             (
                 p,
@@ -246,50 +247,60 @@ class GroupCommitter:
                     created_at=p.entry.created_at,
                 ),
             )
-            for p, link in zip(batch, links, strict=True)
+            for p, link in zip(kept, written.links, strict=True)
         ]
 
-    async def _refuse_unknown_stacks(
-        self, connection: AsyncConnection, batch: list[_Pending]
-    ) -> list[_Pending]:
-        """Fails the entries that name a stack nobody stored, and returns the others."""
-        given = {p.entry.fingerprint for p in batch if p.entry.stack_json is not None}
+    def _write(self, connection: Connection, entries: list[NewEntry]) -> _Written:
+        """The transaction's body, synchronous so that it runs wherever the writer runs it (writer.py).
+
+        It reads the caches but never changes them, and settles no future: both belong to the event loop.
+        """
+        head = connection.execute(
+            select(ChainHead.position, ChainHead.sha256).where(ChainHead.id == 1).with_for_update()
+        ).one()
+        found, missing = self._check_named_stacks(connection, entries)
+        entries = [e for e in entries if e.fingerprint not in missing]
+        if not entries:
+            return _Written([], missing, found, set(), set())
+        new_stacks, new_prompts = self._store_stacks_and_prompts(connection, entries)
+        links = chain_links(head.position, head.sha256, [e.fields() for e in entries])
+        connection.execute(
+            insert(Entry),
+            [
+                _entry_row(e, link.position, link.prev_sha256, link.sha256)
+                for e, link in zip(entries, links, strict=True)
+            ],
+        )
+        connection.execute(
+            update(ChainHead)
+            .where(ChainHead.id == 1)
+            .values(position=links[-1].position, sha256=links[-1].sha256)
+        )
+        return _Written(links, missing, found, new_stacks, new_prompts)
+
+    def _check_named_stacks(
+        self, connection: Connection, entries: list[NewEntry]
+    ) -> tuple[set[str], set[str]]:
+        """(stacks found stored, stacks named without being given nor stored)."""
+        given = {e.fingerprint for e in entries if e.stack_json is not None}
         unsure = {
-            p.entry.fingerprint
-            for p in batch
-            if p.entry.fingerprint is not None
-            and p.entry.stack_json is None
-            and p.entry.fingerprint not in given
+            e.fingerprint
+            for e in entries
+            if e.fingerprint is not None and e.stack_json is None and e.fingerprint not in given
         } - self._known_stacks
         if not unsure:
-            return batch
+            return set(), set()
         found = set(
-            (
-                await connection.execute(select(Stack.fingerprint).where(Stack.fingerprint.in_(unsure)))
-            ).scalars()
+            connection.execute(select(Stack.fingerprint).where(Stack.fingerprint.in_(unsure))).scalars()
         )
-        self._remember(self._known_stacks, found)
-        missing = unsure - found
-        kept = []
-        for pending in batch:
-            if pending.entry.fingerprint in missing:
-                pending.fail(
-                    UnknownStack(
-                        f"stack {pending.entry.fingerprint} was never stored: "
-                        "pass `stack` with the first entry that names it"
-                    )
-                )
-            else:
-                kept.append(pending)
-        return kept
+        return found, unsure - found
 
-    async def _store_stacks_and_prompts(
-        self, connection: AsyncConnection, batch: list[_Pending]
+    def _store_stacks_and_prompts(
+        self, connection: Connection, entries: list[NewEntry]
     ) -> tuple[set[str], set[str]]:
         stacks: dict[str, dict[str, Any]] = {}
         prompts: dict[str, dict[str, Any]] = {}
-        for pending in batch:
-            entry = pending.entry
+        for entry in entries:
             if entry.stack_json is not None and entry.fingerprint not in self._known_stacks:
                 assert entry.fingerprint is not None  # NewEntry fills it from the stack
                 stacks.setdefault(
@@ -306,9 +317,9 @@ class GroupCommitter:
                 prompts.setdefault(sha, {"sha256": sha, "text": entry.prompt_text})
         dialect = connection.dialect.name
         if stacks:
-            await connection.execute(_insert_ignoring(dialect, Stack, "fingerprint"), list(stacks.values()))
+            connection.execute(_insert_ignoring(dialect, Stack, "fingerprint"), list(stacks.values()))
         if prompts:
-            await connection.execute(_insert_ignoring(dialect, Prompt, "sha256"), list(prompts.values()))
+            connection.execute(_insert_ignoring(dialect, Prompt, "sha256"), list(prompts.values()))
         return set(stacks), set(prompts)
 
     @staticmethod

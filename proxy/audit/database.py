@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from proxy.audit.errors import DatabaseUrlError
+from proxy.audit.writer import AsyncRunner, ThreadRunner, TransactionRunner, sqlite_writer_engine
 
 SUPPORTED = "sqlite+aiosqlite:///path/to/audit.db or postgresql+asyncpg://user@host:5432/database"
 DRIVERS = {
@@ -66,8 +67,8 @@ def connect_args(url: URL, schema: str | None) -> dict[str, Any]:
     return {}
 
 
-def _sqlite_settings(engine: AsyncEngine, *, immediate: bool) -> None:
-    @event.listens_for(engine.sync_engine, "connect")
+def _sqlite_settings(engine: Engine, *, immediate: bool) -> None:
+    @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from the driver so that BEGIN is ours (see _on_begin).
         dbapi_connection.isolation_level = None
@@ -80,7 +81,7 @@ def _sqlite_settings(engine: AsyncEngine, *, immediate: bool) -> None:
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
+    @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         # The writer takes the write lock up front: a deferred transaction that reads the head and then
         # upgrades to a writer can fail with SQLITE_BUSY when another process writes in between.
@@ -99,5 +100,14 @@ def make_engine(url: URL, *, schema: str | None, writer: bool, pooled: bool = Tr
     options["pool_pre_ping"] = pooled
     engine = create_async_engine(url, **options)
     if url.get_backend_name() == "sqlite":
-        _sqlite_settings(engine, immediate=writer)
+        _sqlite_settings(engine.sync_engine, immediate=writer)
     return engine
+
+
+def make_writer(url: URL, *, schema: str | None) -> TransactionRunner:
+    """Where group commits run: a sqlite3 connection on its own thread, or the asyncpg engine."""
+    if url.get_backend_name() == "sqlite":
+        return ThreadRunner(
+            sqlite_writer_engine(url, lambda engine: _sqlite_settings(engine, immediate=True))
+        )
+    return AsyncRunner(make_engine(url, schema=schema, writer=True))

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from proxy.audit.chain import load_canonical
 from proxy.audit.commit import CommitObserver, GroupCommitter
-from proxy.audit.database import describe, make_engine, parse_url
+from proxy.audit.database import describe, make_engine, make_writer, parse_url
 from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew
 from proxy.audit.models import Entry, Prompt, Stack
 from proxy.audit.schema import HEAD_REVISION, inspect_database, known_revisions, upgrade_database_async
@@ -32,6 +32,7 @@ from proxy.audit.values import (
     VerifyReport,
 )
 from proxy.audit.verify import PAGE_SIZE, verify_chain, verify_record_links
+from proxy.audit.writer import TransactionRunner
 
 ENTRIES = Entry.__table__
 STACKS = Stack.__table__
@@ -42,7 +43,7 @@ LIST_LIMIT_MAX = 1000
 class AuditStore:
     """Open with `await AuditStore.open(url)`; `close()` when done (it commits what is queued first)."""
 
-    def __init__(self, reader: AsyncEngine, writer: AsyncEngine, committer: GroupCommitter) -> None:
+    def __init__(self, reader: AsyncEngine, writer: TransactionRunner, committer: GroupCommitter) -> None:
         self._reader = reader
         self._writer = writer
         self._committer = committer
@@ -71,7 +72,7 @@ class AuditStore:
         parsed = parse_url(url)
         await _ensure_schema(url, schema=schema, create_if_empty=create_if_empty)
         reader = make_engine(parsed, schema=schema, writer=False)
-        writer = make_engine(parsed, schema=schema, writer=True)
+        writer = make_writer(parsed, schema=schema)
         committer = GroupCommitter(
             writer, batch_max=batch_max, batch_wait_ms=batch_wait_ms, observer=observer
         )
