@@ -14,21 +14,22 @@ numbers are about speed and bit-reproducibility, never about answer quality. The
 Measured: matmul TFLOP/s against cuBLAS at the model's shapes for M = 1..512; decode throughput (CUDA graph per
 step) and prefill throughput at batch 1, 8, 32, 128; decode step time against the bandwidth floor (weight bytes
 over the measured copy bandwidth); and the divergence experiment: one prompt sent 1000 times at temperature 0
-through the engine amid random concurrent requests, in each mode. Usage: python bench/gpu_price.py OUT.json
+through the engine amid random concurrent requests, in each mode. Usage: python bench/gpu_price.py OUT.json [--parts speed,divergence]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
-import sys
 import time
 from collections import Counter
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gpu_kernels import time_rotating, weight_copies
 
 from pinned_backend.checkpoint import ModelConfig, expected_shapes
 from pinned_backend.engine import Engine, EngineConfig, EngineError, TokenOutput
@@ -108,10 +109,11 @@ def matmul_table(model: Transformer) -> list[dict[str, Any]]:
     for name, w in weights.items():
         n, k = w.shape
         x = torch.randn(512, k, device=DEVICE, dtype=torch.bfloat16)
+        copies = weight_copies(w)
         for m in MATMUL_M:
             flop = 2 * m * n * k
-            t_inv = bench_ms(lambda m=m, w=w, x=x: matmul(x[:m], w))
-            t_ref = bench_ms(lambda m=m, w=w, x=x: F.linear(x[:m], w))
+            t_inv = time_rotating(matmul, x[:m], copies) / 1e3
+            t_ref = time_rotating(F.linear, x[:m], copies) / 1e3
             rows.append(
                 {
                     "weight": name,
@@ -241,6 +243,7 @@ def divergence(
     prompt = [rng.randrange(vocab) for _ in range(32)]
     greedy = SamplingParams(temperature=0.0, max_tokens=32)
     outputs: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
     batches: dict[str, tuple[int, int]] = {}
 
     def sink_for(rid: str) -> Any:
@@ -248,6 +251,7 @@ def divergence(
             if isinstance(event, EngineError):
                 raise RuntimeError(f"{rid}: {event}")
             outputs.setdefault(rid, []).append(event.token_id)
+            logprobs.setdefault(rid, []).append(event.logprob)
             batches[rid] = (event.batch.min, event.batch.max)
 
         return sink
@@ -258,6 +262,7 @@ def divergence(
         alone.step()
     del alone
     reference = outputs.pop("alone")
+    reference_logprobs = logprobs.pop("alone")
 
     jobs: list[tuple[str, list[int], SamplingParams]] = [(f"t{i}", prompt, greedy) for i in range(trials)]
     for i in range(trials):
@@ -282,10 +287,15 @@ def divergence(
     ]
     diverged = [f for f in firsts if f is not None]
     sizes = [batches[k] for k in outputs if k.startswith("t")]
+    # Logprobs are compared as float64 values, which compares their bits: a change in the logits that leaves
+    # the argmax alone still shows here.
+    bits = [tuple(v) for k, v in logprobs.items() if k.startswith("t")]
     return {
         "trials": len(completions),
         "distinct_completions": len(Counter(completions)),
         "trials_differing_from_alone": len(diverged),
+        "distinct_logprob_sequences": len(Counter(bits)),
+        "trials_with_logprobs_differing_from_alone": sum(b != tuple(reference_logprobs) for b in bits),
         "first_divergent_position": min(diverged) if diverged else None,
         "median_divergent_position": sorted(diverged)[len(diverged) // 2] if diverged else None,
         "batch_sizes_seen": [min(s[0] for s in sizes), max(s[1] for s in sizes)] if sizes else None,
@@ -295,8 +305,13 @@ def divergence(
 
 
 def main() -> None:
-    out_path = sys.argv[1]
-    trials = int(sys.argv[2]) if len(sys.argv) > 2 else 1000
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="where to write the JSON report")
+    parser.add_argument("--trials", type=int, default=1000, help="divergence trials per mode")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="divergence time limit per mode")
+    parser.add_argument("--parts", default="speed,divergence", help="speed, divergence, or both")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
     import triton
 
     config = qwen3_1_7b()
@@ -315,35 +330,51 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "model": "Qwen3-1.7B shape, random seeded bf16 weights (seed 0), tied embeddings",
         "context_tokens": CONTEXT,
-        "copy_TBps": copy_bandwidth(),
     }
-    report["weight_bytes"] = weight_bytes(models["default"])
-    report["bandwidth_floor_ms"] = report["weight_bytes"] / report["copy_TBps"] / 1e9
-    print(f"copy {report['copy_TBps']:.2f} TB/s, floor {report['bandwidth_floor_ms']:.3f} ms", flush=True)
-    report["matmul"] = matmul_table(models["batch_invariant"])
-    print("matmul done", flush=True)
-
-    cache = PagedKVCache(config, 128 * 37 + 16, PAGE, torch.device(DEVICE), torch.bfloat16)
-    for phase, fn in (("decode", decode_rate), ("prefill", prefill_rate)):
-        report[phase] = {}
-        for batch in BATCHES:
-            row = {name: fn(model, cache, batch) for name, model in models.items()}
-            row["ratio"] = row["batch_invariant"]["tokens_per_s"] / row["default"]["tokens_per_s"]
-            report[phase][str(batch)] = row
-            print(phase, batch, json.dumps(row), flush=True)
-    del cache
-    torch.cuda.empty_cache()
-    report["divergence"] = {}
-    for name, model in models.items():
-        report["divergence"][name] = divergence(model, modes[name], trials, seed=7, budget_s=100)
-        print("divergence", name, json.dumps(report["divergence"][name]), flush=True)
-    with open(out_path, "w") as f:
+    if "speed" in parts:
+        report.update(speed(models, config))
+    if "divergence" in parts:
+        report["divergence"] = {}
+        for name, model in models.items():
+            report["divergence"][name] = divergence(
+                model, modes[name], args.trials, seed=7, budget_s=args.budget_s
+            )
+            print("divergence", name, json.dumps(report["divergence"][name]), flush=True)
+    with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print_table(report)
 
 
+def speed(models: dict[str, Transformer], config: ModelConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"copy_TBps": copy_bandwidth(), "weight_bytes": weight_bytes(models["default"])}
+    out["bandwidth_floor_ms"] = out["weight_bytes"] / out["copy_TBps"] / 1e9
+    print(f"copy {out['copy_TBps']:.2f} TB/s, floor {out['bandwidth_floor_ms']:.3f} ms", flush=True)
+    out["matmul"] = matmul_table(models["batch_invariant"])
+    print("matmul done", flush=True)
+    cache = PagedKVCache(config, 128 * 37 + 16, PAGE, torch.device(DEVICE), torch.bfloat16)
+    for phase, fn in (("decode", decode_rate), ("prefill", prefill_rate)):
+        out[phase] = {}
+        for batch in BATCHES:
+            row = {name: fn(model, cache, batch) for name, model in models.items()}
+            row["ratio"] = row["batch_invariant"]["tokens_per_s"] / row["default"]["tokens_per_s"]
+            out[phase][str(batch)] = row
+            print(phase, batch, json.dumps(row), flush=True)
+    del cache
+    torch.cuda.empty_cache()
+    return out
+
+
 def print_table(r: dict[str, Any]) -> None:
-    print(f"\n{r['device']}  torch {r['torch']}  triton {r['triton']}  copy {r['copy_TBps']:.2f} TB/s")
+    print(f"\n{r['device']}  torch {r['torch']}  triton {r['triton']}")
+    for name, d in r.get("divergence", {}).items():
+        print(
+            f"divergence {name}: {d['trials']} trials, {d['distinct_completions']} distinct completions, "
+            f"{d['distinct_logprob_sequences']} distinct logprob sequences, {d['trials_differing_from_alone']} "
+            f"differ from alone, first at {d['first_divergent_position']}"
+        )
+    if "matmul" not in r:
+        return
+    print(f"copy {r['copy_TBps']:.2f} TB/s")
     worst: dict[str, float] = {}
     for row in r["matmul"]:
         worst[row["weight"]] = max(worst.get(row["weight"], 0.0), row["ratio"])
@@ -362,11 +393,6 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"decode step at batch 1: {step:.3f} ms, floor {r['bandwidth_floor_ms']:.3f} ms, x{step / r['bandwidth_floor_ms']:.2f}"
     )
-    for name, d in r["divergence"].items():
-        print(
-            f"divergence {name}: {d['trials']} trials, {d['distinct_completions']} distinct, "
-            f"{d['trials_differing_from_alone']} differ from alone, first at {d['first_divergent_position']}"
-        )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ chunk's first key. Each chunk gets its own online softmax, and chunk results are
 So the reduction order for a query depends on p and the split size alone: not on how the cache was filled (one
 prefill, chunks, decode steps), not on which other queries share the step, not on where the query sits in it.
 
-A program owns up to `_ROWS // group` consecutive query tokens and one KV head; its rows are (token, query head of
+A program owns one, or up to `_ROWS // group`, consecutive query tokens and one KV head; its rows are (token, query head of
 that KV head's group) pairs. Tokens of different sequences in one program are served one sequence at a time.
 A row meets tiles past its own position only as fully masked tiles, whose update is exactly the identity
 (scale 1, add 0), so sharing a program with longer queries leaves its bits unchanged.
@@ -53,17 +53,17 @@ def _paged_attention_kernel(
     stride_table,
     GROUP: tl.constexpr,
     TOKENS: tl.constexpr,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    ROWS: tl.constexpr = TOKENS * GROUP
     kv_head = tl.program_id(1)
     rows = tl.arange(0, ROWS)
     tok = tl.program_id(0) * TOKENS + rows // GROUP
     head = kv_head * GROUP + rows % GROUP
-    row_ok = tok < T
+    row_ok = (rows < TOKENS * GROUP) & (tok < T)
     dims = tl.arange(0, HEAD_DIM)
     keys = tl.arange(0, BLOCK_N)
 
@@ -175,7 +175,11 @@ def paged_attention(
     if t == 0:
         return out
     group = hq // hkv
-    tokens = _ROWS // group
+    # How many query tokens share a program's 16 rows follows the step: one when the step is mostly decode
+    # (one query per sequence, so no keys to share and more programs in flight), else as many as fit. It decides
+    # which rows sit side by side, never a row's reduction order: tile shapes, and so every instruction a row
+    # meets, are the same either way (the tests compare the two).
+    tokens = 1 if t <= block_tables.shape[0] else _ROWS // group
     grid = (-(-t // tokens), hkv)
     _paged_attention_kernel[grid](
         q,
@@ -200,6 +204,7 @@ def paged_attention(
         block_tables.stride(0),
         GROUP=group,
         TOKENS=tokens,
+        ROWS=_ROWS,
         HEAD_DIM=d,
         PAGE=page,
         SPLIT=split,
