@@ -1,12 +1,12 @@
 """What a durable audit commit costs, and what group commit buys back, measured side by side in one run.
 
 For SQLite (WAL, synchronous=FULL, a file in a temporary folder) and PostgreSQL (a fresh schema, dropped after),
-`--appends` entries are appended by `--concurrency` tasks at once, first with `batch_max=1` (one transaction
-and one fsync per entry) and then with the store's defaults (group commit). Printed and written as Markdown:
+`--appends` entries are appended by each number of concurrent tasks in `--concurrency`, first with
+`batch_max=1` (one transaction and one fsync per entry) and then with the store's defaults (group commit). Printed and written as Markdown:
 appends per second, the ratio between the two, the mean and largest group commit, and the p50/p99 latency of
 one append (queue wait included), which is what a request waits before the proxy may answer.
 
-Usage: python bench/audit_commit.py [--appends N] [--concurrency C] [--postgres-url URL | --no-postgres]
+Usage: python bench/audit_commit.py [--appends N] [--concurrency 1,64] [--postgres-url URL | --no-postgres]
                                     [--output bench/results/audit_commit.md]
 """
 
@@ -48,6 +48,7 @@ class Observed:
 @dataclass
 class Result:
     database: str
+    clients: int
     batch_max: int
     appends_per_s: float
     mean_batch: float
@@ -104,6 +105,7 @@ async def run_one(
     latencies.sort()
     return Result(
         database=database,
+        clients=concurrency,
         batch_max=batch_max,
         appends_per_s=appends / elapsed,
         mean_batch=statistics.fmean(observed.sizes),
@@ -126,7 +128,7 @@ async def bench_sqlite(appends: int, concurrency: int) -> list[Result]:
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for batch_max in (1, 256):
-            url = f"sqlite+aiosqlite:///{Path(folder) / f'audit-{batch_max}.db'}"
+            url = f"sqlite+aiosqlite:///{Path(folder) / f'audit-{concurrency}-{batch_max}.db'}"
             await upgrade_database_async(url)
             results.append(await run_one("SQLite", url, None, batch_max, appends, concurrency))
     return results
@@ -145,7 +147,7 @@ async def bench_postgres(url: str, appends: int, concurrency: int) -> list[Resul
     return results
 
 
-def render(results: list[Result], appends: int, concurrency: int) -> str:
+def render(results: list[Result], appends: int, concurrency: str) -> str:
     lines = [
         "# Audit store: cost of a durable commit, with and without group commit",
         "",
@@ -155,13 +157,15 @@ def render(results: list[Result], appends: int, concurrency: int) -> str:
         "SQLite in WAL mode with synchronous=FULL; PostgreSQL with its defaults (fsync on commit). "
         "One record ~0.7 kB of content.",
         "",
-        "| database | batch_max | appends/s | vs batch_max=1 | mean batch | max batch | append p50 ms | append p99 ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| database | clients | batch_max | appends/s | vs batch_max=1 | mean batch | max batch "
+        "| append p50 ms | append p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    single = {r.database: r.appends_per_s for r in results if r.batch_max == 1}
+    single = {(r.database, r.clients): r.appends_per_s for r in results if r.batch_max == 1}
     for r in results:
+        ratio = r.appends_per_s / single[(r.database, r.clients)]
         lines.append(
-            f"| {r.database} | {r.batch_max} | {r.appends_per_s:,.0f} | {r.appends_per_s / single[r.database]:.1f}x "
+            f"| {r.database} | {r.clients} | {r.batch_max} | {r.appends_per_s:,.0f} | {ratio:.1f}x "
             f"| {r.mean_batch:.1f} | {r.max_batch} | {r.p50_ms:.2f} | {r.p99_ms:.2f} |"
         )
     return "\n".join(lines) + "\n"
@@ -170,14 +174,18 @@ def render(results: list[Result], appends: int, concurrency: int) -> str:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--appends", type=int, default=3000)
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--concurrency", default="1,64", help="comma-separated numbers of concurrent appenders"
+    )
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--output", type=Path, default=Path("bench/results/audit_commit.md"))
     args = parser.parse_args()
-    results = await bench_sqlite(args.appends, args.concurrency)
-    if not args.no_postgres:
-        results += await bench_postgres(args.postgres_url, args.appends, args.concurrency)
+    results: list[Result] = []
+    for clients in (int(c) for c in args.concurrency.split(",")):
+        results += await bench_sqlite(args.appends, clients)
+        if not args.no_postgres:
+            results += await bench_postgres(args.postgres_url, args.appends, clients)
     text = render(results, args.appends, args.concurrency)
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
