@@ -1,0 +1,219 @@
+"""Specification of the checkpoint reader: config parsing, weight loading (single file and sharded), digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pinned_backend.checkpoint import (
+    CheckpointError,
+    expected_shapes,
+    load_config,
+    load_weights,
+    parse_config,
+    weights_sha256,
+)
+
+QWEN3 = {
+    "model_type": "qwen3",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+    "rope_scaling": None,
+}
+LLAMA32 = {
+    "model_type": "llama",
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 64,
+        "rope_type": "llama3",
+    },
+}
+
+
+def write_checkpoint(folder: Path, raw: dict[str, Any], shards: int = 1) -> dict[str, torch.Tensor]:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(raw))
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(shape, generator=generator).to(torch.bfloat16)
+        for name, shape in expected_shapes(parse_config(raw)).items()
+    }
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+        return tensors
+    names = sorted(tensors)
+    weight_map = {}
+    for i in range(shards):
+        file_name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, str(folder / file_name))
+        weight_map.update(dict.fromkeys(part, file_name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return tensors
+
+
+def test_qwen3_config_derives_qk_norm_and_keeps_explicit_head_dim() -> None:
+    config = parse_config(QWEN3)
+    assert config.qk_norm and config.tie_word_embeddings and not config.attention_bias
+    assert config.head_dim == 16 and config.q_size == 64 and config.kv_size == 32
+    assert config.rope_scaling is None
+
+
+def test_llama_config_derives_head_dim_and_parses_llama3_rope_scaling() -> None:
+    config = parse_config(LLAMA32)
+    assert config.head_dim == 8 and not config.qk_norm and not config.tie_word_embeddings
+    assert config.rope_scaling is not None and config.rope_scaling.factor == 32.0
+    assert config.rope_scaling.original_max_position_embeddings == 64
+
+
+def test_qwen2_config_has_attention_biases() -> None:
+    config = parse_config({**QWEN3, "model_type": "qwen2"})
+    assert config.attention_bias and not config.qk_norm
+    assert "model.layers.0.self_attn.q_proj.bias" in expected_shapes(config)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"hidden_size": None}, "'hidden_size' must be an integer"),
+        ({"hidden_size": True}, "'hidden_size' must be an integer"),
+        ({"num_hidden_layers": 0}, "'num_hidden_layers' must be positive"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+        ({"rms_norm_eps": "small"}, "'rms_norm_eps' must be a number"),
+        ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing key 'low_freq_factor'"),
+    ],
+)
+def test_malformed_config_is_an_error_naming_the_file_and_the_key(
+    change: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(CheckpointError, match=r"config\.json") as info:
+        parse_config({**QWEN3, **change}, where="folder/config.json")
+    assert message in str(info.value)
+
+
+def test_missing_required_key_is_named() -> None:
+    raw = dict(QWEN3)
+    del raw["vocab_size"]
+    with pytest.raises(CheckpointError, match="missing key 'vocab_size'"):
+        parse_config(raw)
+
+
+def test_missing_or_invalid_config_file_is_an_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"config\.json: file not found"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("raw", [QWEN3, LLAMA32], ids=["qwen3", "llama3.2"])
+def test_weights_load_by_hugging_face_name_in_the_chosen_dtype(
+    tmp_path: Path, raw: dict, shards: int
+) -> None:
+    written = write_checkpoint(tmp_path, raw, shards=shards)
+    config = load_config(tmp_path)
+    loaded = load_weights(tmp_path, config, torch.float32)
+    assert set(loaded) == set(written)
+    for name, tensor in loaded.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, written[name].float()), name
+
+
+def test_tied_checkpoint_may_still_carry_an_lm_head(tmp_path: Path) -> None:
+    tensors = write_checkpoint(tmp_path, QWEN3)
+    tensors["lm_head.weight"] = torch.zeros(96, 32, dtype=torch.bfloat16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert "lm_head.weight" not in load_weights(tmp_path, parse_config(QWEN3), torch.bfloat16)
+
+
+def test_missing_tensor_is_an_error_naming_it(tmp_path: Path) -> None:
+    tensors = write_checkpoint(tmp_path, QWEN3)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_weights(tmp_path, parse_config(QWEN3), torch.float32)
+
+
+def test_wrong_shape_is_an_error_naming_file_tensor_and_both_shapes(tmp_path: Path) -> None:
+    tensors = write_checkpoint(tmp_path, QWEN3)
+    tensors["model.norm.weight"] = torch.ones(31)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*'model\.norm\.weight'.*\(31,\).*\(32,\)"):
+        load_weights(tmp_path, parse_config(QWEN3), torch.float32)
+
+
+def test_unexpected_tensor_is_an_error(tmp_path: Path) -> None:
+    tensors = write_checkpoint(tmp_path, QWEN3)
+    tensors["model.layers.2.mlp.up_proj.weight"] = torch.ones(2, 2)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.2\.mlp\.up_proj\.weight'"):
+        load_weights(tmp_path, parse_config(QWEN3), torch.float32)
+
+
+def test_corrupt_or_absent_weight_files_are_errors_naming_them(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, QWEN3)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+        load_weights(tmp_path, parse_config(QWEN3), torch.float32)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"no model\.safetensors and no model\.safetensors\.index\.json"
+    ):
+        load_weights(tmp_path, parse_config(QWEN3), torch.float32)
+
+
+def test_shard_listed_in_the_index_but_absent_is_an_error_naming_it(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, QWEN3, shards=2)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: file not found"):
+        load_weights(tmp_path, parse_config(QWEN3), torch.float32)
+
+
+def test_weights_sha256_hashes_each_file_digest_in_file_name_order(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, QWEN3, shards=3)
+    lines = "".join(
+        f"{path.name}:{hashlib.sha256(path.read_bytes()).hexdigest()}\n"
+        for path in sorted(tmp_path.glob("*.safetensors"))
+    )
+    assert weights_sha256(tmp_path) == hashlib.sha256(lines.encode()).hexdigest()
+
+
+def test_weights_sha256_changes_when_one_byte_of_a_shard_changes(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, QWEN3, shards=2)
+    before = weights_sha256(tmp_path)
+    shard = tmp_path / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    assert weights_sha256(tmp_path) != before
