@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 
 HERE = Path(__file__).resolve().parent
+WARMUP = 50
 BODY = {
     "model": "trivial",
     "messages": [{"role": "user", "content": "hi"}],
@@ -123,7 +124,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     config.write_text(
         f'[server]\nport = {proxy_port}\n[store]\nurl = "{store_url}"\n'
         + (f'postgres_schema = "{schema}"\n' if schema else "")
-        + f'[local_backend]\nenabled = "off"\nlog_level = "warning"\n[[replicas]]\nname = "trivial"\nurl = "http://127.0.0.1:{replica_port}"\n'
+        + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "http://127.0.0.1:{replica_port}"\n'
     )
     config.write_text(config.read_text().replace('log_level = "warning"\n', ""))
     env = {**os.environ, "STACKPIN_LOG_LEVEL": "warning"}
@@ -146,8 +147,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         direct_url = f"http://127.0.0.1:{replica_port}/v1/chat/completions"
         proxy_url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
         # Warm both paths (connections, caches) before measuring.
-        await sequential(direct_url, 50)
-        await sequential(proxy_url, 50)
+        await sequential(direct_url, WARMUP)
+        await sequential(proxy_url, WARMUP)
         direct_lat = await sequential(direct_url, args.latency_requests)
         proxy_lat = await sequential(proxy_url, args.latency_requests)
         direct_tput, _ = await concurrent(direct_url, args.requests, args.concurrency)
@@ -158,7 +159,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 process.terminate()
                 process.wait(timeout=30)
     entries, chain_ok = await count_records(store_url, schema)
-    expected = 100 + args.latency_requests + args.requests
+    expected = WARMUP + args.latency_requests + args.requests
     if schema:
         subprocess.run(
             [
@@ -215,7 +216,7 @@ def main() -> None:
         )
     print(
         f"{'throughput (req/s, c=' + str(args.concurrency) + ')':28}{result['direct_rps']:>10.0f}"
-        f"{result['proxy_rps']:>10.0f}{'ratio ' + format(result['throughput_ratio'], '.2f'):>10}"
+        f"{result['proxy_rps']:>10.0f}{'  ratio ' + format(result['throughput_ratio'], '.2f'):>10}"
     )
     print(
         f"records: {result['records']} of {result['records_expected']} expected; chain ok: {result['chain_ok']}"

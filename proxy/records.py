@@ -102,17 +102,16 @@ def _request_content(served: Served) -> dict[str, Any]:
 def answer_entry(
     served: Served,
     response: dict[str, Any],
-    tokens: Tokens,
     now: datetime,
     *,
     upstream_fingerprint: str | None,
     replay: dict[str, Any] | None = None,
 ) -> NewEntry:
+    # The tokens are in the response (its `stackpin` extension); they are not stored twice.
     content = {
         **_request_content(served),
         "stream": False,
         "response": response,
-        "tokens": tokens.as_json(),
         "upstream_fingerprint": upstream_fingerprint,
         "answered_at": now.isoformat(),
     }

@@ -40,13 +40,13 @@ def original_of(record: AuditRecord) -> Original:
     if first is None or record.fingerprint is None:
         raise BadRequest(f"record {record.id} holds no answer to replay")
     if "answer" in parts:
-        tokens_json = first.content.get("tokens")
+        tokens = tokens_of(first.content["response"])
     else:
         closed = parts.get("closed")
         if closed is None or closed.status != "complete":
             status = closed.status if closed else "still streaming or lost"
             raise BadRequest(f"record {record.id}'s stream did not complete ({status}); nothing to compare")
-        tokens_json = closed.content.get("tokens")
+        tokens = Tokens.from_json(closed.content["tokens"])
     prompt_meta = first.content.get("prompt")
     prompt = (
         PromptVersion(prompt_meta["name"], prompt_meta["version"], record.prompt_text)
@@ -57,7 +57,7 @@ def original_of(record: AuditRecord) -> Original:
         record_id=record.id,
         endpoint=first.content["endpoint"],
         request=first.content["request"],
-        tokens=Tokens.from_json(tokens_json),
+        tokens=tokens,
         fingerprint=record.fingerprint,
         prompt=prompt,
     )
@@ -121,7 +121,6 @@ async def replay(
         answer_entry(
             served,
             answer.body,
-            replayed,
             proxy.clock(),
             upstream_fingerprint=upstream if isinstance(upstream, str) else None,
             replay=replay_info,

@@ -19,7 +19,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from proxy.answers import StreamAssembly, tokens_of
+from proxy.answers import StreamAssembly
 from proxy.audit import AuditStore
 from proxy.config import Secrets, Settings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
@@ -90,11 +90,10 @@ class Proxy:
         served = self._served(request, tenant, received_at, dispatched)
         answer = dispatched.result
         upstream_fp = _body_fingerprint(answer.body)
-        tokens = tokens_of(answer.body)
         await self.store.append(
-            answer_entry(served, answer.body, tokens, self.clock(), upstream_fingerprint=upstream_fp)
+            answer_entry(served, answer.body, self.clock(), upstream_fingerprint=upstream_fp)
         )
-        log.info("answered", tenant=tenant, endpoint=request.endpoint, tokens=len(tokens.token_ids or []))
+        log.info("answered", tenant=tenant, endpoint=request.endpoint)
         return served, answer
 
     async def stream(
