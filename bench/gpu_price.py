@@ -194,6 +194,51 @@ def decode_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[str
     }
 
 
+def step_profile(model: Transformer, cache: PagedKVCache) -> dict[str, Any]:
+    """Kernels in one eager decode step at batch 1 and their summed GPU time, by family: what a step is made of,
+    apart from launch gaps."""
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    blocks = -(-(CONTEXT + 8) // PAGE)
+    tables = torch.arange(blocks, dtype=torch.int32, device=DEVICE).view(1, blocks)
+    _fill(model, cache, tables, CONTEXT, gen)
+    tokens = torch.randint(model.config.vocab_size, (1,), device=DEVICE, generator=gen)
+    seq = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    pos = torch.full((1,), CONTEXT, dtype=torch.int32, device=DEVICE)
+    rows = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    model.forward(tokens, seq, pos, tables, cache, rows)
+    torch.cuda.synchronize()
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.forward(tokens, seq, pos, tables, cache, rows)
+            torch.cuda.synchronize()
+        families: dict[str, list[float]] = {}
+        for e in prof.key_averages():
+            us = float(getattr(e, "device_time_total", 0.0))
+            if us <= 0:
+                continue
+            name = e.key.lower()
+            family = next(
+                (f for f, keys in _FAMILIES.items() if any(k in name for k in keys)),
+                "other (elementwise, copies, indexing)",
+            )
+            n, t = families.get(family, [0, 0.0])
+            families[family] = [n + e.count, t + us]
+        return {f: {"kernels": int(n), "gpu_us": t} for f, (n, t) in families.items()}
+    except Exception as exc:  # the profile is a diagnosis; its absence must not sink the run
+        return {"error": repr(exc)[:300]}
+
+
+_FAMILIES = {
+    "matmul (Triton)": ("_matmul_kernel", "_sum_splits"),
+    "matmul (cuBLAS)": ("gemm", "gemv", "nvjet", "cutlass", "splitk"),
+    "attention": ("_paged_attention",),
+    "rms_norm": ("_rms_norm",),
+    "log_softmax": ("_log_softmax",),
+}
+
+
 def prefill_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[str, float]:
     """One step that prefills `batch` prompts of CONTEXT tokens each."""
     gen = torch.Generator(device=DEVICE).manual_seed(1000 + batch)
@@ -352,6 +397,8 @@ def speed(models: dict[str, Transformer], config: ModelConfig) -> dict[str, Any]
     out["matmul"] = matmul_table(models["batch_invariant"])
     print("matmul done", flush=True)
     cache = PagedKVCache(config, 128 * 37 + 16, PAGE, torch.device(DEVICE), torch.bfloat16)
+    out["decode_step_profile_batch1"] = {name: step_profile(model, cache) for name, model in models.items()}
+    print("profile", json.dumps(out["decode_step_profile_batch1"]), flush=True)
     for phase, fn in (("decode", decode_rate), ("prefill", prefill_rate)):
         out[phase] = {}
         for batch in BATCHES:
