@@ -540,6 +540,7 @@ TINY = {
         ({"stacks": [{**TINY, "kernelMode": "fast"}]}, "kernelMode"),
         ({"stacks": [{**TINY, "dtype": "int3"}]}, "dtype"),
         ({"stacks": [TINY, TINY]}, "appears twice"),
+        ({"stacks": [{**TINY, "maxBatchSize": 512}]}, "maxStepTokens must be at least maxBatchSize"),
         ({"stacks": [{**TINY, "name": "x" * 60}]}, "longer than 63"),
         (
             {"upstreams": [{"name": "tiny-cpu", "url": "https://api.example", "stack": {"model": "m"}}]},
@@ -622,3 +623,21 @@ def test_only_the_proxies_and_listed_peers_reach_the_backends(variant: tuple[lis
     assert first["podSelector"]["matchLabels"].items() <= proxy_labels.items()
     assert extra == values["networkPolicy"]["backendIngressFrom"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+
+
+def test_backend_arguments_are_accepted_by_the_backend_cli(
+    variant: tuple[list[Manifest], dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Imported here: it loads torch. Every flag is parsed and validated before the model folder is looked at, so
+    # the one complaint left on this machine, which has no /models, is that folder.
+    from pinned_backend.cli import main
+
+    manifests, values = variant
+    for stack in values["stacks"]:
+        args = container(one(manifests, "Deployment", backend_name(stack)), "backend")["args"]
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        error = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"--model: /models/{stack['model']} is not a directory" in error, (
+            error
+        )

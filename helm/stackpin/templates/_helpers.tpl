@@ -212,6 +212,9 @@ ConfigMap includes it, so `helm template` and `helm install` fail before anythin
 {{- if not (has .dtype (list "fp32" "bf16" "fp16")) }}
 {{- fail (printf "stack %q: dtype must be fp32, bf16 or fp16" .name) }}
 {{- end }}
+{{- if gt (int (default 32 .maxBatchSize)) (int (default 256 .maxStepTokens)) }}
+{{- fail (printf "stack %q: maxStepTokens must be at least maxBatchSize" .name) }}
+{{- end }}
 {{- if not .model }}
 {{- fail (printf "stack %q: model (a folder under /models) is required" .name) }}
 {{- end }}
