@@ -641,3 +641,18 @@ def test_backend_arguments_are_accepted_by_the_backend_cli(
         assert exit_.value.code == 2 and f"--model: /models/{stack['model']} is not a directory" in error, (
             error
         )
+
+
+def test_proxy_and_migration_arguments_are_accepted_by_the_proxy_cli(
+    variant: tuple[list[Manifest], dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The command lines parse; what is left on this machine is the configuration file the pod would mount.
+    from proxy.cli import main
+
+    manifests, _ = variant
+    (job,) = find(manifests, "Job")
+    for process in (container(one(manifests, "Deployment", RELEASE), "proxy"), container(job, "migrate")):
+        assert process["command"] == ["stackpin"]
+        assert main(process["args"]) == 2
+        error = capsys.readouterr().err
+        assert f"configuration file {CONFIG_PATH} does not exist" in error, error
