@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from proxy.audit.models import Base
+from proxy.audit.schema import lock_for_migration
 
 config = context.config
 target_metadata = Base.metadata
@@ -29,6 +30,7 @@ def _run(connection: Connection) -> None:
         render_as_batch=connection.dialect.name == "sqlite",
     )
     with context.begin_transaction():
+        lock_for_migration(connection)
         context.run_migrations()
 
 

@@ -101,6 +101,19 @@ async def test_create_if_empty_migrates_a_blank_database(blank: AuditDatabase) -
     assert await schema_revision(blank.url, schema=blank.schema) == HEAD_REVISION
 
 
+async def test_proxies_starting_together_on_a_blank_database_migrate_it_once(blank: AuditDatabase) -> None:
+    stores = await asyncio.gather(*(blank.open(create_if_empty=True) for _ in range(3)))
+    try:
+        stored = await asyncio.gather(*(store.append(entry(f"r{i}")) for i, store in enumerate(stores)))
+        report = await stores[0].verify()
+    finally:
+        for store in stores:
+            await store.close()
+    assert sorted(s.position for s in stored) == [1, 2, 3]
+    assert report.ok
+    assert await schema_revision(blank.url, schema=blank.schema) == HEAD_REVISION
+
+
 async def test_open_refuses_an_old_schema_until_it_is_upgraded(blank: AuditDatabase) -> None:
     await blank.migrate("0001_chain")
     with pytest.raises(SchemaOutdated, match=r"at schema revision 0001_chain.*run `stackpin db upgrade`"):

@@ -13,13 +13,15 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
 import migrations
 from proxy.audit.database import connect_args, make_engine, parse_url
 
 HEAD_REVISION = "0002_listing_indexes"
+# PostgreSQL names advisory locks by number; this one serialises stackpin migrations of one database.
+MIGRATION_LOCK = 0x53544B50
 
 
 def alembic_config(url: str | None = None, *, schema: str | None = None) -> Config:
@@ -55,6 +57,16 @@ def downgrade_database(url: str, revision: str, *, schema: str | None = None) ->
     command.downgrade(alembic_config(url, schema=schema), revision)
 
 
+def lock_for_migration(connection: Connection) -> None:
+    """Inside a transaction: waits until no other stackpin migrates this database.
+
+    PostgreSQL takes a transaction-scoped advisory lock; on SQLite the store's BEGIN IMMEDIATE already shuts
+    out every other writer.
+    """
+    if connection.dialect.name == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+
+
 def _upgrade_on(connection: Connection, revision: str) -> None:
     config = alembic_config()
     config.attributes["connection"] = connection
@@ -81,6 +93,25 @@ async def schema_revision(url: str, *, schema: str | None = None) -> str | None:
     """The Alembic revision of the database at `url`; None when it was never migrated."""
     revision, _ = await inspect_database(url, schema=schema)
     return revision
+
+
+def _create_if_empty_on(connection: Connection) -> bool:
+    lock_for_migration(connection)
+    revision, has_tables = _revision_on(connection)
+    if revision is not None or has_tables:
+        return False  # another process made it while this one waited, or it is not ours to touch
+    _upgrade_on(connection, "head")
+    return True
+
+
+async def create_schema_if_empty(url: str, *, schema: str | None = None) -> bool:
+    """Migrates the database to head if it holds no table at all; whether it did. Safe to race."""
+    engine = make_engine(parse_url(url), schema=schema, writer=True, pooled=False)
+    try:
+        async with engine.begin() as connection:
+            return await connection.run_sync(_create_if_empty_on)
+    finally:
+        await engine.dispose()
 
 
 async def upgrade_database_async(url: str, revision: str = "head", *, schema: str | None = None) -> None:

@@ -21,7 +21,7 @@ from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import describe, make_engine, make_writer, parse_url
 from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew
 from proxy.audit.models import Entry, Prompt, Stack
-from proxy.audit.schema import HEAD_REVISION, inspect_database, known_revisions, upgrade_database_async
+from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
 from proxy.audit.values import (
     AuditRecord,
     EntryView,
@@ -233,13 +233,14 @@ class AuditStore:
 
 async def _ensure_schema(url: str, *, schema: str | None, create_if_empty: bool) -> None:
     revision, has_tables = await inspect_database(url, schema=schema)
+    if revision is None and not has_tables and create_if_empty:
+        # Several proxies may start at once on a blank database: one migrates, the others find it done.
+        await create_schema_if_empty(url, schema=schema)
+        revision, has_tables = await inspect_database(url, schema=schema)
     if revision == HEAD_REVISION:
         return
     where = describe(parse_url(url)) + (f" (schema {schema})" if schema else "")
     if revision is None and not has_tables:
-        if create_if_empty:
-            await upgrade_database_async(url, schema=schema)
-            return
         raise SchemaOutdated(
             f"the audit database {where} is empty; run `stackpin db upgrade` to create its schema "
             f"(revision {HEAD_REVISION})"
