@@ -54,8 +54,12 @@ class SamplingParams:
 
 
 def draw_seed(rng: random.Random) -> int:
-    """A fresh seed for a request that sent none, reported back so that its answer can be replayed."""
-    return rng.getrandbits(63)
+    """A fresh seed for a request that sent none, reported back so that its answer can be replayed.
+
+    Below 2**53, so that every JSON reader (JavaScript's included) and the audit log's canonical JSON carry it
+    exactly.
+    """
+    return rng.randrange(2**53)
 
 
 def position_uniform(seed: int, position: int) -> float:

@@ -63,7 +63,7 @@ class StoreSettings(_Section):
         None  # the PostgreSQL schema holding the tables; None: the server's search_path
     )
     batch_max: int = Field(default=256, ge=1)
-    batch_wait_ms: float = Field(default=1.0, ge=0)
+    batch_wait_ms: float = Field(default=0.0, ge=0)  # the queue fills while a commit runs; no timer needed
 
 
 class HealthSettings(_Section):

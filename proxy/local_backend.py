@@ -20,6 +20,7 @@ from proxy.config import LocalBackendSettings
 from proxy.errors import ConfigError
 
 log = structlog.get_logger("stackpin.local_backend")
+TINY_MODEL = "stackpin-tiny"
 
 
 def backend_installed() -> bool:
@@ -49,8 +50,14 @@ class LocalBackend:
     async def start(self) -> str:
         model_dir = self.settings.model_dir
         if not (model_dir / "config.json").exists():
+            if model_dir.name != TINY_MODEL:
+                raise ConfigError(
+                    f"local_backend.model_dir {model_dir} holds no config.json: point it at a checkpoint folder, "
+                    f"or at a folder named {TINY_MODEL} to have the tiny model made there"
+                )
             log.info("making_tiny_model", model_dir=str(model_dir))
-            await self._run_to_end("make-tiny", str(model_dir))
+            # make-tiny writes the model into a folder of its own name under the one it is given.
+            await self._run_to_end("make-tiny", str(model_dir.parent))
         ready_file = Path(self._workdir.name) / "ready"
         self._process = await asyncio.create_subprocess_exec(
             sys.executable,

@@ -18,9 +18,10 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
+from pydantic import ValidationError
 
-from proxy.answers import StreamAssembly
-from proxy.audit import AuditStore
+from proxy.answers import StreamAssembly, Tokens
+from proxy.audit import AuditStore, NewEntry
 from proxy.config import Secrets, Settings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
 from proxy.errors import ReplicaFailed, StackpinError
@@ -91,7 +92,7 @@ class Proxy:
         answer = dispatched.result
         upstream_fp = _body_fingerprint(answer.body)
         await self.store.append(
-            answer_entry(served, answer.body, self.clock(), upstream_fingerprint=upstream_fp)
+            self._entry(answer_entry, served, answer.body, self.clock(), upstream_fingerprint=upstream_fp)
         )
         log.info("answered", tenant=tenant, endpoint=request.endpoint)
         return served, answer
@@ -149,24 +150,38 @@ class Proxy:
             status, error = "interrupted", f"client went away: {type(e).__name__}"
         finally:
             upstream.close()
-            closed = closed_entry(
-                served,
-                assembly.tokens(),
-                self.clock(),
-                status=status,
-                usage=assembly.usage,
-                upstream_fingerprint=assembly.upstream_fingerprint,
-                chunks=assembly.chunks,
-                error=error,
-            )
+            try:
+                closed = closed_entry(
+                    served,
+                    assembly.tokens(),
+                    self.clock(),
+                    status=status,
+                    usage=assembly.usage,
+                    upstream_fingerprint=assembly.upstream_fingerprint,
+                    chunks=assembly.chunks,
+                    error=error,
+                )
+            except ValidationError as e:
+                # The stream's end must be recorded whatever the replica sent; say what could not be kept.
+                status, error = "interrupted", f"the answer cannot be recorded: {e.errors()[0]['msg']}"
+                closed = closed_entry(
+                    served,
+                    Tokens(text=""),
+                    self.clock(),
+                    status=status,
+                    usage=None,
+                    upstream_fingerprint=None,
+                    chunks=assembly.chunks,
+                    error=error,
+                )
             # The closing record must land even when the client's disconnect cancels this task.
             await asyncio.shield(self.store.append(closed))
         log.info("stream_closed", status=status, chunks=assembly.chunks)
         if status == "complete":
             self._count_tokens(served, assembly.usage)
             await response.write(b"data: [DONE]\n\n")
-        elif error and error.startswith("replica"):
-            failure = ReplicaFailed(f"the replica broke off the stream: {error}")
+        elif error and not error.startswith("client"):
+            failure = ReplicaFailed(f"the stream is incomplete: {error}")
             await response.write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
         await response.write_eof()
         return response
@@ -183,6 +198,16 @@ class Proxy:
             )
         except ReplicaGarbage as e:
             raise ReplicaFailed(f"the replica answered something that is not an OpenAI response: {e}") from e
+
+    @staticmethod
+    def _entry(build: Callable[..., NewEntry], *args: Any, **kwargs: Any) -> NewEntry:
+        """Builds an entry; an answer the audit log cannot hold is the replica's fault, and is not served."""
+        try:
+            return build(*args, **kwargs)
+        except ValidationError as e:
+            raise ReplicaFailed(
+                f"the replica's answer cannot be recorded, so it is not served: {e.errors()[0]['msg']}"
+            ) from e
 
     def _served(
         self, request: ClientRequest, tenant: str, received_at: datetime, dispatched: Dispatched[Any]

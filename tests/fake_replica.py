@@ -63,7 +63,7 @@ def _unit(*parts: Any) -> float:
 class FakeReplica:
     stack: dict[str, Any] = field(default_factory=tiny_stack)
     nondeterministic: bool = False
-    failure: str | None = None  # None, "500", "garbage", "wrong_fingerprint", "drop_stream"
+    failure: str | None = None  # None, "500", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int"
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     url: str = ""
@@ -133,6 +133,8 @@ class FakeReplica:
             )
         fingerprint = "f" * 64 if self.failure == "wrong_fingerprint" else self.fingerprint
         ids, logprobs, text, seed = self.completion(body)
+        if self.failure == "unsafe_int":
+            seed = 2**63 - 1  # no JSON reader carries it exactly; canonical JSON refuses it
         chat = request.path.endswith("/chat/completions")
         extension = {
             "prompt_token_ids": [1, 2, 3],

@@ -75,6 +75,22 @@ async def test_garbage_from_a_replica_is_a_502_and_records_nothing(
         assert await record_count(harness) == 0
 
 
+async def test_an_answer_the_log_cannot_hold_is_not_served(replica: FakeReplica, tmp_path: Path) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        replica.failure = "unsafe_int"
+        status, body, _ = await harness.post("/v1/chat/completions", CHAT)
+        assert status == 502 and "cannot be recorded" in body["error"]["message"]
+        assert await record_count(harness) == 0
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{harness.v1}/chat/completions", json={**CHAT, "stream": True}
+        ) as response:
+            record_id = response.headers["Stackpin-Record"]
+            await response.read()
+        record = await harness.proxy.store.get_record(record_id, "local")
+        assert record is not None and record.status == "interrupted"
+        assert "cannot be recorded" in record.entries[-1].content["error"]
+
+
 async def test_an_answer_under_another_fingerprint_quarantines_the_replica_and_flags_its_records(
     replica: FakeReplica, twin: FakeReplica, tmp_path: Path
 ) -> None:
