@@ -249,6 +249,14 @@ async def test_listing_filters_by_stack_model_and_time(store: AuditStore) -> Non
         await store.list_records(since=T0.replace(tzinfo=None))
 
 
+async def test_listing_is_newest_first_by_time_not_by_arrival(store: AuditStore) -> None:
+    """Proxies with their own clocks append in one chain; a listing still reads in time order."""
+    await store.append(entry("later", seconds=100))
+    await store.append(entry("earlier", seconds=50))
+    await store.append(entry("same-time-second", seconds=100))
+    assert [r.id for r in await store.list_records()] == ["same-time-second", "later", "earlier"]
+
+
 async def test_records_served_since_names_what_a_replica_produced(store: AuditStore) -> None:
     await store.append(entry("early", seconds=0))
     await store.append(entry("late", seconds=100))

@@ -38,6 +38,7 @@ ENTRIES = Entry.__table__
 STACKS = Stack.__table__
 PROMPTS = Prompt.__table__
 LIST_LIMIT_MAX = 1000
+SUMMARY_COLUMNS = ("record_id", "tenant", "created_at", "model", "fingerprint", "status", "replay_of", "part")
 
 
 class AuditStore:
@@ -156,13 +157,17 @@ class AuditStore:
         until: datetime | None = None,
         limit: int = 100,
     ) -> list[RecordSummary]:
-        """Records newest first, by first entry (`answer` or `opened`); `since` inclusive, `until` not."""
+        """Records newest first (by the time of their first entry, `answer` or `opened`).
+
+        `since` is inclusive, `until` exclusive; both must carry a time zone.
+        """
         if not 1 <= limit <= LIST_LIMIT_MAX:
             raise ValueError(f"limit must be between 1 and {LIST_LIMIT_MAX}, got {limit}")
         for name, moment in (("since", since), ("until", until)):
             if moment is not None and moment.tzinfo is None:
                 raise ValueError(f"{name} must carry a time zone (for example {name}=...+00:00)")
-        query = select(ENTRIES).where(ENTRIES.c.part.in_(("answer", "opened")))
+        listed = [ENTRIES.c[name] for name in SUMMARY_COLUMNS]  # never the content: it can be large
+        query = select(*listed).where(ENTRIES.c.part.in_(("answer", "opened")))
         for column, wanted in (("tenant", tenant), ("fingerprint", fingerprint), ("model", model)):
             if wanted is not None:
                 query = query.where(ENTRIES.c[column] == wanted)
@@ -170,7 +175,8 @@ class AuditStore:
             query = query.where(ENTRIES.c.created_at >= since)
         if until is not None:
             query = query.where(ENTRIES.c.created_at < until)
-        query = query.order_by(ENTRIES.c.position.desc()).limit(limit)
+        # By time first, so that a filter on tenant, stack or model can walk its (column, created_at) index.
+        query = query.order_by(ENTRIES.c.created_at.desc(), ENTRIES.c.position.desc()).limit(limit)
         async with self._reader.connect() as connection:
             starts = (await connection.execute(query)).mappings().all()
             later = await self._later_parts(connection, [row["record_id"] for row in starts])
