@@ -63,7 +63,13 @@ def select_kernels(mode: KernelMode, device: torch.device, *, kv_split_size: int
 
         return CpuInvariantKernels(kv_split_size=kv_split_size)
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"batch_invariant mode on {device}: this torch build or machine has no CUDA device"
+            )
         try:
+            import triton  # noqa: F401  (the kernels package imports it lazily; fail here, at start)
+
             from pinned_backend.kernels import triton as triton_kernels
         except ImportError as exc:
             raise RuntimeError(

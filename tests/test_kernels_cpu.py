@@ -1,0 +1,166 @@
+"""Specification of the CPU kernels: each op agrees with the float64 reference, and the batch_invariant ones give
+a row the same bits whatever the batch around it (its size, the row's position, the other rows' contents)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pinned_backend.kernels import reference, select_kernels
+from pinned_backend.kernels.cpu import CpuInvariantKernels
+from pinned_backend.kernels.torch_ops import TorchKernels
+
+CPU = torch.device("cpu")
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+ROW_COUNTS = (1, 2, 5, 16, 17, 40)
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_rows_invariant(op, x: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+    """Row i of op(x[:m]) must equal op of that row alone, and op of that row amid other rows, bit for bit."""
+    alone = [op(x[i : i + 1]) for i in range(x.shape[0])]
+    for m in ROW_COUNTS:
+        batched = op(x[:m])
+        for i in range(m):
+            assert torch.equal(batched[i : i + 1], alone[i]), f"row {i} of {m} differs from the row alone"
+    noise = randn(7, *x.shape[1:], seed=99, dtype=x.dtype)
+    mixed = op(torch.cat([noise[:3], x[5:6], noise[3:]]))
+    assert torch.equal(mixed[3:4], alone[5]), "a row's result changed with its neighbours' contents"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), [(256, 768), (1024, 300)])
+def test_invariant_matmul_matches_reference_and_is_batch_invariant(
+    dtype: torch.dtype, k: int, n: int
+) -> None:
+    kernels = CpuInvariantKernels()
+    x, w = randn(40, k, seed=1, dtype=dtype), randn(n, k, seed=2, dtype=dtype) / k**0.5
+    expected = reference.matmul(x, w)
+    torch.testing.assert_close(
+        kernels.matmul(x, w).double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+    assert_rows_invariant(lambda rows: kernels.matmul(rows, w), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [128, 2048, 40000])
+def test_invariant_rms_norm_matches_reference_and_is_batch_invariant(dtype: torch.dtype, width: int) -> None:
+    # 40000 is wider than the size at which PyTorch splits a lone row's sum across threads.
+    kernels = CpuInvariantKernels()
+    x, weight = randn(40, width, seed=3, dtype=dtype), randn(width, seed=4, dtype=dtype)
+    out = kernels.rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype
+    expected = reference.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+    assert_rows_invariant(lambda rows: kernels.rms_norm(rows, weight, 1e-6), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_log_softmax_matches_reference_and_is_batch_invariant(dtype: torch.dtype) -> None:
+    kernels = CpuInvariantKernels()
+    x = randn(40, 151936, seed=5, dtype=dtype) * 4  # Qwen3's vocabulary width
+    out = kernels.log_softmax(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference.log_softmax(x.float()), atol=1e-4, rtol=1e-5)
+    assert_rows_invariant(kernels.log_softmax, x)
+
+
+def make_paged(
+    lengths: list[int], block_size: int, heads: tuple[int, int], dim: int, seed: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A cache of random keys and values, each sequence's blocks scattered at random; and its block tables."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks_each = [-(-n // block_size) for n in lengths]
+    total = sum(blocks_each) + 3
+    k_cache = torch.randn(total, block_size, heads[1], dim, generator=generator).to(dtype)
+    v_cache = torch.randn(total, block_size, heads[1], dim, generator=generator).to(dtype)
+    order = torch.randperm(total, generator=generator)
+    tables = torch.zeros(len(lengths), max(blocks_each) + 2, dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks_each):
+        tables[s, :n] = order[used : used + n].to(torch.int32)
+        used += n
+    return k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "kernels", [CpuInvariantKernels(kv_split_size=32), TorchKernels()], ids=lambda k: k.mode
+)
+def test_attention_matches_the_float64_reference(dtype: torch.dtype, kernels: object) -> None:
+    lengths = [1, 17, 70, 33]
+    k_cache, v_cache, tables = make_paged(lengths, 16, (8, 2), 32, seed=6, dtype=dtype)
+    # Some queries at the end of their sequence (decode), a run of them (prefill), one in the middle.
+    seq = torch.tensor([0, 1, 2, 2, 2, 2, 3, 1], dtype=torch.int32)
+    pos = torch.tensor([0, 16, 66, 67, 68, 69, 32, 3], dtype=torch.int32)
+    q = randn(8, 8, 32, seed=7, dtype=dtype)
+    out = kernels.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5)  # type: ignore[attr-defined]
+    assert out.shape == q.shape and out.dtype == dtype
+    expected = reference.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5)
+    tolerance = TOLERANCE[dtype] * 10
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_attention_gives_a_query_the_same_bits_whatever_else_is_in_the_step(
+    dtype: torch.dtype,
+) -> None:
+    kernels = CpuInvariantKernels(kv_split_size=32)
+    generator = torch.Generator().manual_seed(8)
+    lengths = torch.randint(1, 100, (6,), generator=generator).tolist()
+    k_cache, v_cache, tables = make_paged(lengths, 16, (4, 2), 16, seed=9, dtype=dtype)
+    # Every position of every sequence, as if the whole step were one big prefill.
+    seq = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
+    q = randn(seq.numel(), 4, 16, seed=10, dtype=dtype)
+
+    def attend(rows: torch.Tensor) -> torch.Tensor:
+        return kernels.attention(q[rows], k_cache, v_cache, tables, seq[rows], pos[rows], 0.25)
+
+    alone: dict[int, torch.Tensor] = {}
+    everything = attend(torch.arange(seq.numel()))
+    for size in (1, 2, 9, 33, seq.numel() // 2):
+        rows = torch.randperm(seq.numel(), generator=generator)[:size]
+        subset = attend(rows)
+        for j, row in enumerate(rows.tolist()):
+            if row not in alone:
+                alone[row] = attend(torch.tensor([row]))[0]
+            assert torch.equal(subset[j], alone[row]), (
+                f"query {row} differs between a step of {size} and alone"
+            )
+            assert torch.equal(everything[row], alone[row]), (
+                f"query {row} differs between the full step and alone"
+            )
+
+
+def test_kv_split_size_must_be_a_multiple_of_the_block_size() -> None:
+    k_cache, v_cache, tables = make_paged([5], 16, (2, 2), 8, seed=11, dtype=torch.float32)
+    kernels = CpuInvariantKernels(kv_split_size=24)
+    seq, pos = torch.tensor([0], dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of the KV cache block size 16"):
+        kernels.attention(torch.zeros(1, 2, 8), k_cache, v_cache, tables, seq, pos, 1.0)
+
+
+def test_non_positive_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="kv_split_size must be a positive"):
+        CpuInvariantKernels(kv_split_size=0)
+
+
+def test_select_kernels_picks_the_implementation_for_mode_and_device() -> None:
+    assert isinstance(select_kernels("default", CPU), TorchKernels)
+    invariant = select_kernels("batch_invariant", CPU, kv_split_size=64)
+    assert isinstance(invariant, CpuInvariantKernels) and invariant.kv_split_size == 64
+    assert invariant.mode == "batch_invariant"
+    with pytest.raises(ValueError, match="unknown kernel mode 'fast'"):
+        select_kernels("fast", CPU)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no kernels for device type 'meta'"):
+        select_kernels("batch_invariant", torch.device("meta"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_batch_invariant_on_cuda_without_a_device_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        select_kernels("batch_invariant", torch.device("cuda"))
