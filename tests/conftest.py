@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +33,12 @@ async def twin() -> AsyncIterator[FakeReplica]:
     await fake.start()
     yield fake
     await fake.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model, made once per test session, as `stackpin-backend make-tiny` makes it."""
+    pytest.importorskip("torch")
+    from pinned_backend.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("models"))

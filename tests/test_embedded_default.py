@@ -1,0 +1,108 @@
+"""The embedded default, end to end: `stackpin serve` with no configuration file starts the local CPU backend in
+batch_invariant mode, answers a real request with a record id, and `stackpin replay` reproduces it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("torch")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, dict[str, str]]]:
+    folder = tmp_path_factory.mktemp("embedded")
+    port = free_port()
+    env = {
+        **os.environ,
+        "STACKPIN_SERVER__PORT": str(port),
+        "STACKPIN_LOCAL_BACKEND__MODEL_DIR": str(tiny_model),
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve"],
+        cwd=folder,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=open(folder / "serve.log", "w"),  # noqa: SIM115 - the process owns it until the end
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert process.poll() is None, (folder / "serve.log").read_text()
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            pytest.fail("stackpin serve did not become ready:\n" + (folder / "serve.log").read_text())
+        yield url, folder, env
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def stackpin(folder: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy.cli", *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_a_request_gets_a_record_and_its_replay_is_reproduced(
+    served: tuple[str, Path, dict[str, str]],
+) -> None:
+    url, folder, env = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="stackpin-tiny", messages=[{"role": "user", "content": "Tell me about the sea."}], max_tokens=16
+    )
+    record_id = raw.headers["Stackpin-Record"]
+    completion = raw.parse()
+    assert completion.system_fingerprint == raw.headers["Stackpin-Stack"]
+    assert (folder / "stackpin.db").exists(), "the embedded default keeps its audit log in the working folder"
+    replay = stackpin(folder, env, "replay", record_id, "--url", url, "--json")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert json.loads(replay.stdout)["outcome"] == "reproduced"
+    audit = stackpin(folder, env, "audit", record_id)
+    assert audit.returncode == 0 and "batch_invariant" in audit.stdout and "verifies" in audit.stdout
+    assert stackpin(folder, env, "verify").returncode == 0
+
+
+def test_identical_requests_under_concurrency_give_one_completion(
+    served: tuple[str, Path, dict[str, str]],
+) -> None:
+    url, folder, env = served
+    probe = stackpin(folder, env, "probe", "--url", url, "-n", "8", "-c", "4", "--max-tokens", "12", "--json")
+    assert probe.returncode == 0, probe.stdout + probe.stderr
+    summary = json.loads(probe.stdout)
+    assert summary["answered"] == 8
+    assert summary["distinct_bitwise"] == 1, (
+        "batch_invariant mode: same tokens, same logprob bits, under load"
+    )
