@@ -318,6 +318,10 @@ def test_the_rendered_config_is_accepted_by_the_proxy(
     settings, secrets = load_settings(path, environ)
     assert [r.name for r in settings.replicas] == [r["name"] for r in proxy_config(manifests)["replicas"]]
     assert set(secrets.tenant_key_hashes.values()) == {t["name"] for t in values["tenants"]}
+    limits = {t.name: (t.requests_per_minute, t.tokens_per_minute) for t in settings.tenants}
+    assert limits == {
+        t["name"]: (t.get("requestsPerMinute"), t.get("tokensPerMinute")) for t in values["tenants"]
+    }
 
 
 def test_a_config_change_rolls_the_proxies(tmp_path: Path) -> None:
@@ -619,8 +623,9 @@ def test_only_the_proxies_and_listed_peers_reach_the_backends(variant: tuple[lis
     assert not selector.items() <= proxy_labels.items()
 
     (rule,) = policy["spec"]["ingress"]
-    first, *extra = rule["from"]
-    assert first["podSelector"]["matchLabels"].items() <= proxy_labels.items()
+    proxies, backends_themselves, *extra = rule["from"]
+    assert proxies["podSelector"]["matchLabels"].items() <= proxy_labels.items()
+    assert backends_themselves["podSelector"]["matchLabels"] == selector  # the heartbeat polls its own pod
     assert extra == values["networkPolicy"]["backendIngressFrom"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
 
@@ -656,3 +661,67 @@ def test_proxy_and_migration_arguments_are_accepted_by_the_proxy_cli(
         assert main(process["args"]) == 2
         error = capsys.readouterr().err
         assert f"configuration file {CONFIG_PATH} does not exist" in error, error
+
+
+def test_in_fleet_mode_every_backend_pod_registers_itself_through_a_heartbeat_sidecar(
+    variant: tuple[list[Manifest], dict],
+) -> None:
+    manifests, values = variant
+    config = proxy_config(manifests)
+    proxy_env = {
+        e["name"]: e for e in container(one(manifests, "Deployment", RELEASE), "proxy").get("env", [])
+    }
+    for stack in values["stacks"]:
+        heartbeat = container(one(manifests, "Deployment", backend_name(stack)), "heartbeat")
+        assert heartbeat["command"] == ["stackpin"] and heartbeat["args"][:2] == ["fleet", "heartbeat"]
+        args = dict(zip(heartbeat["args"][2::2], heartbeat["args"][3::2], strict=True))
+        # Each pod is a replica of its own: its pod name, its pod address.
+        assert args["--name"] == "$(POD_NAME)"
+        assert args["--replica-url"] == f"http://$(POD_IP):{values['backend']['port']}"
+        env = {e["name"]: e for e in heartbeat["env"]}
+        assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        # The same Redis and key prefix as the proxies, and none of their keys.
+        assert env["STACKPIN_FLEET__KEY_PREFIX"]["value"] == config["fleet"]["key_prefix"]
+        redis = env["STACKPIN_FLEET__REDIS_URL"]
+        if "redis_url" in config["fleet"]:
+            assert redis["value"] == config["fleet"]["redis_url"]
+        else:
+            assert redis["valueFrom"] == proxy_env["STACKPIN_FLEET__REDIS_URL"]["valueFrom"]
+        assert set(env) == {"POD_NAME", "POD_IP", "STACKPIN_FLEET__REDIS_URL", "STACKPIN_FLEET__KEY_PREFIX"}
+
+
+def test_each_release_keeps_its_fleet_keys_apart(variant: tuple[list[Manifest], dict]) -> None:
+    manifests, _ = variant
+    assert proxy_config(manifests)["fleet"]["key_prefix"] == f"stackpin:{NAMESPACE}:{RELEASE}:"
+
+
+def test_without_fleet_mode_there_is_no_heartbeat(tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {"fleet": {"enabled": False}, "proxy": {"replicaCount": 1, "autoscaling": {"enabled": False}}}
+        )
+    )
+    manifests = render(path)
+    for stack in values_of(path)["stacks"]:
+        names = [
+            c["name"]
+            for c in one(manifests, "Deployment", backend_name(stack))["spec"]["template"]["spec"][
+                "containers"
+            ]
+        ]
+        assert names == ["backend"]
+
+
+def test_heartbeat_arguments_are_accepted_by_the_proxy_cli(
+    rendered: dict[str, list[Manifest]], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every flag parses; with no Redis named in this test's environment the command stops there, before any I/O.
+    from proxy.cli import main
+
+    monkeypatch.delenv("STACKPIN_FLEET__REDIS_URL", raising=False)
+    (backend, *_) = [m for m in find(rendered["gpu-fleet"], "Deployment") if m["metadata"]["name"] != RELEASE]
+    assert main(container(backend, "heartbeat")["args"]) == 2
+    error = capsys.readouterr().err
+    assert "fleet heartbeat needs Redis" in error, error

@@ -77,8 +77,12 @@ Helm reads numbers from values as floats: the integers the chart writes go throu
 {{- if not .Values.store.existingSecret }}
 {{- $_ := set $cfg "store" (dict "url" .Values.store.url) }}
 {{- end }}
-{{- if and .Values.fleet.enabled (not .Values.fleet.existingSecret) }}
-{{- $_ := set $cfg "fleet" (dict "redis_url" .Values.fleet.redisUrl) }}
+{{- if .Values.fleet.enabled }}
+{{- $fleet := dict "key_prefix" (include "stackpin.fleetKeyPrefix" .) }}
+{{- if not .Values.fleet.existingSecret }}
+{{- $_ := set $fleet "redis_url" .Values.fleet.redisUrl }}
+{{- end }}
+{{- $_ := set $cfg "fleet" $fleet }}
 {{- end }}
 {{- $replicas := list }}
 {{- range .Values.stacks }}
@@ -113,10 +117,40 @@ Helm reads numbers from values as floats: the integers the chart writes go throu
 {{- if .apiKeySha256 }}
 {{- $_ := set $tenant "api_key_sha256" .apiKeySha256 }}
 {{- end }}
+{{- if .requestsPerMinute }}
+{{- $_ := set $tenant "requests_per_minute" (int .requestsPerMinute) }}
+{{- end }}
+{{- if .tokensPerMinute }}
+{{- $_ := set $tenant "tokens_per_minute" (int .tokensPerMinute) }}
+{{- end }}
 {{- $tenants = append $tenants $tenant }}
 {{- end }}
 {{- $_ := set $cfg "tenants" $tenants }}
 {{- mergeOverwrite (deepCopy .Values.proxy.extraConfig) $cfg | toToml }}
+{{- end }}
+
+{{/* One Redis can hold several fleets: each release keeps its keys apart. */}}
+{{- define "stackpin.fleetKeyPrefix" -}}
+{{- default (printf "stackpin:%s:%s:" .Release.Namespace .Release.Name) .Values.fleet.keyPrefix }}
+{{- end }}
+
+{{/*
+The heartbeat sidecar's environment: Redis and the key prefix only. It reads no configuration file, so it never
+needs the proxy's client or upstream keys.
+*/}}
+{{- define "stackpin.fleetEnv" -}}
+{{- if .Values.fleet.existingSecret }}
+- name: STACKPIN_FLEET__REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.fleet.existingSecret }}
+      key: {{ .Values.fleet.existingSecretKey }}
+{{- else }}
+- name: STACKPIN_FLEET__REDIS_URL
+  value: {{ .Values.fleet.redisUrl | quote }}
+{{- end }}
+- name: STACKPIN_FLEET__KEY_PREFIX
+  value: {{ include "stackpin.fleetKeyPrefix" . | quote }}
 {{- end }}
 
 {{/* Environment of every process that reads stackpin.toml: the proxy and the migration Job. */}}
