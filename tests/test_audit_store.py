@@ -88,6 +88,22 @@ async def test_concurrent_appends_share_commits_and_get_contiguous_positions(dat
     assert max(batches.sizes) <= 64
 
 
+async def test_verifying_while_appends_go_on_finds_nothing_wrong(database: AuditDatabase) -> None:
+    store = await database.open(batch_max=4)
+    try:
+        await store.append(entry("first"))
+        appends = asyncio.gather(*(store.append(entry(f"c{i}")) for i in range(120)))
+        reports = [await store.verify(page_size=7) for _ in range(5)]
+        links = [await store.verify_record(f"c{i}") for i in range(0, 120, 10)]
+        await appends
+        final = await store.verify()
+    finally:
+        await store.close()
+    assert all(r.ok for r in reports), [r.problem for r in reports if not r.ok]
+    assert all(check.ok for checks in links for check in checks)
+    assert final.ok and final.head_position == 121
+
+
 async def test_two_stores_on_one_database_build_one_chain(database: AuditDatabase) -> None:
     """Several proxies on one database: each append locks the head, so the chain never forks."""
     first, second = await database.open(batch_max=8), await database.open(batch_max=8)

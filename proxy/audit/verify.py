@@ -160,9 +160,13 @@ async def _missing_references(
 
 async def _entries_beyond_head(engine: AsyncEngine) -> ChainProblem | None:
     """Entries past the head can only have been inserted behind the store's back (appends move the head)."""
-    async with engine.connect() as connection, connection.begin():
-        head_position, _ = await read_head(connection)
-        last = (await connection.execute(select(func.max(ENTRIES.c.position)))).scalar()
+    # One statement, so one snapshot: under READ COMMITTED two statements could straddle a concurrent append.
+    both = select(
+        select(ChainHead.position).where(ChainHead.id == 1).scalar_subquery(),
+        select(func.max(ENTRIES.c.position)).scalar_subquery(),
+    )
+    async with engine.connect() as connection:
+        head_position, last = (await connection.execute(both)).one()
     if last is not None and last > head_position:
         return ChainProblem(
             kind="head_mismatch",
@@ -199,6 +203,8 @@ async def _walk_rows(
 async def verify_record_links(engine: AsyncEngine, record_id: str) -> list[LinkCheck]:
     """Per entry of the record: does it recompute, name its predecessor, and does its successor name it."""
     async with engine.connect() as connection:
+        # The head first: every entry up to it is committed, so a successor missing below it is really gone.
+        head_position, _ = await read_head(connection)
         own = (
             (
                 await connection.execute(
@@ -218,7 +224,6 @@ async def verify_record_links(engine: AsyncEngine, record_id: str) -> list[LinkC
                 )
             )
         ).all()
-        head_position, _ = await read_head(connection)
     by_position = {int(r.position): (str(r.sha256), str(r.prev_sha256)) for r in rows}
     return [_check_one(link_from_row(row), by_position, head_position) for row in own]
 
