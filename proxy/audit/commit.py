@@ -122,9 +122,8 @@ class GroupCommitter:
             batch, stopping = await self._collect()
             try:
                 await self._commit_batch(batch)
-            except (
-                Exception
-            ) as exc:  # the writer must outlive any one batch, or every later append would hang
+            # The writer must outlive any one batch, or every later append would wait forever.
+            except Exception as exc:
                 log.exception("audit_batch_failed", batch_size=len(batch))
                 for pending in batch:
                     pending.fail(exc)
