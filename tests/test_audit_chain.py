@@ -146,6 +146,7 @@ def test_a_timestamp_has_one_spelling_per_instant() -> None:
     assert format_timestamp(elsewhere) == format_timestamp(T0) == "2026-01-02T03:04:05.678901Z"
     with pytest.raises(ValueError, match="time zone"):
         format_timestamp(T0.replace(tzinfo=None))
+    assert format_timestamp(datetime(999, 1, 1, tzinfo=UTC)) == "0999-01-01T00:00:00.000000Z"
 
 
 @settings(max_examples=60)

@@ -76,7 +76,8 @@ def format_timestamp(moment: datetime) -> str:
     """ISO 8601 in UTC with microseconds and a `Z`: one spelling per instant, whatever the input's zone."""
     if moment.tzinfo is None:
         raise ValueError("timestamps in the audit chain must carry a time zone")
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # isoformat, not strftime: strftime pads years below 1000 differently from one C library to another.
+    return moment.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 @dataclass(frozen=True)
