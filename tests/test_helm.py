@@ -108,11 +108,13 @@ def one(manifests: list[Manifest], kind: str, name: str) -> Manifest:
 
 
 def pod_specs(manifests: list[Manifest]) -> list[tuple[str, dict[str, Any]]]:
-    return [
+    """Every pod the chart can start: those of its workloads, and bare Pods (the `helm test` probe)."""
+    specs = [
         (f"{m['kind']}/{m['metadata']['name']}", m["spec"]["template"]["spec"])
         for m in manifests
         if m["kind"] in {"Deployment", "Job", "StatefulSet", "DaemonSet"}
     ]
+    return specs + [(f"Pod/{m['metadata']['name']}", m["spec"]) for m in manifests if m["kind"] == "Pod"]
 
 
 def container(manifest: Manifest, name: str) -> dict[str, Any]:
@@ -725,3 +727,42 @@ def test_heartbeat_arguments_are_accepted_by_the_proxy_cli(
     assert main(container(backend, "heartbeat")["args"]) == 2
     error = capsys.readouterr().err
     assert "fleet heartbeat needs Redis" in error, error
+
+
+def test_helm_test_probes_every_stack_through_the_proxy(variant: tuple[list[Manifest], dict]) -> None:
+    manifests, values = variant
+    (pod,) = find(manifests, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    service = one(manifests, "Service", RELEASE)
+    tenant = next(t for t in values["tenants"] if "apiKey" in t)
+    probes = pod["spec"]["containers"]
+    assert len(probes) == len(values["stacks"])
+    for stack, probe in zip(values["stacks"], probes, strict=True):
+        args = flags(probe["args"])
+        assert probe["args"][0] == "probe"
+        assert args["--url"] == f"http://{RELEASE}:{service['spec']['ports'][0]['port']}"
+        assert args["--pin"] == (
+            f"model={stack['model']}, quantisation={stack['dtype']}, hardware={stack['hardware']}, "
+            f"kernel_mode={stack['kernelMode']}"
+        )
+        (key,) = probe["env"]
+        assert key["name"] == args["--api-key-env"]
+        assert key["valueFrom"]["secretKeyRef"] == {
+            "name": tenant["apiKey"]["secretName"],
+            "key": tenant["apiKey"]["secretKey"],
+        }
+
+
+def test_probe_arguments_are_accepted_by_the_proxy_cli(
+    rendered: dict[str, list[Manifest]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every flag parses; pointed at a closed loopback port instead of the Service, the probe stops at connecting.
+    from proxy.cli import main
+
+    (pod,) = find(rendered["gpu-fleet"], "Pod")
+    args = list(pod["spec"]["containers"][0]["args"])
+    args[args.index("--url") + 1] = "http://127.0.0.1:9"
+    assert main(args) == 2
+    error = capsys.readouterr().err
+    assert "cannot reach the proxy" in error, error
