@@ -6,7 +6,7 @@
    The configuration with the smallest worst ratio is what `matmul.TUNED` should hold for that shape.
 3. cuBLAS's own invariance at the same shapes, for the record.
 
-Usage: python bench/gpu_kernels.py OUT.json [--quick]. Prints a short table last.
+Usage: python bench/gpu_kernels.py OUT.json [--quick] [--deep] [--shapes=qkv,down]. Prints a short table last.
 """
 
 from __future__ import annotations
@@ -52,6 +52,23 @@ def candidates(n: int, k: int) -> list[MatmulConfig]:
                 continue
             stages = 3 if bm * bk + bn * bk >= 16384 else 4
             out.append(MatmulConfig(bm, bn, bk, s, num_warps=8 if bm == 128 else 4, num_stages=stages))
+    base = matmul_config(n, k)
+    return out if base in out else [base, *out]
+
+
+def deep_candidates(n: int, k: int) -> list[MatmulConfig]:
+    """Deeper software pipelines for the narrow tiles: more weight bytes in flight per multiprocessor, which is
+    what a memory-bound small-M product is short of when N gives few tiles."""
+    splits = [1, 2, 4, 8] if k > 4096 else [1, 2, 4]
+    out = []
+    for bm, bn, bk in [(64, 64, 64), (64, 128, 64), (64, 64, 128), (64, 128, 128)]:
+        stage_bytes = (bm + bn) * bk * 2
+        for stages in (5, 6, 8):
+            if stages * stage_bytes > 200 * 1024:
+                continue
+            for s in splits:
+                if k % (s * bk) == 0 and k // s >= 256:
+                    out.append(MatmulConfig(bm, bn, bk, s, num_warps=4, num_stages=stages))
     base = matmul_config(n, k)
     return out if base in out else [base, *out]
 
@@ -115,6 +132,8 @@ def invariance_failures(fn, x: torch.Tensor, w: torch.Tensor, ms: list[int]) -> 
 def main() -> None:
     out_path = sys.argv[1]
     quick = "--quick" in sys.argv
+    deep = "--deep" in sys.argv
+    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--shapes=")), list(SHAPES))
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     import triton
@@ -132,6 +151,8 @@ def main() -> None:
     all_m = list(range(1, 513)) if not quick else [1, 2, 3, 64, 65, 200, 512]
     summary = []
     for name, (n, k) in SHAPES.items():
+        if name not in only:
+            continue
         x = torch.randn(max(PREFILL_M), k, device="cuda", dtype=torch.bfloat16)
         w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
         copies = weight_copies(w)
@@ -140,7 +161,7 @@ def main() -> None:
         cublas_us = {m: time_rotating(lambda a, b: a @ b.T, x[:m], copies) for m in timed}
         cublas_bad = invariance_failures(lambda a, b: a @ b.T, x, w, all_m)
         rows = []
-        for cfg in candidates(n, k):
+        for cfg in deep_candidates(n, k) if deep else candidates(n, k):
             t0 = time.time()
             try:
                 out = matmul(x[:64], w, cfg)

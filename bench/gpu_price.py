@@ -266,14 +266,20 @@ def weight_bytes(model: Transformer) -> int:
     return layer * len(model.layers) + model.lm_head.numel() * model.lm_head.element_size()
 
 
+# The divergence experiment's load: up to 64 sequences and STEP_TOKENS tokens a step (chunked prefill, as
+# production servers batch 2048 to 8192 tokens a step), background prompts of 1..MAX_NOISE_PROMPT tokens.
+STEP_TOKENS = 2048
+MAX_NOISE_PROMPT = 1500
+
+
 def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int) -> Engine:
     cache = PagedKVCache(model.config, num_blocks, PAGE, torch.device(DEVICE), torch.bfloat16)
     config = EngineConfig(
-        max_model_len=1024,
+        max_model_len=MAX_NOISE_PROMPT + 64,
         num_blocks=num_blocks,
         block_size=PAGE,
         max_batch_size=64,
-        max_step_tokens=512,
+        max_step_tokens=STEP_TOKENS,
         max_queue=100000,
     )
     return Engine(model, cache, BlockAllocator(num_blocks), kernels, config, lambda ids: "", device=DEVICE)
@@ -311,10 +317,10 @@ def divergence(
 
     jobs: list[tuple[str, list[int], SamplingParams]] = [(f"t{i}", prompt, greedy) for i in range(trials)]
     for i in range(trials):
-        noise = [rng.randrange(vocab) for _ in range(rng.randint(1, 300))]
+        noise = [rng.randrange(vocab) for _ in range(rng.randint(1, MAX_NOISE_PROMPT))]
         jobs.append((f"b{i}", noise, SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 48))))
     rng.shuffle(jobs)
-    engine = _engine(model, kernels, num_blocks=64 * 24 + 64)
+    engine = _engine(model, kernels, num_blocks=64 * -(-(MAX_NOISE_PROMPT + 64) // PAGE))
     started, steps = time.perf_counter(), 0
     while jobs or engine.has_work():
         if time.perf_counter() - started > budget_s:
@@ -345,6 +351,8 @@ def divergence(
         "median_divergent_position": sorted(diverged)[len(diverged) // 2] if diverged else None,
         "batch_sizes_seen": [min(s[0] for s in sizes), max(s[1] for s in sizes)] if sizes else None,
         "steps": steps,
+        "max_step_tokens": STEP_TOKENS,
+        "max_background_prompt": MAX_NOISE_PROMPT,
         "seconds": time.perf_counter() - started,
     }
 
