@@ -66,6 +66,11 @@ def test_upgrade_database_makes_the_schema_without_an_event_loop(blank_sync: Aud
     assert asyncio.run(schema_revision(blank_sync.url, schema=blank_sync.schema)) == HEAD_REVISION
 
 
+async def test_the_synchronous_upgrade_says_what_to_use_inside_an_event_loop(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="await upgrade_database_async"):
+        upgrade_database(f"sqlite+aiosqlite:///{tmp_path / 'audit.db'}")
+
+
 async def test_migrations_build_exactly_what_the_models_describe(blank: AuditDatabase) -> None:
     await blank.migrate()
 

@@ -7,6 +7,7 @@ Whether an outdated schema is an error is the store's decision (`AuditStore.open
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from alembic import command
@@ -50,10 +51,12 @@ def upgrade_database(url: str, revision: str = "head", *, schema: str | None = N
 
     `schema` (PostgreSQL only) is the schema that holds the tables; default the server's search_path.
     """
+    _refuse_running_loop("upgrade_database")
     command.upgrade(alembic_config(url, schema=schema), revision)
 
 
 def downgrade_database(url: str, revision: str, *, schema: str | None = None) -> None:
+    _refuse_running_loop("downgrade_database")
     command.downgrade(alembic_config(url, schema=schema), revision)
 
 
@@ -65,6 +68,14 @@ def lock_for_migration(connection: Connection) -> None:
     """
     if connection.dialect.name == "postgresql":
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+
+
+def _refuse_running_loop(name: str) -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(f"{name} runs its own event loop; inside one, await upgrade_database_async instead")
 
 
 def _upgrade_on(connection: Connection, revision: str) -> None:
