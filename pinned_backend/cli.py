@@ -1,0 +1,119 @@
+"""`stackpin-backend`: serve a checkpoint over HTTP, or write the tiny model.
+
+    stackpin-backend serve --model DIR [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
+                           [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
+                           [--max-step-tokens N] [--max-queue N] [--ready-file PATH]
+    stackpin-backend make-tiny DIR
+
+`serve` writes its base URL (`http://HOST:PORT`) to the ready file once it listens, so a parent process can wait
+for that file and learn the port even when it asked for port 0. Exit codes: 0 after a clean shutdown, 1 when the
+model cannot be loaded, 2 on bad arguments. This module parses flags and reports errors; it serves nothing itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from pinned_backend.checkpoint import CheckpointError
+from pinned_backend.runtime import BackendSettings
+from pinned_backend.server import create_app
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line that says what to fix; `--help` still shows the whole usage.
+        self.exit(2, f"stackpin-backend: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="stackpin-backend", description="A batch-invariant LLM server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a Hugging Face checkpoint folder")
+    serve.add_argument("--model", type=Path, required=True, help="checkpoint folder")
+    serve.add_argument("--model-name", help="name to serve it under (default: the folder's name)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 picks any free port")
+    serve.add_argument("--kernel-mode", choices=["batch_invariant", "default"], default="batch_invariant")
+    serve.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    serve.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    serve.add_argument("--kv-cache-mb", type=float, default=64.0)
+    serve.add_argument("--max-batch-size", type=int, default=16)
+    serve.add_argument("--max-step-tokens", type=int, default=256)
+    serve.add_argument("--max-queue", type=int, default=64)
+    serve.add_argument("--ready-file", type=Path, help="write the base URL here once listening")
+    tiny = commands.add_parser("make-tiny", help="train and write the tiny model")
+    tiny.add_argument("directory", type=Path)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "make-tiny":
+        from pinned_backend.tiny import make_tiny
+
+        print(make_tiny(args.directory))
+        return 0
+    try:
+        settings = BackendSettings(
+            model=args.model,
+            model_name=args.model_name,
+            host=args.host,
+            port=args.port,
+            kernel_mode=args.kernel_mode,
+            device=args.device,
+            dtype=args.dtype,
+            kv_cache_mb=args.kv_cache_mb,
+            max_batch_size=args.max_batch_size,
+            max_step_tokens=args.max_step_tokens,
+            max_queue=args.max_queue,
+        )
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-")
+        parser.error(f"{field}: {error['msg']}" if error["loc"] else error["msg"])
+    if not args.model.is_dir():
+        parser.error(f"--model: {args.model} is not a directory")
+    try:
+        asyncio.run(_serve(settings, args.ready_file))
+    except (CheckpointError, ValueError, RuntimeError) as exc:
+        print(f"stackpin-backend: cannot serve {args.model}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve(settings: BackendSettings, ready_file: Path | None) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Installed before the ready file appears, so a parent that stops us at once still gets a clean exit.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    runner = web.AppRunner(create_app(settings), handle_signals=False)
+    await runner.setup()  # loads the model; errors surface here, before anything listens
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        url = f"http://{settings.host}:{port}"
+        if ready_file is not None:
+            # Written whole, then renamed, so a watcher never reads half a URL.
+            partial = ready_file.with_name(ready_file.name + ".partial")
+            partial.write_text(url + "\n")
+            partial.replace(ready_file)
+        print(f"stackpin-backend: serving {settings.served_name} at {url}", file=sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

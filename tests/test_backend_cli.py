@@ -1,0 +1,99 @@
+"""Specification of `stackpin-backend`: flags, one-line errors and exit codes, the ready file, a clean stop.
+
+Argument errors are checked in process; serving runs the real command in a subprocess on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pinned_backend.cli import main
+from tests.backend_checkpoint import write_random_checkpoint
+
+CLI = [sys.executable, "-m", "pinned_backend.cli"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("cli") / "random-qwen3", with_tokenizer=True)
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        ((), "required: command"),
+        (("serve",), "--model"),
+        (("serve", "--model", "/nonexistent"), "is not a directory"),
+        (("serve", "--model", ".", "--kernel-mode", "fast"), "invalid choice: 'fast'"),
+        (("serve", "--model", ".", "--port", "70000"), "--port"),
+        (("serve", "--model", ".", "--max-batch-size", "64", "--max-step-tokens", "8"), "max_step_tokens"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(
+    args: tuple[str, ...], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    assert exit_.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1
+    assert words in stderr
+
+
+def test_a_folder_without_a_tokenizer_exits_1_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = write_random_checkpoint(tmp_path / "no-tokenizer")
+    assert main(["serve", "--model", str(folder), "--port", "0"]) == 1
+    assert "tokenizer.json: file not found" in capsys.readouterr().err
+
+
+def test_serve_writes_its_url_to_the_ready_file_and_stops_cleanly(checkpoint: Path, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    args = [
+        "serve",
+        "--model",
+        str(checkpoint),
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--kv-cache-mb",
+        "1",
+    ]
+    process = subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert process.poll() is None, f"the server exited early: {process.stderr.read()}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the server never wrote its ready file"
+            time.sleep(0.1)
+        url = ready.read_text().strip()
+        assert url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(f"{url}/healthz", timeout=30) as response:
+            assert json.load(response)["status"] == "ok"
+        request = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps({"prompt": "ab", "max_tokens": 2, "temperature": 0}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert len(json.load(response)["stackpin"]["token_ids"]) == 2
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        process.stderr.close()  # type: ignore[union-attr]
