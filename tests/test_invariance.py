@@ -11,15 +11,20 @@ PyTorch kernels change a row's result with the batch depends on the hardware.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from pinned_backend.engine import Engine, TokenOutput
 from pinned_backend.kernels import KernelMode
+from pinned_backend.runtime import BackendSettings
 from pinned_backend.sampling import SamplingParams
+from pinned_backend.server import create_app
 from tests.backend_checkpoint import make_engine, write_random_checkpoint
 
 CASES = 24
@@ -114,3 +119,33 @@ def test_default_mode_repeats_itself_under_an_identical_schedule(checkpoint: Pat
     assert {k: answer(v) for k, v in first.items()} == {k: answer(v) for k, v in second.items()}, (
         "Same schedule, same kernels: the answers must be identical."
     )
+
+
+async def test_http_answers_do_not_depend_on_concurrent_load(tmp_path: Path) -> None:
+    folder = write_random_checkpoint(tmp_path / "random-qwen3", seed=7, with_tokenizer=True)
+    settings = BackendSettings(model=folder, block_size=4, kv_split_size=8, kv_cache_mb=1, max_step_tokens=32)
+    rng = random.Random(99)
+    async with TestClient(TestServer(create_app(settings), host="127.0.0.1")) as client:
+
+        async def complete(prompt: list[int], max_tokens: int, seed: int | None) -> dict[str, Any]:
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0 if seed is None else 1.0}
+            response = await client.post("/v1/completions", json={**body, "seed": seed})
+            assert response.status == 200, await response.text()
+            return (await response.json())["stackpin"]
+
+        shared = []
+        for _ in range(4):
+            prompt = [rng.randrange(3, 72) for _ in range(rng.randint(1, 30))]
+            seed = rng.choice([None, rng.getrandbits(32)])
+            alone = await complete(prompt, 10, seed)
+            others = [
+                complete([rng.randrange(3, 72) for _ in range(rng.randint(1, 40))], rng.randint(1, 16), None)
+                for _ in range(rng.randint(1, 16))
+            ]
+            crowded, *_ = await asyncio.gather(complete(prompt, 10, seed), *others)
+            assert crowded["token_ids"] == alone["token_ids"]
+            assert [float.hex(x) for x in crowded["token_logprobs"]] == [
+                float.hex(x) for x in alone["token_logprobs"]
+            ]
+            shared.append(crowded["batch"]["max"])
+        assert max(shared) > 1, "the concurrent requests never shared a step, so nothing was tested"
