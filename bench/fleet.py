@@ -196,6 +196,7 @@ def row(name: str, serial: Run, parallel: Run, direct: Run) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
+    load_at_start = os.getloadavg()[0]
     replicas, replica_processes = await start_replicas(2)
     try:
         await load(replicas, 100, args.concurrency, "warm-up")
@@ -209,7 +210,8 @@ async def main(args: argparse.Namespace) -> None:
             process.terminate()
             await process.wait()
     print(
-        f"requests {args.requests} at concurrency {args.concurrency}; {args.serial} one at a time; cpus {os.cpu_count()}"
+        f"requests {args.requests} at concurrency {args.concurrency}; {args.serial} one at a time; "
+        f"cpus {os.cpu_count()}; load average at start {load_at_start:.2f}, at end {os.getloadavg()[0]:.2f}"
     )
     print(
         "| setup | req/s | p50 ms | p99 ms | serial p50 ms | added serial p50 ms | serial commit ms | "
