@@ -60,6 +60,9 @@ def test_created_at_must_carry_a_zone_and_is_kept_in_utc() -> None:
         ({"fingerprint": "XYZ", "stack": None}, "fingerprint"),
         ({"status": ""}, "status"),
         ({"api_key": "sk-secret"}, "api_key"),
+        ({"tenant": "ac\x00me"}, "tenant must not contain NUL"),
+        ({"prompt_text": "Be \x00terse."}, "prompt_text must not contain NUL"),
+        ({"status": "ok\ud800"}, "status\n.*unicode"),
     ],
 )
 def test_bad_entries_are_refused_with_the_field_named(overrides: dict[str, Any], message: str) -> None:

@@ -121,10 +121,26 @@ def envelope_text(position: int, prev_sha256: str, fields: EntryFields) -> str:
     canonical text is the content member followed by the header's members; a test holds this equal to
     canonicalizing the whole object.
     """
-    header = canonical_json(fields.header())
+    header = _header_text(fields.header())
     entry = '{"content":' + fields.content_json + "," + header[1:]
     tail = ',"position":' + canonical_json(position) + ',"prev":' + canonical_json(prev_sha256) + "}"
     return '{"entry":' + entry + tail
+
+
+# For an object of strings and nulls under ASCII keys, the standard library's compact key-sorted output is
+# exactly JCS (the same escapes), at C speed; verification hashes one header per entry.
+_HEADER_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def _header_text(header: dict[str, Any]) -> str:
+    if all(value is None or type(value) is str for value in header.values()):
+        text = _HEADER_ENCODER.encode(header)
+        try:
+            text.encode("utf-8")  # a lone surrogate has no JCS form; let canonical_json say so
+        except UnicodeEncodeError:
+            return canonical_json(header)
+        return text
+    return canonical_json(header)
 
 
 def entry_hash(position: int, prev_sha256: str, fields: EntryFields) -> str:

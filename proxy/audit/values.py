@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -52,6 +53,15 @@ class NewEntry(BaseModel):
     @classmethod
     def _in_utc(cls, value: datetime) -> datetime:
         return value.astimezone(UTC)
+
+    @field_validator("record_id", "tenant", "replica", "model", "replay_of", "status", "prompt_text")
+    @classmethod
+    def _no_nul(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # PostgreSQL text cannot hold NUL: refused here, such a value would fail a whole group commit instead of
+        # its own caller. (Lone surrogates pydantic refuses itself.)
+        if value is not None and "\x00" in value:
+            raise ValueError(f"{info.field_name} must not contain NUL characters")
+        return value
 
     @model_validator(mode="after")
     def _canonical_forms(self) -> NewEntry:
