@@ -31,7 +31,7 @@ def serve(settings: Settings, secrets: Secrets) -> int:
         )
     app = create_app(settings, secrets, local_backend=local)
     host, port = settings.server.host, settings.server.port
-    auth = "API key required" if secrets.tenant_key_hashes else "no API key needed (loopback only)"
+    auth = "API key required" if secrets.tenant_key_hashes else "loopback only, no API key needed"
     try:
         web.run_app(
             app,
