@@ -200,6 +200,8 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
     redis_url = args.redis or settings.fleet.redis_url
     if not redis_url:
         raise ConfigError("fleet heartbeat needs Redis: pass --redis URL or set [fleet] redis_url")
+    if not re.match(r"^(redis|rediss|unix)://", redis_url):
+        raise ConfigError(f"--redis must start with redis://, rediss:// or unix://, got {redis_url!r}")
     if not re.match(r"^https?://[^\s/]+", args.replica_url):
         raise ConfigError(f"--replica-url must start with http:// or https://, got {args.replica_url!r}")
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", args.name):

@@ -90,6 +90,13 @@ class FleetSettings(_Section):
     max_stale_s: float = Field(default=30.0, ge=0)  # how long the last view is served while Redis is away
     timeout_s: float = Field(default=1.0, gt=0)  # one Redis call; an outage shows within this
 
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(r"^(redis|rediss|unix)://", url):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {url!r}")
+        return url
+
 
 class ReplicaSettings(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")

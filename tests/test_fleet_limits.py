@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from proxy.config import load_settings
+from proxy.errors import ConfigError
 from proxy.fleet.limits import Limits, RateLimited, RateLimiter, refusal, window_of
 from tests.audit_databases import audit_database
 from tests.fake_replica import FakeReplica
@@ -50,6 +52,18 @@ async def test_local_counting_refuses_past_the_limit_and_forgets_old_minutes() -
         await limiter.admit("acme")
     clock.advance(30)
     await limiter.admit("acme")
+
+
+def test_limits_and_the_redis_url_are_checked_when_the_configuration_loads(tmp_path: Path) -> None:
+    config = tmp_path / "stackpin.toml"
+    config.write_text(
+        '[fleet]\nredis_url = "http://127.0.0.1:6379"\n\n'
+        '[[tenants]]\nname = "acme"\napi_key_sha256 = ["00"]\nrequests_per_minute = 0\n'
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_settings(config, {})
+    assert "redis_url must start with redis://" in str(refused.value)
+    assert "tenants.0.requests_per_minute" in str(refused.value)
 
 
 @pytest.mark.redis

@@ -146,6 +146,26 @@ async def test_outstanding_requests_are_shared_for_routing(
             assert second.proxy.registry.get("a").outstanding == 0  # type: ignore[union-attr]
 
 
+async def test_the_counts_of_a_proxy_that_stopped_publishing_expire(
+    replica: FakeReplica, twin: FakeReplica, tmp_path: Path
+) -> None:
+    async with audit_database("sqlite", tmp_path) as db:
+        await db.migrate()
+        async with running_fleet(db, {"a": replica, "b": twin}) as fleet:
+            first, second = fleet.proxies
+            first.proxy.registry.acquire("a")
+            await fleet.sync(0).drain()
+            await fleet.sync_all()
+            assert second.proxy.registry.get("a").outstanding == 1  # type: ignore[union-attr]
+            # The first proxy dies with a request in flight: it publishes nothing more, and its counts expire
+            # five sync intervals after its last publication.
+            fleet.clock.advance(5 * first.settings.fleet.sync_interval_s + 1)
+            await fleet.beat()
+            await fleet.sync(1).round()
+            assert second.proxy.registry.get("a").outstanding == 0  # type: ignore[union-attr]
+            first.proxy.registry.release("a")
+
+
 async def test_without_redis_a_proxy_serves_its_last_view_for_the_bound_then_refuses(
     replica: FakeReplica, tmp_path: Path
 ) -> None:
