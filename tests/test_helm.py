@@ -31,7 +31,7 @@ NAMESPACE = "stackpin"
 KUBERNETES_VERSION = "1.31.0"
 OLDEST_KUBERNETES_VERSION = "1.25.0"
 # Custom resources the chart renders; kubernetes-validate has no schema for them (see crd_model).
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 CONFIG_PATH = "/etc/stackpin/stackpin.toml"
 
 Manifest = dict[str, Any]
@@ -164,10 +164,11 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(
 
 def crd_model(manifest: Manifest) -> type[BaseModel]:
     # Imported here: the operator's models take seconds to import, and only these tests need them.
-    from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+    from cloudcoil.models.prometheus_operator.v1 import PrometheusRule, ServiceMonitor
 
     models: dict[tuple[str, str], type[BaseModel]] = {
-        ("monitoring.coreos.com/v1", "ServiceMonitor"): ServiceMonitor
+        ("monitoring.coreos.com/v1", "ServiceMonitor"): ServiceMonitor,
+        ("monitoring.coreos.com/v1", "PrometheusRule"): PrometheusRule,
     }
     return models[(manifest["apiVersion"], manifest["kind"])]
 
@@ -181,7 +182,9 @@ def validate_custom_resource(manifest: Manifest) -> None:
 
 def test_custom_resources_validate_against_their_crd_models(rendered: dict[str, list[Manifest]]) -> None:
     custom = [m for m in rendered["gpu-fleet"] if (m["apiVersion"], m["kind"]) in CRD_KINDS]
-    assert custom, "the GPU fleet values switch the ServiceMonitor on"
+    assert {m["kind"] for m in custom} == {"ServiceMonitor", "PrometheusRule"}, (
+        "the GPU fleet values switch both on"
+    )
     for manifest in custom:
         validate_custom_resource(manifest)
 
@@ -766,3 +769,35 @@ def test_probe_arguments_are_accepted_by_the_proxy_cli(
     assert main(args) == 2
     error = capsys.readouterr().err
     assert "cannot reach the proxy" in error, error
+
+
+def test_alert_rules_parse_and_query_only_exported_metrics(rendered: dict[str, list[Manifest]]) -> None:
+    # The dashboards' PromQL checks apply to alert expressions too.
+    from prometheus_client import CollectorRegistry
+
+    from pinned_backend.metrics import BackendMetrics
+    from proxy.metrics import ProxyMetrics
+    from tests.test_dashboards import (
+        METRICS_DOC,
+        base_name,
+        documented_metrics,
+        exported_metric_names,
+        selectors,
+    )
+
+    assert not find(rendered["default"], "PrometheusRule"), "off by default: it needs the CRD"
+    (rule_set,) = find(rendered["gpu-fleet"], "PrometheusRule")
+    rules = [rule for group in rule_set["spec"]["groups"] for rule in group["rules"]]
+    assert {"StackpinReplayDiverged", "StackpinReplicaQuarantined", "StackpinFleetStateStale"} <= {
+        rule["alert"] for rule in rules
+    }
+    documented = documented_metrics(METRICS_DOC.read_text())
+    proxy_registry, backend_registry = CollectorRegistry(), CollectorRegistry()
+    ProxyMetrics(proxy_registry)
+    BackendMetrics(backend_registry)
+    exported = exported_metric_names(proxy_registry) | exported_metric_names(backend_registry)
+    for rule in rules:
+        queried = {base_name(metric, documented) for metric, _ in selectors(rule["expr"])}
+        assert queried, f"{rule['alert']} selects no metric"
+        assert queried <= exported & documented.keys(), f"{rule['alert']}: {sorted(queried - exported)}"
+        assert rule["labels"]["severity"] in {"warning", "critical"} and rule["annotations"]["summary"]
