@@ -154,7 +154,10 @@ def parse_request(model: type[R], body: Any) -> R:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors()[0]
+        errors = exc.errors()
+        # A union reports one error per branch; a range error says more than "not a string" does.
+        specific = [e for e in errors if not e["type"].endswith("_type") and e["type"] != "none_required"]
+        error = (specific or errors)[0]
         # Unions add their branch's type to the location ("content.str"); a client knows the field only.
         loc = [str(p) for p in error["loc"] if p not in _TYPE_NAMES and "[" not in str(p)]
         param = ".".join(loc) or None
