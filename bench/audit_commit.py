@@ -55,6 +55,7 @@ class Result:
     max_batch: int
     p50_ms: float
     p99_ms: float
+    verify_per_s: float
 
 
 def make_entry(i: int) -> NewEntry:
@@ -98,7 +99,9 @@ async def run_one(
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
+        verify_started = time.perf_counter()
         report = await store.verify()
+        verify_elapsed = time.perf_counter() - verify_started
         assert report.ok and report.head_position == appends + 1, report
     finally:
         await store.close()
@@ -112,6 +115,7 @@ async def run_one(
         max_batch=max(observed.sizes),
         p50_ms=1000 * latencies[len(latencies) // 2],
         p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        verify_per_s=report.entries_checked / verify_elapsed,
     )
 
 
@@ -158,15 +162,15 @@ def render(results: list[Result], appends: int, concurrency: str) -> str:
         "One record ~0.7 kB of content.",
         "",
         "| database | clients | batch_max | appends/s | vs batch_max=1 | mean batch | max batch "
-        "| append p50 ms | append p99 ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| append p50 ms | append p99 ms | verify entries/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     single = {(r.database, r.clients): r.appends_per_s for r in results if r.batch_max == 1}
     for r in results:
         ratio = r.appends_per_s / single[(r.database, r.clients)]
         lines.append(
             f"| {r.database} | {r.clients} | {r.batch_max} | {r.appends_per_s:,.0f} | {ratio:.1f}x "
-            f"| {r.mean_batch:.1f} | {r.max_batch} | {r.p50_ms:.2f} | {r.p99_ms:.2f} |"
+            f"| {r.mean_batch:.1f} | {r.max_batch} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.verify_per_s:,.0f} |"
         )
     return "\n".join(lines) + "\n"
 
