@@ -137,6 +137,7 @@ async def stacks(request: web.Request) -> web.Response:
             "name": r.name,
             "fingerprint": r.fingerprint,
             "declared": r.declared,
+            "leased": r.leased,
             "in_rotation": r.in_rotation,
             "reachable": r.reachable,
             "quarantined": r.quarantined,

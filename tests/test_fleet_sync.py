@@ -44,6 +44,7 @@ async def test_a_leased_replica_serves_through_every_proxy(replica: FakeReplica,
                 assert headers["Stackpin-Stack"] == replica.fingerprint
                 _, stacks = await proxy.get("/v1/stacks")
                 assert [s["replicas"] for s in stacks["stacks"]] == [["r1"]]
+                assert stacks["replicas"][0]["leased"] is True
             assert len(replica.requests) == 2
 
 
