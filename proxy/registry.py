@@ -5,6 +5,9 @@ replicas say, and the router reads it. A replica enters rotation only once its s
 configuration for an upstream API, or proved at `GET /v1/stack` for a pinned_backend. A replica whose proved stack
 changes is quarantined: out of rotation until an operator restarts the proxy, because every answer it gave since
 its last good check is now suspect (DESIGN.md, invariant 3).
+
+In fleet mode (`[fleet] redis_url`) this registry stays the router's only view: `proxy/fleet/sync.py` keeps it in
+step with the leases, quarantines and outstanding counts that every proxy shares in Redis.
 """
 
 from __future__ import annotations
