@@ -37,8 +37,8 @@ CHAT_TEMPLATE = (
 _VOCAB_SIZE = 1024
 _ARCHITECTURE = {
     "hidden_size": 128,
-    "intermediate_size": 352,
-    "num_hidden_layers": 4,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
@@ -48,10 +48,10 @@ _ARCHITECTURE = {
 }
 _SEED = 20260101
 _TRAIN_THREADS = 1
-_STEPS = 60
-_BATCH = 8
-_WINDOW = 64
-_PEAK_LR = 3e-3
+_STEPS = 300
+_BATCH = 6
+_WINDOW = 128
+_PEAK_LR = 5e-3
 
 
 def corpus_text() -> str:
