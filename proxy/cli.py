@@ -1,4 +1,5 @@
-"""`stackpin`: serve the proxy, manage its audit store, and replay, audit, list and probe answers.
+"""`stackpin`: serve the proxy, manage its audit store, replay, audit, list and probe answers, and run the
+heartbeat sidecar that registers a backend in a fleet (`stackpin fleet heartbeat`).
 
 Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error; `verify` 0 when the
 chain is intact, 1 when it is not; every command exits 2 on a usage or configuration error.
