@@ -76,6 +76,7 @@ def create_app(
             create_if_empty=settings.store.url.startswith("sqlite"),
             schema=settings.store.postgres_schema,
             observer=metrics,
+            durability=settings.store.durability,
         )
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         registry = registry_from(settings)

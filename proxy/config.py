@@ -64,6 +64,9 @@ class StoreSettings(_Section):
     )
     batch_max: int = Field(default=256, ge=1)
     batch_wait_ms: float = Field(default=0.0, ge=0)  # the queue fills while a commit runs; no timer needed
+    # "disk": an answer waits until its record is on disk. "process": until it is committed, which survives the
+    # proxy's crash but not the machine's (SQLite synchronous=NORMAL, PostgreSQL synchronous_commit=off).
+    durability: Literal["disk", "process"] = "disk"
 
 
 class HealthSettings(_Section):

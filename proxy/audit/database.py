@@ -6,7 +6,7 @@ Knows SQLite (aiosqlite, the embedded default) and PostgreSQL (asyncpg). Knows n
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine, make_url
@@ -61,22 +61,26 @@ def describe(url: URL) -> str:
     return url.render_as_string(hide_password=True)
 
 
+Durability = Literal["disk", "process"]
+
+
 def connect_args(url: URL, schema: str | None) -> dict[str, Any]:
     if url.get_backend_name() == "postgresql" and schema is not None:
         return {"server_settings": {"search_path": schema}}
     return {}
 
 
-def _sqlite_settings(engine: Engine, *, immediate: bool) -> None:
+def _sqlite_settings(engine: Engine, *, immediate: bool, durability: Durability = "disk") -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from the driver so that BEGIN is ours (see _on_begin).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         # WAL lets readers run beside the writer; FULL syncs the WAL on every commit, which is the durability
-        # the proxy promises before it answers.
+        # the proxy promises before it answers. NORMAL ("process") syncs at checkpoints only: a commit survives
+        # the proxy's crash, not the machine's.
         cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute(f"PRAGMA synchronous={'FULL' if durability == 'disk' else 'NORMAL'}")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
@@ -104,10 +108,26 @@ def make_engine(url: URL, *, schema: str | None, writer: bool, pooled: bool = Tr
     return engine
 
 
-def make_writer(url: URL, *, schema: str | None) -> TransactionRunner:
-    """Where group commits run: a sqlite3 connection on its own thread, or the asyncpg engine."""
+def make_writer(url: URL, *, schema: str | None, durability: Durability = "disk") -> TransactionRunner:
+    """Where group commits run: a sqlite3 connection on its own thread, or the asyncpg engine.
+
+    `durability` "disk" (the default) returns from a commit once it is on disk; "process" once it is committed,
+    so that it survives the proxy's crash but the last moments of commits may be lost if the machine fails
+    (SQLite synchronous=NORMAL in WAL mode; PostgreSQL synchronous_commit=off, still never inconsistent).
+    """
     if url.get_backend_name() == "sqlite":
         return ThreadRunner(
-            sqlite_writer_engine(url, lambda engine: _sqlite_settings(engine, immediate=True))
+            sqlite_writer_engine(
+                url, lambda engine: _sqlite_settings(engine, immediate=True, durability=durability)
+            )
         )
-    return AsyncRunner(make_engine(url, schema=schema, writer=True))
+    engine = make_engine(url, schema=schema, writer=True)
+    if durability == "process":
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _asynchronous_commit(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            cursor.execute("SET synchronous_commit = off")
+            cursor.close()
+
+    return AsyncRunner(engine)

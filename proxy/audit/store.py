@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from proxy.audit.chain import load_canonical
 from proxy.audit.commit import CommitObserver, GroupCommitter
-from proxy.audit.database import describe, make_engine, make_writer, parse_url
+from proxy.audit.database import Durability, describe, make_engine, make_writer, parse_url
 from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew
 from proxy.audit.models import Entry, Prompt, Stack
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
@@ -59,12 +59,13 @@ class AuditStore:
         create_if_empty: bool = False,
         schema: str | None = None,
         observer: CommitObserver | None = None,
+        durability: Durability = "disk",
     ) -> AuditStore:
         """Connects to `url` (sqlite+aiosqlite:///file.db or postgresql+asyncpg://...).
 
         Raises SchemaOutdated when the database is not at HEAD_REVISION; with `create_if_empty`, a
         database that holds no table at all is migrated instead (the embedded default's first run).
-        `schema` (PostgreSQL only) names the schema that holds the tables.
+        `schema` (PostgreSQL only) names the schema that holds the tables. `durability`: see make_writer.
         """
         if batch_max < 1:
             raise ValueError(f"batch_max must be at least 1, got {batch_max}")
@@ -73,7 +74,7 @@ class AuditStore:
         parsed = parse_url(url)
         await _ensure_schema(url, schema=schema, create_if_empty=create_if_empty)
         reader = make_engine(parsed, schema=schema, writer=False)
-        writer = make_writer(parsed, schema=schema)
+        writer = make_writer(parsed, schema=schema, durability=durability)
         committer = GroupCommitter(
             writer, batch_max=batch_max, batch_wait_ms=batch_wait_ms, observer=observer
         )
