@@ -155,7 +155,9 @@ def test_every_field_is_covered_by_the_hash(base: EntryFields, name: str, positi
     before = entry_hash(position, GENESIS_SHA256, base)
     changed: dict[str, Any] = {
         "created_at": base.created_at + timedelta(microseconds=1),
-        "content_json": canonical_json({**load_canonical(base.content_json), "\x00extra": True}),
+        "content_json": canonical_json(
+            {**load_canonical(base.content_json), "\x00longer-than-any-key": True}
+        ),
     }
     old = getattr(base, name)
     new_value = changed.get(name, "x" if old is None else (old + "x" if isinstance(old, str) else None))
