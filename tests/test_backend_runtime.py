@@ -1,0 +1,58 @@
+"""Specification of pinned_backend.runtime: settings validation, and a stack built from what was loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from pinned_backend.checkpoint import CheckpointError, weights_sha256
+from pinned_backend.kvcache import PagedKVCache
+from pinned_backend.runtime import BackendSettings, load_runtime
+from pinned_backend.stack import STACK_KEYS
+from tests.backend_checkpoint import write_random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("runtime") / "random-qwen3", with_tokenizer=True)
+
+
+def test_settings_refuse_inconsistent_batching() -> None:
+    with pytest.raises(ValidationError, match="max_step_tokens"):
+        BackendSettings(model=Path("."), max_batch_size=32, max_step_tokens=16)
+    with pytest.raises(ValidationError, match="multiple of block_size"):
+        BackendSettings(model=Path("."), block_size=16, kv_split_size=24)
+    with pytest.raises(ValidationError, match="kernel_mode"):
+        BackendSettings(model=Path("."), kernel_mode="fast")  # type: ignore[arg-type]
+
+
+def test_the_stack_reports_the_loaded_weights_dtype_and_mode(checkpoint: Path) -> None:
+    settings = BackendSettings(
+        model=checkpoint, kernel_mode="default", dtype="bf16", block_size=4, kv_split_size=8
+    )
+    runtime = load_runtime(settings)
+    assert set(runtime.stack) == STACK_KEYS
+    assert runtime.stack["weights_sha256"] == weights_sha256(checkpoint)
+    assert runtime.stack["quantisation"] == "bf16"
+    assert runtime.stack["kernel_mode"] == "default"
+    assert runtime.stack["batching"]["kv_split_size"] == 0  # plain kernels split nothing
+    assert runtime.stack["model"] == "random-qwen3"
+
+
+def test_the_kv_budget_sets_the_number_of_blocks(checkpoint: Path) -> None:
+    settings = BackendSettings(
+        model=checkpoint, model_name="named", kv_cache_mb=0.5, block_size=4, kv_split_size=8
+    )
+    runtime = load_runtime(settings)
+    per_block = PagedKVCache.bytes_per_block(runtime.engine.model.config, 4, torch.float32)  # type: ignore[attr-defined]
+    assert runtime.engine.config.num_blocks == int(0.5 * 2**20) // per_block
+    assert runtime.stack["model"] == "named"
+
+
+def test_a_broken_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
+        load_runtime(BackendSettings(model=tmp_path))
