@@ -97,7 +97,7 @@ class Heartbeat:
         )
         if not good:
             await self._quarantine("stack_changed", registered=registered, observed=computed, now=now)
-        # The lease always carries what was proved, so `GET /v1/stacks` shows the truth; proxies keep a lease
+        # The lease always carries what was proved, so Redis shows the truth; proxies keep a lease
         # whose fingerprint is not its registered one out of rotation whatever else they know.
         await self.state.renew(lease, good=good)
         return Beat.PROVED if good else Beat.CHANGED
