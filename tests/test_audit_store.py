@@ -283,6 +283,27 @@ async def test_records_served_since_names_what_a_replica_produced(store: AuditSt
     assert await store.records_served_since("replica-a", T0) == ["early", "late"]
 
 
+async def test_process_durability_commits_the_same_chain(database: AuditDatabase) -> None:
+    """'process' skips the sync at each commit; what is committed and how it chains stays the same."""
+    store = await database.open(durability="process")
+    try:
+        stored = await asyncio.gather(*(store.append(entry(f"p{i}")) for i in range(20)))
+    finally:
+        await store.close()
+    reopened = await database.open()
+    try:
+        report = await reopened.verify()
+    finally:
+        await reopened.close()
+    assert sorted(s.position for s in stored) == list(range(1, 21))
+    assert report.ok and report.head_position == 20
+
+
+async def test_an_unknown_durability_is_refused(database: AuditDatabase) -> None:
+    with pytest.raises(ValueError, match="durability must be 'disk' or 'process'"):
+        await database.open(durability="fast")
+
+
 async def test_an_empty_log_verifies_at_the_genesis_head(store: AuditStore) -> None:
     report = await store.verify()
     assert report.ok and report.entries_checked == 0

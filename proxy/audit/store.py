@@ -71,6 +71,8 @@ class AuditStore:
             raise ValueError(f"batch_max must be at least 1, got {batch_max}")
         if batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must not be negative, got {batch_wait_ms}")
+        if durability not in ("disk", "process"):
+            raise ValueError(f"durability must be 'disk' or 'process', got {durability!r}")
         parsed = parse_url(url)
         await _ensure_schema(url, schema=schema, create_if_empty=create_if_empty)
         reader = make_engine(parsed, schema=schema, writer=False)
