@@ -121,6 +121,11 @@ def parse_config(raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
             f"{where}: model_type {model_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    for key, unsupported in (("use_sliding_window", True), ("mlp_bias", True)):
+        if raw.get(key) is unsupported:
+            raise CheckpointError(f"{where}: {key}={unsupported!r} is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is")
     hidden = _require(raw, "hidden_size", int, where)
     heads = _require(raw, "num_attention_heads", int, where)
     kv_heads = _require(raw, "num_key_value_heads", int, where) if "num_key_value_heads" in raw else heads

@@ -93,6 +93,26 @@ def test_llama_config_derives_head_dim_and_parses_llama3_rope_scaling() -> None:
     assert config.rope_scaling.original_max_position_embeddings == 64
 
 
+def test_keys_real_configs_carry_beyond_the_ones_used_are_accepted() -> None:
+    extra = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "torch_dtype": "bfloat16",
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "hidden_act": "silu",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "transformers_version": "4.51.0",
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+    }
+    assert parse_config({**QWEN3, **extra}) == parse_config(QWEN3)
+
+
 def test_qwen2_config_has_attention_biases() -> None:
     config = parse_config({**QWEN3, "model_type": "qwen2"})
     assert config.attention_bias and not config.qk_norm
@@ -111,6 +131,9 @@ def test_qwen2_config_has_attention_biases() -> None:
         ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing key 'low_freq_factor'"),
+        ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+        ({"mlp_bias": True}, "mlp_bias=True is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
 )
 def test_malformed_config_is_an_error_naming_the_file_and_the_key(

@@ -187,6 +187,8 @@ def test_only_the_requested_rows_get_logits(tmp_path: Path) -> None:
     tables = torch.arange(4, dtype=torch.int32)[None]
     logits = model.forward(ids, seq, pos, tables, cache, torch.tensor([9, 3]))
     assert logits.shape == (2, 512) and logits.dtype == torch.float32
+    # A step that only prefills part of a prompt needs no logits at all.
+    assert model.forward(ids, seq, pos, tables, cache, torch.zeros(0, dtype=torch.int64)).shape == (0, 512)
 
 
 def test_loading_a_folder_without_weights_is_an_error_naming_what_is_missing(tmp_path: Path) -> None:
