@@ -8,6 +8,7 @@
       NoMatchingStack (409)        no known stack matches the pin
       NoLiveReplica (503)          stacks match the pin but none of their replicas is in rotation
       ReplicaFailed (502)          the replica failed, timed out or answered garbage; nothing was recorded
+      RateLimited (429)            the tenant's requests or tokens per minute are used up; says when to retry
 
 The OpenAI SDKs map these statuses to BadRequestError, AuthenticationError, NotFoundError,
 ConflictError and InternalServerError.
@@ -87,6 +88,23 @@ class ReplicaFailed(StackpinError):
     status = 502
     type = "replica_error"
     code = "replica_failed"
+
+
+class RateLimited(StackpinError):
+    """429 with an OpenAI-style body; `type` names the exhausted limit, as OpenAI's does."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.type = limit
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> web.Response:
+        return web.json_response(
+            self.body(), status=self.status, headers={"Retry-After": str(self.retry_after_s)}
+        )
 
 
 class ConfigError(Exception):

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
+
+from proxy.stack import Stack, fingerprint
 
 STACK_HEADER = "Stackpin-Stack"
 
@@ -74,6 +76,32 @@ async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
         raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
     return _parse_object(raw)
+
+
+@dataclass(frozen=True)
+class Described:
+    """A replica's answer to `GET /v1/stack`: the stack, its fingerprint as computed here, and as claimed."""
+
+    stack: Stack
+    document: dict[str, Any]
+    fingerprint: str
+    claimed: object
+
+    @property
+    def honest(self) -> bool:
+        return self.claimed == self.fingerprint
+
+
+async def describe(session: aiohttp.ClientSession, base_url: str, *, timeout_s: float) -> Described:
+    """Asks a replica for its stack; any failure to get a valid stack is `ReplicaUnavailable`."""
+    try:
+        described = await get_json(session, f"{base_url}/v1/stack", timeout_s=timeout_s)
+        document = described["stack"]
+        stack = Stack.model_validate(document)
+        computed = fingerprint(document)  # ValueError when it has no canonical form
+    except (ReplicaRejected, ReplicaGarbage, KeyError, TypeError, ValidationError, ValueError) as e:
+        raise ReplicaUnavailable(f"no valid stack at {base_url}/v1/stack: {str(e)[:300]}") from e
+    return Described(stack, document, computed, described.get("fingerprint"))
 
 
 class Stream:

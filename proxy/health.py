@@ -15,15 +15,13 @@ from typing import Protocol
 
 import aiohttp
 import structlog
-from pydantic import ValidationError
 
 from proxy.audit import AuditStore
 from proxy.dispatch import StackMismatch
-from proxy.forward import ReplicaGarbage, ReplicaRejected, ReplicaUnavailable, get_json
+from proxy.forward import ReplicaUnavailable, describe
 from proxy.metrics import ProxyMetrics
 from proxy.records import flag_entry
 from proxy.registry import Observation, Registry, Replica
-from proxy.stack import Stack, fingerprint
 
 log = structlog.get_logger("stackpin.health")
 
@@ -65,26 +63,16 @@ class HealthMonitor:
     async def check(self, replica: Replica) -> None:
         now = self.clock()
         try:
-            described = await get_json(self.session, f"{replica.url}/v1/stack", timeout_s=self.timeout_s)
-            document = described["stack"]
-            stack = Stack.model_validate(document)
-            computed = fingerprint(document)
-        except (
-            ReplicaUnavailable,
-            ReplicaRejected,
-            ReplicaGarbage,
-            KeyError,
-            TypeError,
-            ValidationError,
-            ValueError,
-        ) as e:
+            described = await describe(self.session, replica.url, timeout_s=self.timeout_s)
+        except ReplicaUnavailable as e:
             if replica.reachable:
-                log.warning("replica_unreachable", replica=replica.name, error=str(e)[:300])
+                log.warning("replica_unreachable", replica=replica.name, error=str(e))
             self.registry.unreachable(replica.name)
             return
-        if described.get("fingerprint") != computed:
-            await self.quarantine(replica, "fingerprint_mismatch", claimed=described.get("fingerprint"))
+        if not described.honest:
+            await self.quarantine(replica, "fingerprint_mismatch", claimed=str(described.claimed))
             return
+        stack, computed = described.stack, described.fingerprint
         outcome = self.registry.observe(replica.name, stack, computed, now)
         if outcome is Observation.FIRST:
             log.info("replica_proved_stack", replica=replica.name, fingerprint=computed)

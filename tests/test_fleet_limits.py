@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from proxy.config import load_settings
-from proxy.errors import ConfigError
-from proxy.fleet.limits import Limits, RateLimited, RateLimiter, refusal, window_of
+from proxy.errors import ConfigError, RateLimited
+from proxy.fleet.limits import Limits, RateLimiter, refusal, window_of
 from tests.audit_databases import audit_database
 from tests.fake_replica import FakeReplica
 from tests.fleet_support import T0, Clock, RedisRelay, running_fleet

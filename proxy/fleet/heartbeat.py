@@ -18,12 +18,10 @@ from typing import Any
 
 import aiohttp
 import structlog
-from pydantic import ValidationError
 
 from proxy.fleet.documents import FleetKeys, Lease, Quarantine
 from proxy.fleet.state import FleetState, FleetUnavailable, connect
-from proxy.forward import ReplicaGarbage, ReplicaRejected, ReplicaUnavailable, get_json
-from proxy.stack import Stack, fingerprint
+from proxy.forward import ReplicaUnavailable, describe
 
 log = structlog.get_logger("stackpin.heartbeat")
 
@@ -59,23 +57,12 @@ class Heartbeat:
     async def beat(self) -> Beat:
         now = self.clock()
         try:
-            described = await get_json(self.session, f"{self.replica_url}/v1/stack", timeout_s=self.timeout_s)
-            document = described["stack"]
-            Stack.model_validate(document)
-            computed = fingerprint(document)
-        except (
-            ReplicaUnavailable,
-            ReplicaRejected,
-            ReplicaGarbage,
-            KeyError,
-            TypeError,
-            ValidationError,
-            ValueError,
-        ) as e:
-            log.warning("replica_unreachable", replica=self.name, error=str(e)[:300])
+            described = await describe(self.session, self.replica_url, timeout_s=self.timeout_s)
+        except ReplicaUnavailable as e:
+            log.warning("replica_unreachable", replica=self.name, error=str(e))
             return Beat.UNREACHABLE
         try:
-            return await self._record(document, computed, described.get("fingerprint"), now)
+            return await self._record(described.document, described.fingerprint, described.claimed, now)
         except FleetUnavailable as e:
             log.warning("fleet_state_unreachable", replica=self.name, error=str(e)[:300])
             return Beat.NO_REDIS

@@ -21,10 +21,9 @@ from datetime import datetime
 from typing import Protocol
 
 import redis.asyncio as aioredis
-from aiohttp import web
 from redis.exceptions import RedisError
 
-from proxy.errors import StackpinError
+from proxy.errors import RateLimited
 from proxy.fleet.documents import FleetKeys
 from proxy.fleet.state import FleetUnavailable
 
@@ -55,23 +54,6 @@ class Taken:
     refused: str | None  # "requests" or "tokens" when over that limit
     requests: int
     tokens: int
-
-
-class RateLimited(StackpinError):
-    """429 with an OpenAI-style body; `type` names the exhausted limit, as OpenAI's does."""
-
-    status = 429
-    code = "rate_limit_exceeded"
-
-    def __init__(self, message: str, *, limit: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.type = limit
-        self.retry_after_s = retry_after_s
-
-    def response(self) -> web.Response:
-        return web.json_response(
-            self.body(), status=self.status, headers={"Retry-After": str(self.retry_after_s)}
-        )
 
 
 def window_of(now: datetime) -> tuple[int, int]:
