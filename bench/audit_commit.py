@@ -2,7 +2,8 @@
 
 For SQLite (WAL, synchronous=FULL, a file in a temporary folder) and PostgreSQL (a fresh schema, dropped after),
 `--appends` entries are appended by each number of concurrent tasks in `--concurrency`, first with
-`batch_max=1` (one transaction and one fsync per entry) and then with the store's defaults (group commit). Printed and written as Markdown:
+`batch_max=1` (one transaction and one fsync per entry), then with the store's defaults (group commit), then
+with `durability="process"` (group commit without the sync at each commit, to show what the sync costs). Printed and written as Markdown:
 appends per second, the ratio between the two, the mean and largest group commit, and the p50/p99 latency of
 one append (queue wait included), which is what a request waits before the proxy may answer.
 
@@ -28,10 +29,13 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from proxy.audit import AuditStore, NewEntry
+from proxy.audit.database import Durability
 from proxy.audit.schema import upgrade_database_async
 
 STACK = {"schema": 1, "model": "bench", "kernel_mode": "batch_invariant", "hardware": "cpu-x86_64-avx512"}
 DEFAULT_POSTGRES = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
+# (batch_max, durability): one commit per entry, group commit, group commit without the sync at each commit.
+CONFIGS: list[tuple[int, Durability]] = [(1, "disk"), (256, "disk"), (256, "process")]
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Result:
     database: str
     clients: int
     batch_max: int
+    durability: str
     appends_per_s: float
     mean_batch: float
     max_batch: int
@@ -79,10 +84,18 @@ def make_entry(i: int) -> NewEntry:
 
 
 async def run_one(
-    database: str, url: str, schema: str | None, batch_max: int, appends: int, concurrency: int
+    database: str,
+    url: str,
+    schema: str | None,
+    config: tuple[int, Durability],
+    appends: int,
+    concurrency: int,
 ) -> Result:
     observed = Observed()
-    store = await AuditStore.open(url, schema=schema, batch_max=batch_max, observer=observed)
+    batch_max, durability = config
+    store = await AuditStore.open(
+        url, schema=schema, batch_max=batch_max, observer=observed, durability=durability
+    )
     latencies: list[float] = []
     entries = [make_entry(i) for i in range(appends)]
     next_index = iter(range(appends))
@@ -110,6 +123,7 @@ async def run_one(
         database=database,
         clients=concurrency,
         batch_max=batch_max,
+        durability=durability,
         appends_per_s=appends / elapsed,
         mean_batch=statistics.fmean(observed.sizes),
         max_batch=max(observed.sizes),
@@ -131,21 +145,21 @@ async def _admin(url: str, statement: str) -> None:
 async def bench_sqlite(appends: int, concurrency: int) -> list[Result]:
     results = []
     with tempfile.TemporaryDirectory() as folder:
-        for batch_max in (1, 256):
-            url = f"sqlite+aiosqlite:///{Path(folder) / f'audit-{concurrency}-{batch_max}.db'}"
+        for config in CONFIGS:
+            url = f"sqlite+aiosqlite:///{Path(folder) / f'audit-{concurrency}-{config[0]}-{config[1]}.db'}"
             await upgrade_database_async(url)
-            results.append(await run_one("SQLite", url, None, batch_max, appends, concurrency))
+            results.append(await run_one("SQLite", url, None, config, appends, concurrency))
     return results
 
 
 async def bench_postgres(url: str, appends: int, concurrency: int) -> list[Result]:
     results = []
-    for batch_max in (1, 256):
+    for config in CONFIGS:
         schema = f"audit_bench_{uuid.uuid4().hex[:12]}"
         await _admin(url, f'CREATE SCHEMA "{schema}"')
         try:
             await upgrade_database_async(url, schema=schema)
-            results.append(await run_one("PostgreSQL", url, schema, batch_max, appends, concurrency))
+            results.append(await run_one("PostgreSQL", url, schema, config, appends, concurrency))
         finally:
             await _admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     return results
@@ -161,15 +175,15 @@ def render(results: list[Result], appends: int, concurrency: str) -> str:
         "SQLite in WAL mode with synchronous=FULL; PostgreSQL with its defaults (fsync on commit). "
         "One record ~0.7 kB of content.",
         "",
-        "| database | clients | batch_max | appends/s | vs batch_max=1 | mean batch | max batch "
+        "| database | clients | batch_max | durability | appends/s | vs batch_max=1 | mean batch | max batch "
         "| append p50 ms | append p99 ms | verify entries/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     single = {(r.database, r.clients): r.appends_per_s for r in results if r.batch_max == 1}
     for r in results:
         ratio = r.appends_per_s / single[(r.database, r.clients)]
         lines.append(
-            f"| {r.database} | {r.clients} | {r.batch_max} | {r.appends_per_s:,.0f} | {ratio:.1f}x "
+            f"| {r.database} | {r.clients} | {r.batch_max} | {r.durability} | {r.appends_per_s:,.0f} | {ratio:.1f}x "
             f"| {r.mean_batch:.1f} | {r.max_batch} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.verify_per_s:,.0f} |"
         )
     return "\n".join(lines) + "\n"
