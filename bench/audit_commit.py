@@ -173,7 +173,8 @@ def render(results: list[Result], appends: int, concurrency: str) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"measured {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}. "
         "SQLite in WAL mode with synchronous=FULL; PostgreSQL with its defaults (fsync on commit). "
-        "One record ~0.7 kB of content.",
+        f"One record ~0.7 kB of content. Load average when done: {os.getloadavg()[0]:.1f} "
+        "(other work on the machine inflates the absolute figures, not the ratios between rows).",
         "",
         "| database | clients | batch_max | durability | appends/s | vs batch_max=1 | mean batch | max batch "
         "| append p50 ms | append p99 ms | verify entries/s |",
