@@ -24,7 +24,7 @@ import torch
 from pinned_backend.kernels import KernelMode
 
 DEFAULT_GEMM_ROWS = 16
-DEFAULT_ATTENTION_ROWS = 16
+DEFAULT_ATTENTION_ROWS = 8
 DEFAULT_KV_SPLIT_SIZE = 256
 # Bounds the memory of one attention call; how tiles are grouped does not change any tile's result.
 _TILES_PER_CALL = 32
