@@ -19,6 +19,7 @@ from proxy.audit import (
     HEAD_REVISION,
     AuditStore,
     DatabaseUrlError,
+    SchemaError,
     SchemaOutdated,
     SchemaTooNew,
     schema_revision,
@@ -26,7 +27,15 @@ from proxy.audit import (
 )
 from proxy.audit.models import Base
 from proxy.audit.schema import downgrade_database, script_head
-from tests.audit_databases import KINDS, AuditDatabase, audit_database, create_blank, drop, entry
+from tests.audit_databases import (
+    KINDS,
+    POSTGRES_URL,
+    AuditDatabase,
+    audit_database,
+    create_blank,
+    drop,
+    entry,
+)
 
 TABLES = {"alembic_version", "chain_head", "entries", "prompts", "stacks"}
 
@@ -160,6 +169,14 @@ async def test_a_bad_database_url_says_what_would_do(url: str, message: str) -> 
 async def test_plain_driver_names_are_accepted(tmp_path: Path) -> None:
     store = await AuditStore.open(f"sqlite:///{tmp_path / 'plain.db'}", create_if_empty=True)
     await store.close()
+
+
+@pytest.mark.postgres
+async def test_a_postgres_schema_that_does_not_exist_is_named() -> None:
+    with pytest.raises(SchemaError, match="CREATE SCHEMA"):
+        await AuditStore.open(POSTGRES_URL, schema="audit_test_missing_schema")
+    with pytest.raises(SchemaError, match="audit_test_missing_schema"):
+        await asyncio.to_thread(upgrade_database, POSTGRES_URL, schema="audit_test_missing_schema")
 
 
 @pytest.mark.postgres

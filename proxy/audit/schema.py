@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 
 import migrations
 from proxy.audit.database import connect_args, make_engine, parse_url
+from proxy.audit.errors import SchemaError
 
 HEAD_REVISION = "0002_listing_indexes"
 # PostgreSQL names advisory locks by number; this one serialises stackpin migrations of one database.
@@ -67,7 +68,20 @@ def lock_for_migration(connection: Connection) -> None:
     out every other writer.
     """
     if connection.dialect.name == "postgresql":
+        require_schema(connection)
         connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+
+
+def require_schema(connection: Connection) -> None:
+    """PostgreSQL: refuses a search path that names no existing schema, which would fail later and obscurely."""
+    if connection.dialect.name != "postgresql":
+        return
+    if connection.execute(text("SELECT current_schema()")).scalar() is None:
+        path = connection.execute(text("SHOW search_path")).scalar()
+        raise SchemaError(
+            f"no schema of the search path ({path}) exists in this PostgreSQL database; "
+            "create it first (CREATE SCHEMA ...) or name an existing one"
+        )
 
 
 def _refuse_running_loop(name: str) -> None:
@@ -86,6 +100,7 @@ def _upgrade_on(connection: Connection, revision: str) -> None:
 
 def _revision_on(connection: Connection) -> tuple[str | None, bool]:
     """The revision stamped in the database, and whether it holds any table at all."""
+    require_schema(connection)
     revision = MigrationContext.configure(connection).get_current_revision()
     return revision, bool(inspect(connection).get_table_names())
 
