@@ -1,7 +1,8 @@
 """Replay comparison: is a replayed answer bit-identical to the original, and if not, where does it diverge?
 
 Where both answers carry token ids and logprobs, they are compared token by token, logprobs by their bits (a
-float's hex form tells -0.0 from 0.0 and never rounds). Where the replica gives only text (an upstream API), the
+float's hex form never rounds). One exception: the audit log's canonical JSON (RFC 8785) writes -0.0 as 0, so a
+recorded answer cannot tell the two zeros apart, and neither does the comparison. Where the replica gives only text (an upstream API), the
 texts are compared character by character, and the result says so. Pure functions.
 """
 
@@ -47,14 +48,18 @@ def _compare_tokens(original: Tokens, replayed: Tokens) -> Comparison:
             return _diverged_tokens(original, replayed, k, "length")
         if a_ids[k] != b_ids[k]:
             return _diverged_tokens(original, replayed, k, "token")
-        a_bits = a_lp[k].hex() if k < len(a_lp) else None
-        b_bits = b_lp[k].hex() if k < len(b_lp) else None
+        a_bits = _bits(a_lp[k]) if k < len(a_lp) else None
+        b_bits = _bits(b_lp[k]) if k < len(b_lp) else None
         if a_bits != b_bits:
             return _diverged_tokens(original, replayed, k, "logprob", a_bits, b_bits)
     if original.text != replayed.text:
         # Same tokens, other text: the detokenizer or stop handling changed, which is divergence too.
         return _compare_text(original.text, replayed.text)
     return Comparison("reproduced", "tokens")
+
+
+def _bits(logprob: float) -> str:
+    return (float(logprob) + 0.0).hex()  # + 0.0 turns -0.0 into 0.0 and leaves every other value alone
 
 
 def _diverged_tokens(

@@ -24,8 +24,12 @@ def test_a_last_bit_difference_in_a_logprob_is_divergence() -> None:
     assert result.original_logprob == (-1.0).hex()
 
 
-def test_negative_zero_is_not_zero() -> None:
-    assert compare(tokens([1], [0.0]), tokens([1], [-0.0])).outcome == "diverged"
+def test_the_two_zeros_are_one_because_the_canonical_record_cannot_keep_them_apart() -> None:
+    assert compare(tokens([1], [0.0]), tokens([1], [-0.0])).outcome == "reproduced"
+
+
+def test_a_logprob_read_back_as_an_integer_compares_as_its_float() -> None:
+    assert compare(tokens([1], [-1]), tokens([1], [-1.0])).outcome == "reproduced"
 
 
 def test_a_different_token_and_a_shorter_answer() -> None:
