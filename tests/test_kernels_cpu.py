@@ -3,6 +3,8 @@ a row the same bits whatever the batch around it (its size, the row's position, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -87,17 +89,16 @@ def make_paged(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "kernels", [CpuInvariantKernels(kv_split_size=32), TorchKernels()], ids=lambda k: k.mode
-)
-def test_attention_matches_the_float64_reference(dtype: torch.dtype, kernels: object) -> None:
+@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+def test_attention_matches_the_float64_reference(dtype: torch.dtype, mode: Any) -> None:
+    kernels = select_kernels(mode, CPU, kv_split_size=32)
     lengths = [1, 17, 70, 33]
     k_cache, v_cache, tables = make_paged(lengths, 16, (8, 2), 32, seed=6, dtype=dtype)
     # Some queries at the end of their sequence (decode), a run of them (prefill), one in the middle.
     seq = torch.tensor([0, 1, 2, 2, 2, 2, 3, 1], dtype=torch.int32)
     pos = torch.tensor([0, 16, 66, 67, 68, 69, 32, 3], dtype=torch.int32)
     q = randn(8, 8, 32, seed=7, dtype=dtype)
-    out = kernels.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5)  # type: ignore[attr-defined]
+    out = kernels.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
     expected = reference.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5)
     tolerance = TOLERANCE[dtype] * 10
@@ -164,3 +165,14 @@ def test_select_kernels_picks_the_implementation_for_mode_and_device() -> None:
 def test_batch_invariant_on_cuda_without_a_device_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="no CUDA device"):
         select_kernels("batch_invariant", torch.device("cuda"))
+
+
+def test_a_thread_count_changed_after_start_is_refused() -> None:
+    kernels = CpuInvariantKernels()
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)
+    try:
+        with pytest.raises(RuntimeError, match=f"thread count changed from {before} to {before + 1}"):
+            kernels.matmul(torch.ones(2, 4), torch.ones(3, 4))
+    finally:
+        torch.set_num_threads(before)

@@ -49,9 +49,21 @@ class CpuInvariantKernels:
         self.kv_split_size = kv_split_size
         self.gemm_rows = gemm_rows
         self.attention_rows = attention_rows
+        # The BLAS splits a GEMM among threads differently for another thread count, and at larger shapes that
+        # changes the bits; the count is therefore part of the stack, fixed when the kernels are made.
+        self.threads = torch.get_num_threads()
+
+    def _check_threads(self) -> None:
+        now = torch.get_num_threads()
+        if now != self.threads:
+            raise RuntimeError(
+                f"torch's thread count changed from {self.threads} to {now} after the batch_invariant kernels "
+                "were made; results would no longer match. Set it once, before selecting kernels."
+            )
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # x [M, K] @ w[N, K].T -> [M, N], issued as ceil(M / gemm_rows) GEMMs of exactly gemm_rows rows.
+        self._check_threads()
         rows, width = x.shape
         blocks = -(-rows // self.gemm_rows)
         padded = x.new_zeros(blocks * self.gemm_rows, width)
@@ -85,6 +97,7 @@ class CpuInvariantKernels:
         query_pos: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
+        self._check_threads()
         block_size = k_cache.shape[1]
         if self.kv_split_size % block_size != 0:
             raise ValueError(
