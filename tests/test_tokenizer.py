@@ -155,3 +155,18 @@ def test_malformed_files_are_errors_naming_the_file(
 def test_missing_tokenizer_file_is_an_error_naming_it(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: file not found"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+def test_templates_may_use_the_jinja_features_real_chat_templates_use(tmp_path: Path) -> None:
+    # namespace(), loop controls, reversed loops, `is string`, string methods and attribute access on dicts,
+    # all of which Qwen3's and Llama 3's templates rely on.
+    template = (
+        "{% set ns = namespace(last_user=-1) %}"
+        "{% for m in messages[::-1] %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% break %}"
+        "{% endif %}{% endfor %}"
+        "{% for m in messages %}{% if m.content is string %}"
+        "{{ m.role }}={{ m.content.split('</think>')[-1].lstrip('\\n') | trim }};"
+        "{% endif %}{% if loop.last %}[{{ ns.last_user }}]{% endif %}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x</think>\n b "}]
+    assert load(tmp_path, template).apply_chat_template(messages) == "user=a;assistant=b;[1]"
