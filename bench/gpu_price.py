@@ -272,7 +272,7 @@ STEP_TOKENS = 2048
 MAX_NOISE_PROMPT = 1500
 
 
-def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int) -> Engine:
+def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int, on_step: Any = None) -> Engine:
     cache = PagedKVCache(model.config, num_blocks, PAGE, torch.device(DEVICE), torch.bfloat16)
     config = EngineConfig(
         max_model_len=MAX_NOISE_PROMPT + 64,
@@ -282,7 +282,8 @@ def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int) -> Engi
         max_step_tokens=STEP_TOKENS,
         max_queue=100000,
     )
-    return Engine(model, cache, BlockAllocator(num_blocks), kernels, config, lambda ids: "", device=DEVICE)
+    allocator = BlockAllocator(num_blocks)
+    return Engine(model, cache, allocator, kernels, config, lambda ids: "", device=DEVICE, on_step=on_step)
 
 
 def divergence(
@@ -296,6 +297,8 @@ def divergence(
     outputs: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
     batches: dict[str, tuple[int, int]] = {}
+    step_tokens: list[int] = []  # tokens in each step of the loaded run, in order
+    step_of: dict[str, list[int]] = {}  # for each request, the steps that produced its tokens
 
     def sink_for(rid: str) -> Any:
         def sink(event: TokenOutput | EngineError) -> None:
@@ -304,6 +307,7 @@ def divergence(
             outputs.setdefault(rid, []).append(event.token_id)
             logprobs.setdefault(rid, []).append(event.logprob)
             batches[rid] = (event.batch.min, event.batch.max)
+            step_of.setdefault(rid, []).append(len(step_tokens))
 
         return sink
 
@@ -320,7 +324,13 @@ def divergence(
         noise = [rng.randrange(vocab) for _ in range(rng.randint(1, MAX_NOISE_PROMPT))]
         jobs.append((f"b{i}", noise, SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 48))))
     rng.shuffle(jobs)
-    engine = _engine(model, kernels, num_blocks=64 * -(-(MAX_NOISE_PROMPT + 64) // PAGE))
+    step_of.clear()
+    engine = _engine(
+        model,
+        kernels,
+        num_blocks=64 * -(-(MAX_NOISE_PROMPT + 64) // PAGE),
+        on_step=lambda st: step_tokens.append(st.prefill_tokens + st.decode_tokens),
+    )
     started, steps = time.perf_counter(), 0
     while jobs or engine.has_work():
         if time.perf_counter() - started > budget_s:
@@ -351,6 +361,13 @@ def divergence(
         "median_divergent_position": sorted(diverged)[len(diverged) // 2] if diverged else None,
         "batch_sizes_seen": [min(s[0] for s in sizes), max(s[1] for s in sizes)] if sizes else None,
         "steps": steps,
+        "step_tokens_median_max": [sorted(step_tokens)[len(step_tokens) // 2], max(step_tokens)]
+        if step_tokens
+        else None,
+        # A target's rows meet the matmuls' M in every step it takes part in (its first token: its prefill step).
+        "trials_in_a_step_of_113_or_more_tokens": sum(
+            any(step_tokens[i] >= 113 for i in v) for k, v in step_of.items() if k.startswith("t")
+        ),
         "max_step_tokens": STEP_TOKENS,
         "max_background_prompt": MAX_NOISE_PROMPT,
         "seconds": time.perf_counter() - started,
@@ -363,6 +380,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=1000, help="divergence trials per mode")
     parser.add_argument("--budget-s", type=float, default=200.0, help="divergence time limit per mode")
     parser.add_argument("--parts", default="speed,divergence", help="speed, divergence, or both")
+    parser.add_argument(
+        "--modes", default="default,batch_invariant", help="kernel modes for the divergence part"
+    )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     import triton
@@ -389,6 +409,8 @@ def main() -> None:
     if "divergence" in parts:
         report["divergence"] = {}
         for name, model in models.items():
+            if name not in args.modes.split(","):
+                continue
             report["divergence"][name] = divergence(
                 model, modes[name], args.trials, seed=7, budget_s=args.budget_s
             )
