@@ -263,5 +263,22 @@ def make_tiny(directory: Path) -> Path:
     return target
 
 
+TINY_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+def ensure_tiny(directory: Path) -> Path:
+    """`directory`/stackpin-tiny, made by `make_tiny` unless a finished one is already there."""
+    target = Path(directory) / TINY_NAME
+    if all((target / name).is_file() for name in TINY_FILES):
+        return target
+    return make_tiny(directory)
+
+
 def _write_json(path: Path, value: object) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -15,7 +15,7 @@ from pinned_backend.checkpoint import load_config, weights_sha256
 from pinned_backend.kernels import select_kernels
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.model import Transformer
-from pinned_backend.tiny import TINY_NAME, corpus_text
+from pinned_backend.tiny import TINY_NAME, corpus_text, ensure_tiny
 from pinned_backend.tokenizer import Tokenizer
 
 CPU = torch.device("cpu")
@@ -49,6 +49,13 @@ def test_two_runs_write_byte_identical_files(two_runs: tuple[Path, Path]) -> Non
 
 def test_only_the_finished_folder_is_left_behind(two_runs: tuple[Path, Path]) -> None:
     assert [p.name for p in two_runs[0].parent.iterdir()] == [TINY_NAME]
+
+
+def test_ensure_tiny_keeps_a_finished_folder(two_runs: tuple[Path, Path]) -> None:
+    folder = two_runs[1]
+    before = {name: (folder / name).stat().st_mtime_ns for name in FILES}
+    assert ensure_tiny(folder.parent) == folder
+    assert {name: (folder / name).stat().st_mtime_ns for name in FILES} == before
 
 
 def test_it_is_a_small_qwen3_checkpoint_with_a_chatml_tokenizer(two_runs: tuple[Path, Path]) -> None:
