@@ -34,7 +34,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-_VOCAB_SIZE = 1024
+_VOCAB_SIZE = 2048
 _ARCHITECTURE = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -48,7 +48,7 @@ _ARCHITECTURE = {
 }
 _SEED = 20260101
 _TRAIN_THREADS = 1
-_STEPS = 300
+_STEPS = 270
 _BATCH = 6
 _WINDOW = 128
 _PEAK_LR = 5e-3
