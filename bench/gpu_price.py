@@ -74,15 +74,19 @@ def qwen3_1_7b() -> ModelConfig:
     )
 
 
-def random_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded weights on the GPU: matrices with std 1/sqrt(fan_in), embeddings std 1, norms near 1."""
+def random_weights(config: ModelConfig, seed: int, embed_std: float = 1.0) -> dict[str, torch.Tensor]:
+    """Seeded weights on the GPU: matrices with std 1/sqrt(fan_in), embeddings std `embed_std`, norms near 1.
+
+    With tied embeddings the embedding std sets the logits' spread: at 1.0 (the speed runs) the logits have a
+    std near 45 and the top token wins by whole units, so no last-bit change can flip it; at 0.02 (Hugging
+    Face's initialisation) they spread like a real model's, with near-ties."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     out = {}
     for name, shape in expected_shapes(config).items():
         if len(shape) == 1:
             t = 1.0 + 0.1 * torch.randn(shape, device=DEVICE, generator=gen)
         elif name.endswith("embed_tokens.weight"):
-            t = torch.randn(shape, device=DEVICE, generator=gen)
+            t = embed_std * torch.randn(shape, device=DEVICE, generator=gen)
         else:
             t = torch.randn(shape, device=DEVICE, generator=gen) / math.sqrt(shape[1])
         out[name] = t.to(torch.bfloat16)
@@ -293,9 +297,9 @@ def divergence(
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(32)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, top_logprobs=5)
     outputs: dict[str, list[int]] = {}
-    logprobs: dict[str, list[float]] = {}
+    logprobs: dict[str, list[Any]] = {}  # per token: (its logprob, the top 5 (id, logprob))
     batches: dict[str, tuple[int, int]] = {}
     step_tokens: list[int] = []  # tokens in each step of the loaded run, in order
     step_of: dict[str, list[int]] = {}  # for each request, the steps that produced its tokens
@@ -305,7 +309,7 @@ def divergence(
             if isinstance(event, EngineError):
                 raise RuntimeError(f"{rid}: {event}")
             outputs.setdefault(rid, []).append(event.token_id)
-            logprobs.setdefault(rid, []).append(event.logprob)
+            logprobs.setdefault(rid, []).append((event.logprob, event.top_logprobs))
             batches[rid] = (event.batch.min, event.batch.max)
             step_of.setdefault(rid, []).append(len(step_tokens))
 
@@ -348,8 +352,8 @@ def divergence(
     ]
     diverged = [f for f in firsts if f is not None]
     sizes = [batches[k] for k in outputs if k.startswith("t")]
-    # Logprobs are compared as float64 values, which compares their bits: a change in the logits that leaves
-    # the argmax alone still shows here.
+    # Logprobs (the chosen token's and the top 5) are compared as float64 values, which compares their bits: a
+    # change in the logits that leaves the argmax alone still shows here.
     bits = [tuple(v) for k, v in logprobs.items() if k.startswith("t")]
     return {
         "trials": len(completions),
@@ -389,7 +393,7 @@ def main() -> None:
 
     config = qwen3_1_7b()
     modes = {"default": CublasKernels(), "batch_invariant": TritonKernels(kv_split_size=256)}
-    weights = random_weights(config, seed=0)
+    weights = random_weights(config, seed=0, embed_std=args.embed_std)
     models = {
         name: Transformer(config, dict(weights), k, torch.device(DEVICE), torch.bfloat16)
         for name, k in modes.items()
@@ -402,6 +406,7 @@ def main() -> None:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "model": "Qwen3-1.7B shape, random seeded bf16 weights (seed 0), tied embeddings",
+        "embed_std": args.embed_std,
         "context_tokens": CONTEXT,
     }
     if "speed" in parts:
