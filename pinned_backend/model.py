@@ -21,6 +21,8 @@ from pinned_backend.checkpoint import ModelConfig, RopeScaling, load_config, loa
 from pinned_backend.kernels import Kernels
 from pinned_backend.kvcache import PagedKVCache
 
+SERVING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 @dataclass(frozen=True)
 class _Layer:
@@ -33,6 +35,12 @@ class _Layer:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SERVING_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SERVING_DTYPES)
+        raise ValueError(f"cannot serve weights in {dtype}; choose one of {names}")
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -75,6 +83,7 @@ class Transformer:
         dtype: torch.dtype,
     ) -> None:
         """`weights`: every tensor `checkpoint.expected_shapes(config)` names; consumed (fused) here."""
+        _check_dtype(dtype)
         self.config = config
         self.kernels = kernels
         self.device = device
@@ -112,6 +121,7 @@ class Transformer:
         cls, path: Path, kernels: Kernels, device: torch.device, dtype: torch.dtype
     ) -> Transformer:
         """Load a Hugging Face checkpoint folder; a CheckpointError names any missing or malformed file."""
+        _check_dtype(dtype)
         path = Path(path)
         config = load_config(path)
         return cls(config, load_weights(path, config, dtype), kernels, device, dtype)

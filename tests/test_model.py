@@ -191,6 +191,12 @@ def test_only_the_requested_rows_get_logits(tmp_path: Path) -> None:
     assert model.forward(ids, seq, pos, tables, cache, torch.zeros(0, dtype=torch.int64)).shape == (0, 512)
 
 
+def test_a_dtype_that_cannot_serve_is_refused_by_name(tmp_path: Path) -> None:
+    write_folder(tmp_path, VARIANTS["qwen3"])
+    with pytest.raises(ValueError, match=r"cannot serve weights in torch\.int8; choose one of float32"):
+        Transformer.from_pretrained(tmp_path, select_kernels("default", CPU), CPU, torch.int8)
+
+
 def test_loading_a_folder_without_weights_is_an_error_naming_what_is_missing(tmp_path: Path) -> None:
     write_folder(tmp_path, VARIANTS["llama3.2"])
     (tmp_path / "model.safetensors").unlink()
