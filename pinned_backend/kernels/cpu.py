@@ -125,70 +125,78 @@ class CpuInvariantKernels:
         out: torch.Tensor,
     ) -> None:
         n_tokens, n_heads, head_dim = q.shape
-        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        group = n_heads // n_kv_heads
-        rows, split = self.attention_rows, self.kv_split_size
-        blocks_per_split = split // block_size
-        n_tiles, n_splits = len(tiles), max(tile[2] for tile in tiles)
-        device = q.device
+        n_kv_heads = k_cache.shape[2]
+        rows, n_tiles = self.attention_rows, len(tiles)
+        blocks_per_split = self.kv_split_size // k_cache.shape[1]
+        n_splits = max(tile[2] for tile in tiles)
 
         # Row n_tokens of the padded inputs is a zero query at position -1: it sees no key.
         row_index = torch.full((n_tiles, rows), n_tokens, dtype=torch.long)
         for i, (_, tile_rows, _) in enumerate(tiles):
             row_index[i, : len(tile_rows)] = torch.tensor(tile_rows)
-        row_index = row_index.to(device)
+        row_index = row_index.to(q.device)
         q_pad = torch.cat([q.float(), q.new_zeros(1, n_heads, head_dim, dtype=torch.float32)])
         pos_pad = torch.cat([query_pos.long(), query_pos.new_full((1,), -1, dtype=torch.long)])
         # [G, R, Hq, D] -> [G, Hkv, group * R, D]: one GEMM per (tile, kv head) with a fixed number of rows.
         q_tiles = (
             q_pad[row_index]
-            .reshape(n_tiles, rows, n_kv_heads, group, head_dim)
+            .reshape(n_tiles, rows, n_kv_heads, n_heads // n_kv_heads, head_dim)
             .permute(0, 2, 3, 1, 4)
-            .reshape(n_tiles, n_kv_heads, group * rows, head_dim)
+            .reshape(n_tiles, n_kv_heads, -1, head_dim)
             .contiguous()
         )
         tile_pos = pos_pad[row_index]  # [G, R]
-        width = n_splits * blocks_per_split
-        tables = torch.zeros(block_tables.shape[0], max(width, block_tables.shape[1]), dtype=torch.long)
-        tables = tables.to(device)
+        width = max(n_splits * blocks_per_split, block_tables.shape[1])
+        tables = torch.zeros(block_tables.shape[0], width, dtype=torch.long, device=q.device)
         tables[:, : block_tables.shape[1]] = block_tables.long()
-        tile_tables = tables[torch.tensor([tile[0] for tile in tiles], device=device)]  # [G, width]
+        tile_tables = tables[torch.tensor([tile[0] for tile in tiles], device=q.device)]  # [G, width]
 
-        m_acc = l_acc = o_acc = None
-        for j in range(n_splits):
-            blocks = tile_tables[
-                :, j * blocks_per_split : (j + 1) * blocks_per_split
-            ]  # [G, blocks_per_split]
-            keys = k_cache[blocks].reshape(n_tiles, split, n_kv_heads, head_dim).float()
-            values = v_cache[blocks].reshape(n_tiles, split, n_kv_heads, head_dim).float()
-            keys_t = keys.permute(0, 2, 3, 1).contiguous()  # [G, Hkv, D, split]
-            values = values.permute(0, 2, 1, 3).contiguous()  # [G, Hkv, split, D]
-            scores = torch.matmul(q_tiles, keys_t) * scale  # [G, Hkv, group * R, split]
-            key_pos = torch.arange(j * split, (j + 1) * split, device=device)
-            visible = key_pos[None, None, :] <= tile_pos[:, :, None]  # [G, R, split]
-            visible = visible[:, None, None].expand(n_tiles, 1, group, rows, split)
-            scores = scores.masked_fill(~visible.reshape(n_tiles, 1, group * rows, split), float("-inf"))
-            m_split = scores.amax(-1, keepdim=True)
-            probs = torch.exp(scores - _finite(m_split))
-            l_split = probs.sum(-1, keepdim=True)
-            o_split = torch.matmul(probs, values)  # [G, Hkv, group * R, D]
-            if m_acc is None or l_acc is None or o_acc is None:
-                m_acc, l_acc, o_acc = m_split, l_split, o_split
-                continue
+        m_acc, l_acc, o_acc = self._split(q_tiles, tile_pos, k_cache, v_cache, tile_tables, 0, scale)
+        for j in range(1, n_splits):
+            m_split, l_split, o_split = self._split(
+                q_tiles, tile_pos, k_cache, v_cache, tile_tables, j, scale
+            )
             m_new = _finite(torch.maximum(m_acc, m_split))
             keep, add = torch.exp(m_acc - m_new), torch.exp(m_split - m_new)
             l_acc = l_acc * keep + l_split * add
             o_acc = o_acc * keep + o_split * add
             m_acc = m_new
-        assert o_acc is not None and l_acc is not None
         result = (
             (o_acc / l_acc)
-            .reshape(n_tiles, n_kv_heads, group, rows, head_dim)
+            .reshape(n_tiles, n_kv_heads, -1, rows, head_dim)
             .permute(0, 3, 1, 2, 4)
             .reshape(n_tiles * rows, n_heads, head_dim)
         )
         real = row_index.reshape(-1) < n_tokens
         out[row_index.reshape(-1)[real]] = result[real].to(out.dtype)
+
+    def _split(
+        self,
+        q_tiles: torch.Tensor,  # [G, Hkv, group * R, D] float32
+        tile_pos: torch.Tensor,  # [G, R] position of each tile row, -1 for padding
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tile_tables: torch.Tensor,  # [G, width] block ids of each tile's sequence
+        j: int,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split j's partial softmax per tile row: maximum and sum [G, Hkv, group * R, 1], values [.., D]."""
+        n_tiles, n_kv_heads, group_rows, head_dim = q_tiles.shape
+        rows, split = self.attention_rows, self.kv_split_size
+        per_split = split // k_cache.shape[1]
+        blocks = tile_tables[:, j * per_split : (j + 1) * per_split]  # [G, blocks per split]
+        keys = k_cache[blocks].reshape(n_tiles, split, n_kv_heads, head_dim).float()
+        values = v_cache[blocks].reshape(n_tiles, split, n_kv_heads, head_dim).float()
+        keys_t = keys.permute(0, 2, 3, 1).contiguous()  # [G, Hkv, D, split]
+        values = values.permute(0, 2, 1, 3).contiguous()  # [G, Hkv, split, D]
+        scores = torch.matmul(q_tiles, keys_t) * scale  # [G, Hkv, group * R, split]
+        key_pos = torch.arange(j * split, (j + 1) * split, device=q_tiles.device)
+        visible = key_pos[None, None, :] <= tile_pos[:, :, None]  # [G, R, split]
+        visible = visible[:, None, None].expand(n_tiles, 1, group_rows // rows, rows, split)
+        scores = scores.masked_fill(~visible.reshape(n_tiles, 1, group_rows, split), float("-inf"))
+        m_split = scores.amax(-1, keepdim=True)
+        probs = torch.exp(scores - _finite(m_split))
+        return m_split, probs.sum(-1, keepdim=True), torch.matmul(probs, values)
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:
