@@ -381,6 +381,7 @@ def divergence(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="where to write the JSON report")
+    parser.add_argument("--embed-std", type=float, default=1.0, help="std of the random embeddings")
     parser.add_argument("--trials", type=int, default=1000, help="divergence trials per mode")
     parser.add_argument("--budget-s", type=float, default=200.0, help="divergence time limit per mode")
     parser.add_argument("--parts", default="speed,divergence", help="speed, divergence, or both")
