@@ -7,7 +7,7 @@ straight to the request's sink. A request reserves the KV blocks for its prompt 
 joins, so a running request never runs out of cache and the engine never has to evict. The waiting queue is
 bounded; `submit` raises `QueueFull` beyond it.
 
-`EngineRunner` runs the step loop in one worker thread, so an asyncio server stays responsive; tests drive
+`EngineRunner` (runner.py) runs the step loop in one worker thread, so an asyncio server stays responsive; tests drive
 `Engine.step()` directly for a deterministic schedule. The engine knows nothing of HTTP or of text beyond
 the `detokenize` function it is given for stop strings; what makes its answers independent of the batch is
 the kernels' business and the sampler's, not the schedule's."""
@@ -362,49 +362,3 @@ class Engine:
         self._running.remove(seq)
         self.allocator.free(seq.blocks)
         seq.blocks = []
-
-
-class EngineRunner:
-    """Runs `Engine.step()` in one worker thread while there is work, sleeping when there is none."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._wake = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="stackpin-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join()
-        self.engine.abort_all(EngineStopped("the server is shutting down"))
-
-    def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink) -> None:
-        self.engine.submit(request_id, prompt_ids, params, sink)
-        with self._wake:
-            self._wake.notify()
-
-    def cancel(self, request_id: str) -> None:
-        self.engine.cancel(request_id)
-        with self._wake:
-            self._wake.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopping and not self.engine.has_work():
-                    self._wake.wait()
-                if self._stopping:
-                    return
-            try:
-                self.engine.step()
-            except Exception as exc:  # a failed step must fail its requests, not kill the server
-                self.engine.abort_all(EngineError(f"the engine failed a step: {type(exc).__name__}: {exc}"))

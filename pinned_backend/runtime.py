@@ -16,10 +16,11 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pinned_backend.checkpoint import load_config, weights_sha256
-from pinned_backend.engine import Engine, EngineConfig, EngineRunner, StepStats
+from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.kernels import select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
+from pinned_backend.runner import EngineRunner
 from pinned_backend.stack import DTYPE_NAMES, batching_policy, build_stack, detect_hardware, detect_software
 from pinned_backend.tokenizer import Tokenizer
 

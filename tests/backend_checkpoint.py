@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import string
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tokenizers
@@ -16,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from pinned_backend.checkpoint import expected_shapes, parse_config
-from pinned_backend.engine import Engine, EngineConfig, StepStats
+from pinned_backend.engine import Engine, EngineConfig, EngineError, StepStats, TokenOutput
 from pinned_backend.kernels import KernelMode, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
@@ -109,3 +111,27 @@ def make_engine(
         eos_token_ids=eos_token_ids,
     )
     return Engine(model, cache, BlockAllocator(num_blocks), kernels, config, letters, device, on_step)
+
+
+@dataclass
+class Collector:
+    outputs: list[TokenOutput] = field(default_factory=list)
+    errors: list[EngineError] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, event: TokenOutput | EngineError) -> None:
+        if isinstance(event, EngineError):
+            self.errors.append(event)
+            self.done.set()
+            return
+        self.outputs.append(event)
+        if event.finish_reason is not None:
+            self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [o.token_id for o in self.outputs]
+
+    @property
+    def text(self) -> str:
+        return "".join(o.text for o in self.outputs)

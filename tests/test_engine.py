@@ -2,54 +2,24 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from pinned_backend.engine import (
     Engine,
     EngineConfig,
-    EngineError,
-    EngineRunner,
     QueueFull,
     RequestTooLarge,
     StepStats,
-    TokenOutput,
 )
 from pinned_backend.sampling import SamplingParams
-from tests.backend_checkpoint import letters, write_random_checkpoint
+from tests.backend_checkpoint import Collector, letters, write_random_checkpoint
 from tests.backend_checkpoint import make_engine as make_checkpoint_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
-
-
-@dataclass
-class Collector:
-    outputs: list[TokenOutput] = field(default_factory=list)
-    errors: list[EngineError] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def __call__(self, event: TokenOutput | EngineError) -> None:
-        if isinstance(event, EngineError):
-            self.errors.append(event)
-            self.done.set()
-            return
-        self.outputs.append(event)
-        if event.finish_reason is not None:
-            self.done.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [o.token_id for o in self.outputs]
-
-    @property
-    def text(self) -> str:
-        return "".join(o.text for o in self.outputs)
 
 
 @pytest.fixture(scope="module")
@@ -216,43 +186,6 @@ def test_cancel_drops_a_request_and_frees_its_blocks(make_engine: Callable[..., 
     run_until_idle(engine)
     assert len(out.tokens) == 1
     assert engine.allocator.free_blocks == 32
-
-
-class FailingModel:
-    def forward(self, *args: object) -> torch.Tensor:
-        raise RuntimeError("boom")
-
-
-def test_the_runner_fails_requests_of_a_failed_step_and_keeps_serving(
-    make_engine: Callable[..., Engine],
-) -> None:
-    engine = make_engine()
-    real_model, engine.model = engine.model, FailingModel()
-    runner = EngineRunner(engine)
-    runner.start()
-    try:
-        out = Collector()
-        runner.submit("a", [1, 2], GREEDY, out)
-        assert out.done.wait(30)
-        assert "boom" in str(out.errors[0])
-        engine.model = real_model
-        again = Collector()
-        runner.submit("b", [1, 2], GREEDY, again)
-        assert again.done.wait(30)
-        assert len(again.tokens) == 6
-    finally:
-        runner.stop()
-
-
-def test_stopping_the_runner_fails_what_is_still_queued(make_engine: Callable[..., Engine]) -> None:
-    engine = make_engine()
-    runner = EngineRunner(engine)
-    out = Collector()
-    engine.submit("a", [1, 2], GREEDY, out)
-    runner.start()
-    runner.stop()
-    assert out.done.is_set()
-    assert out.errors or out.outputs[-1].finish_reason is not None
 
 
 def test_config_rejects_a_step_budget_smaller_than_the_batch() -> None:
