@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pinned_backend.checkpoint import ModelConfig, RopeScaling, load_config, load_weights
 from pinned_backend.kernels import Kernels
@@ -66,6 +65,17 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x) in float32, rounded once to x's dtype.
+
+    Spelled with exp, add and divide on purpose: on the CPU, PyTorch's fused float32 silu (and sigmoid) gives an
+    element other bits when it falls in the scalar tail of a vectorised loop, which depends on the tensor's
+    length; exp, add and divide give each element the same bits wherever it sits (tests/test_model.py).
+    """
+    x32 = x.float()
+    return (x32 / (1 + torch.exp(-x32))).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [T, H, D]; cos, sin [T, 1, D/2] float32. Halves rotated as Hugging Face's rotate_half does.
     half = x.shape[-1] // 2
@@ -96,7 +106,13 @@ class Transformer:
         self.norm = take("model.norm.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
         self.layers = [self._take_layer(i, take) for i in range(config.num_hidden_layers)]
-        self.inv_freq = rope_inv_freq(config).to(device)
+        # Rotary angles for every position, computed once: a row's cos/sin are then read, never recomputed in a
+        # step whose shape could change how the vectorised cos/sin treats it. [max_positions, head_dim / 2]
+        angles = (
+            torch.arange(config.max_position_embeddings).float()[:, None] * rope_inv_freq(config)[None, :]
+        )
+        self.rope_cos = angles.cos().to(device)
+        self.rope_sin = angles.sin().to(device)
 
     def _take_layer(self, i: int, take: Callable[[str], torch.Tensor]) -> _Layer:
         p = f"model.layers.{i}."
@@ -145,8 +161,7 @@ class Transformer:
             pos = query_pos.long()
             block_size = cache.block_size
             slots = block_tables[query_seq.long(), pos // block_size].long() * block_size + pos % block_size
-            angles = (pos.float()[:, None] * self.inv_freq[None, :])[:, None, :]  # [T, 1, D/2]
-            cos, sin = angles.cos(), angles.sin()
+            cos, sin = self.rope_cos[pos][:, None, :], self.rope_sin[pos][:, None, :]  # [T, 1, D/2]
             eps = self.config.rms_norm_eps
             x = self.embed[token_ids]  # [T, hidden]
             for i, layer in enumerate(self.layers):
@@ -193,4 +208,4 @@ class Transformer:
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.kernels.matmul(h, layer.gate_up).chunk(2, dim=-1)
-        return self.kernels.matmul(F.silu(gate) * up, layer.down)
+        return self.kernels.matmul(silu(gate) * up, layer.down)

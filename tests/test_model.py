@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from pinned_backend.checkpoint import CheckpointError, ModelConfig, expected_shapes, parse_config
 from pinned_backend.kernels import select_kernels
 from pinned_backend.kvcache import PagedKVCache
-from pinned_backend.model import Transformer, rope_inv_freq
+from pinned_backend.model import Transformer, rope_inv_freq, silu
 
 CPU = torch.device("cpu")
 BLOCK = 16
@@ -214,6 +214,18 @@ def test_llama3_rope_scaling_slows_only_long_wavelengths() -> None:
     torch.testing.assert_close(scaled[long], plain[long] / 8.0)
     between = ~short & ~long
     assert ((scaled[between] < plain[between]) & (scaled[between] > plain[between] / 8.0)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_gives_an_element_the_same_bits_whatever_the_tensor_around_it(dtype: torch.dtype) -> None:
+    x = (torch.randn(3000, generator=torch.Generator().manual_seed(4)) * 6).to(dtype)
+    whole = silu(x)
+    torch.testing.assert_close(
+        whole, torch.nn.functional.silu(x), atol=1e-6, rtol=1e-2 if dtype != torch.float32 else 1e-6
+    )
+    for length in (1, 5, 37, 1000):
+        pieces = torch.cat([silu(x[i : i + length]) for i in range(0, x.numel(), length)])
+        assert torch.equal(pieces, whole), f"silu over pieces of {length} elements differs from silu over all"
 
 
 def random_schedule_run(
