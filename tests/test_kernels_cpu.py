@@ -176,3 +176,18 @@ def test_a_thread_count_changed_after_start_is_refused() -> None:
             kernels.matmul(torch.ones(2, 4), torch.ones(3, 4))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", ["exp", "rsqrt"])
+def test_the_elementwise_ops_the_invariant_kernels_use_are_element_invariant(name: str) -> None:
+    # Softmax partials use float32 exp, RMSNorm float32 rsqrt: an element's result must not depend on the
+    # length of the tensor it sits in (PyTorch's scalar loop tails could otherwise round it differently).
+    op = getattr(torch, name)
+    x = randn(3000, seed=12) * 5
+    x = x.abs() + 0.01 if name == "rsqrt" else x
+    whole = op(x)
+    for length in (1, 7, 37, 1000):
+        pieces = torch.cat([op(x[i : i + length]) for i in range(0, x.numel(), length)])
+        assert torch.equal(pieces, whole), (
+            f"float32 {name} over pieces of {length} differs from {name} over all"
+        )
