@@ -123,6 +123,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     config = folder / "stackpin.toml"
     config.write_text(
         f'[server]\nport = {proxy_port}\n[store]\nurl = "{store_url}"\n'
+        + f'durability = "{args.durability}"\n'
         + (f'postgres_schema = "{schema}"\n' if schema else "")
         + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "http://127.0.0.1:{replica_port}"\n'
     )
@@ -178,6 +179,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     ms = 1000.0
     return {
         "store": args.store,
+        "durability": args.durability,
         "requests": args.requests,
         "concurrency": args.concurrency,
         "latency_requests": args.latency_requests,
@@ -203,12 +205,17 @@ def main() -> None:
     parser.add_argument("--latency-requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--store", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument(
+        "--durability", choices=["disk", "process"], default="disk", help="store.durability (see README)"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     result = asyncio.run(run(args))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"store {result['store']}, durable audit logging on, group commit")
+    print(
+        f"store {result['store']}, durability {result['durability']}, group commit; load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'':28}{'direct':>10}{'proxy':>10}{'added':>10}")
     for label, key in (("latency p50 (ms, 1 client)", "p50_ms"), ("latency p99 (ms, 1 client)", "p99_ms")):
         print(
