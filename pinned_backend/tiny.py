@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -221,9 +222,9 @@ def tiny_config(vocab_size: int) -> dict[str, object]:
 def make_tiny(directory: Path) -> Path:
     """Train stackpin-tiny and write it to `directory`/stackpin-tiny (replacing it); returns that folder."""
     target = Path(directory) / TINY_NAME
-    staging = Path(directory) / f".{TINY_NAME}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    # A private staging folder per call: two processes making the model at once never write into one folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}.", dir=directory))
 
     paragraphs = _paragraphs(corpus_text())
     tokenizer = train_tokenizer(paragraphs)
@@ -258,9 +259,23 @@ def make_tiny(directory: Path) -> Path:
     )
     eos_ids = [tokenizer.token_to_id(IM_END), tokenizer.token_to_id(END_OF_TEXT)]
     _write_json(staging / "generation_config.json", {"eos_token_id": eos_ids, "do_sample": False})
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    _publish(staging, target)
     return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    # mkdtemp and safetensors create owner-only files; the model is meant to be read by any local user.
+    staging.chmod(0o755)
+    for path in staging.iterdir():
+        path.chmod(0o644)
+    shutil.rmtree(target, ignore_errors=True)
+    try:
+        staging.rename(target)
+    except OSError:
+        # Another process published the same files first; theirs are byte-identical to ours.
+        shutil.rmtree(staging, ignore_errors=True)
+        if not all((target / name).is_file() for name in TINY_FILES):
+            raise
 
 
 TINY_FILES = (
