@@ -209,6 +209,8 @@ class Engine:
         self._take_incoming()
         self._admit()
         if not self._running:
+            # Nothing to run (the last requests were cancelled): the gauges still learn it.
+            self._report(StepStats(0.0, 0, 0, 0, 0, self.queue_depth, self._kv_used()))
             return 0
         plan = self._plan()
         prefill = sum(n for seq, n in plan if seq.computed < len(seq.prompt_ids))
@@ -221,19 +223,25 @@ class Engine:
         finished = self._emit(plan, logprob_rows)
         for seq in finished:
             self._release(seq)
-        if self.on_step is not None:
-            self.on_step(
-                StepStats(
-                    seconds=self.clock() - start,
-                    sequences=sequences,
-                    prefill_tokens=prefill,
-                    decode_tokens=decode,
-                    running=len(self._running),
-                    waiting=self.queue_depth,
-                    kv_used_ratio=1 - self.allocator.free_blocks / self.config.num_blocks,
-                )
+        self._report(
+            StepStats(
+                seconds=self.clock() - start,
+                sequences=sequences,
+                prefill_tokens=prefill,
+                decode_tokens=decode,
+                running=len(self._running),
+                waiting=self.queue_depth,
+                kv_used_ratio=self._kv_used(),
             )
+        )
         return sequences
+
+    def _report(self, stats: StepStats) -> None:
+        if self.on_step is not None:
+            self.on_step(stats)
+
+    def _kv_used(self) -> float:
+        return 1 - self.allocator.free_blocks / self.config.num_blocks
 
     def abort_all(self, error: EngineError) -> None:
         """Fail every request the engine holds; used when a step raised or the engine stops."""

@@ -69,8 +69,9 @@ class BackendMetrics:
 
     def observe_step(self, stats: StepStats) -> None:
         """Called from the engine's thread after every step; prometheus_client's metrics are thread-safe."""
-        self.step_seconds.observe(stats.seconds)
-        self.batch_size.observe(stats.sequences)
+        if stats.sequences:  # an idle step computed nothing, so it is not a step worth timing
+            self.step_seconds.observe(stats.seconds)
+            self.batch_size.observe(stats.sequences)
         self.tokens.labels(phase="prefill").inc(stats.prefill_tokens)
         self.tokens.labels(phase="decode").inc(stats.decode_tokens)
         self.running.set(stats.running)

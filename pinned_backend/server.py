@@ -11,6 +11,7 @@ The server decides nothing about scheduling or sampling, and never touches the m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -256,18 +257,32 @@ async def _stream(
         }
     )
     await response.prepare(request)
+    # A client that goes away ends the stream; _serve cancels its request in the engine.
+    with contextlib.suppress(ConnectionResetError):
+        await _write_events(response, body, meta, completion, queue, first, logprobs, token_text)
+    return response
 
+
+async def _write_events(
+    response: web.StreamResponse,
+    body: ChatRequest | CompletionRequest,
+    meta: Meta,
+    completion: Completion,
+    queue: asyncio.Queue[TokenOutput | EngineError],
+    event: TokenOutput | EngineError,
+    logprobs: bool,
+    token_text: Callable[[int], str],
+) -> None:
     async def send(payload: dict[str, Any]) -> None:
         await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
     if meta.chat:
         await send(first_chunk(meta))
-    event: TokenOutput | EngineError = first
     while True:
         if isinstance(event, EngineError):
-            await send(_checked_error(event))
+            await send(_checked_error(event))  # the headers are gone: the error travels as an event
             await response.write_eof()
-            return response
+            return
         start = len(completion.outputs)
         completion.outputs.append(event)
         await send(token_chunk(meta, completion, start, logprobs, token_text))
@@ -278,7 +293,6 @@ async def _stream(
         await send(usage_chunk(meta, completion))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
-    return response
 
 
 def _checked_error(event: EngineError) -> dict[str, Any]:

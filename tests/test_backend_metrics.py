@@ -44,3 +44,10 @@ def test_info_carries_the_stack_labels() -> None:
         "hardware": "cpu-x86_64-avx512",
     }
     assert registry.get_sample_value("stackpin_backend_info", labels) == 1
+
+
+def test_an_idle_step_updates_gauges_but_not_step_histograms() -> None:
+    registry = CollectorRegistry()
+    BackendMetrics(registry).observe_step(StepStats(0.0, 0, 0, 0, running=0, waiting=2, kv_used_ratio=0.0))
+    assert registry.get_sample_value("stackpin_backend_queue_depth") == 2
+    assert registry.get_sample_value("stackpin_backend_step_seconds_count") == 0

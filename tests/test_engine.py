@@ -179,13 +179,15 @@ def test_top_logprobs_come_from_the_same_distribution_as_the_token(
 
 
 def test_cancel_drops_a_request_and_frees_its_blocks(make_engine: Callable[..., Engine]) -> None:
-    engine, out = make_engine(), Collector()
+    stats: list[StepStats] = []
+    engine, out = make_engine(stats), Collector()
     engine.submit("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50), out)
     engine.step()
     engine.cancel("a")
     run_until_idle(engine)
     assert len(out.tokens) == 1
     assert engine.allocator.free_blocks == 32
+    assert (stats[-1].running, stats[-1].kv_used_ratio) == (0, 0)
 
 
 def test_config_rejects_a_step_budget_smaller_than_the_batch() -> None:
