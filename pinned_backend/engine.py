@@ -10,7 +10,8 @@ bounded; `submit` raises `QueueFull` beyond it.
 `EngineRunner` (runner.py) runs the step loop in one worker thread, so an asyncio server stays responsive;
 tests drive `Engine.step()` directly for a deterministic schedule. The engine knows nothing of HTTP or of
 text beyond the `detokenize` function it is given for stop strings; what makes its answers independent of
-the batch is the kernels' business and the sampler's, not the schedule's."""
+the batch is the kernels' business and the sampler's, not the schedule's.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@ given.
 
 The server owns the registry and passes it in, so two apps in one process never share counters. This module
 only declares the metrics and turns the engine's per-step statistics into observations; it knows nothing of
-HTTP."""
+HTTP.
+"""
 
 from __future__ import annotations
 

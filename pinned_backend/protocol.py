@@ -13,7 +13,8 @@ the server in one place.
       Unavailable (503)       the server is shutting down
 
 This module knows nothing of tokenizers or the engine; the server turns a request into prompt ids and
-`SamplingParams`."""
+`SamplingParams`.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Each body carries the OpenAI fields with their OpenAI meaning (`logprobs` in the chat shape or the legacy
 completions shape), `system_fingerprint`, and the `stackpin` extension object of docs/protocol.md.
 Everything here is a pure function of a finished or partial completion; how text becomes tokens is given as
-a function."""
+a function.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 `BackendSettings` is the one validated configuration object (the CLI builds it from its flags; nothing reads
 the environment). `load_runtime` loads what the settings name and describes the stack from what was actually
 loaded: the weight files' digest, the dtype, the device the kernels run on, the kernel mode they report. The
-runtime's engine runner is not started here; the server starts and stops it."""
+runtime's engine runner is not started here; the server starts and stops it.
+"""
 
 from __future__ import annotations
 

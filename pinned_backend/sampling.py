@@ -7,7 +7,8 @@ samples. Every function here works on a single row, so the result never depends 
 either.
 
 This module knows nothing of scheduling, caches or HTTP; the engine calls it once per sampled token, and the
-caller supplies the randomness used to draw a seed when a request has none."""
+caller supplies the randomness used to draw a seed when a request has none.
+"""
 
 from __future__ import annotations
 

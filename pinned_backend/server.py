@@ -6,7 +6,8 @@ lives in a `cleanup_ctx` and hangs on a typed `AppKey`. Handlers parse and valid
 (responses.py) as one JSON body or as server-sent events. Errors become OpenAI-style JSON in one middleware.
 Every response carries the stack's fingerprint in the `Stackpin-Stack` header.
 
-The server decides nothing about scheduling or sampling, and never touches the model or its cache directly."""
+The server decides nothing about scheduling or sampling, and never touches the model or its cache directly.
+"""
 
 from __future__ import annotations
 

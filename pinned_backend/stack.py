@@ -6,7 +6,8 @@ imported, and the batching policy its engine enforces. Building and hashing are 
 inputs; the two `detect_*` functions are the only ones that look at the machine, and they do it once at
 start.
 
-This module leaves loading weights, choosing kernels and serving HTTP to others."""
+This module leaves loading weights, choosing kernels and serving HTTP to others.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ back is the part that is now safe to send: text that can no longer turn out to b
 string, and no trailing half of a multi-byte character (decoders show it as U+FFFD until its last byte
 arrives). Once a stop string appears, the text is cut just before it and the stream is over.
 
-This module knows nothing of tokens or models: it sees only strings."""
+This module knows nothing of tokens or models: it sees only strings.
+"""
 
 from __future__ import annotations
 
