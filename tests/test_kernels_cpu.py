@@ -3,6 +3,7 @@ a row the same bits whatever the batch around it (its size, the row's position, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ def randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.T
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def assert_rows_invariant(op, x: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+def assert_rows_invariant(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
     """Row i of op(x[:m]) must equal op of that row alone, and op of that row amid other rows, bit for bit."""
     alone = [op(x[i : i + 1]) for i in range(x.shape[0])]
     for m in ROW_COUNTS:
