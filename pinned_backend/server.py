@@ -105,6 +105,8 @@ async def _errors_and_headers(request: web.Request, handler: Handler) -> web.Str
         response = await handler(request)
     except ApiError as exc:
         response = web.json_response(exc.body(), status=exc.status)
+        if isinstance(exc, Overloaded):
+            response.headers["Retry-After"] = "1"  # the queue drains by the step; a second is plenty
     except web.HTTPNotFound:
         response = web.json_response(NotFound(f"no route {request.method} {request.path}").body(), status=404)
     except web.HTTPMethodNotAllowed as exc:

@@ -227,8 +227,10 @@ async def test_malformed_json_and_unknown_routes_get_openai_errors(client: TestC
 async def test_a_full_queue_answers_429(checkpoint: Path) -> None:
     app = create_app(settings(checkpoint, max_queue=0))
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
-        status, body = await post(client, CHAT, {"messages": HELLO, "max_tokens": 1})
-        assert status == 429
+        response = await client.post(CHAT, json={"messages": HELLO, "max_tokens": 1})
+        body = await response.json()
+        assert response.status == 429
+        assert response.headers["Retry-After"] == "1"
         assert "queue is full" in body["error"]["message"]
         assert (await client.get("/healthz")).status == 200
 
