@@ -28,6 +28,7 @@ from pinned_backend.server import create_app
 from tests.backend_checkpoint import make_engine, write_random_checkpoint
 
 CASES = 24
+DEFAULT_CASES = 12  # the default mode is only reported, so fewer cases keep the suite quick
 VOCAB = 96
 
 
@@ -101,13 +102,13 @@ def test_batch_invariant_answers_do_not_depend_on_the_batch(checkpoint: Path, se
 
 
 def test_default_mode_is_reported(checkpoint: Path, record_property: pytest.RecordProperty) -> None:
-    results = [compare_alone_and_crowded(checkpoint, "default", seed) for seed in range(CASES)]
+    results = [compare_alone_and_crowded(checkpoint, "default", seed) for seed in range(DEFAULT_CASES)]
     bits = sum(1 for same, _, _ in results if not same)
     tokens = sum(1 for _, same_tokens, _ in results if not same_tokens)
-    record_property("default_mode_differing_logprob_bits", f"{bits}/{CASES}")
-    record_property("default_mode_differing_tokens", f"{tokens}/{CASES}")
+    record_property("default_mode_differing_logprob_bits", f"{bits}/{DEFAULT_CASES}")
+    record_property("default_mode_differing_tokens", f"{tokens}/{DEFAULT_CASES}")
     print(
-        f"default mode on this CPU: amid others, {bits} of {CASES} answers changed logprob bits, {tokens} tokens"
+        f"default mode on this CPU: amid others, {bits} of {DEFAULT_CASES} answers changed logprob bits, {tokens} tokens"
     )
 
 
