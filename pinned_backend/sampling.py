@@ -77,27 +77,45 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, position: int) ->
         # torch.argmax returns the first of equal maxima, so ties break towards the lower id.
         return int(torch.argmax(logits))
     assert params.seed is not None
-    # float64 and a stable sort: the choice is the same function of the logits on every run.
     probs = torch.softmax(logits.to(torch.float64) / params.temperature, dim=-1)
-    order = torch.argsort(probs, descending=True, stable=True)
-    ranked = probs[order]
-    keep = ranked.numel()
-    if params.top_k:
-        keep = min(keep, params.top_k)
-    if params.top_p < 1:
-        cumulative = torch.cumsum(ranked[:keep], dim=0)
-        # The smallest prefix whose mass reaches top_p.
-        keep = min(keep, int((cumulative < params.top_p).sum()) + 1)
-    cdf = torch.cumsum(ranked[:keep], dim=0)
+    if not params.top_k and params.top_p >= 1:
+        # Every token is kept, so no ranking is needed: walk them in id order.
+        order, ranked = torch.arange(probs.numel()), probs
+    else:
+        order, ranked = _ranked_prefix(probs, params.top_k, params.top_p)
+    cdf = torch.cumsum(ranked, dim=0)
     target = position_uniform(params.seed, position) * float(cdf[-1])
     index = int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True))
-    index = min(index, keep - 1)
-    return int(order[index])
+    return int(order[min(index, order.numel() - 1)])
+
+
+def _ranked_prefix(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens top_k and top_p keep, most likely first, ties by lower id: (ids, their probabilities)."""
+    limit = top_k or probs.numel()
+    # Rank only the few most likely tokens; widen until they hold top_p's mass or top_k's count.
+    width = min(limit, 64)
+    while True:
+        order, ranked = _top(probs, width)
+        cumulative = torch.cumsum(ranked, dim=0)
+        reaches = int((cumulative < top_p).sum()) + 1 if top_p < 1 else width + 1
+        if reaches <= width or width >= limit:
+            keep = min(reaches, width)
+            return order[:keep], ranked[:keep]
+        width = min(limit, width * 8)
+
+
+def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest of `values [V]`, largest first, ties by lower index, whatever topk does with ties."""
+    k = min(k, values.numel())
+    threshold = torch.topk(values, k).values[-1]
+    candidates = torch.nonzero(values >= threshold).squeeze(1)  # in index order
+    order = candidates[torch.argsort(values[candidates], descending=True, stable=True)][:k]
+    return order, values[order]
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
     """The `k` most likely tokens of one row of log-probabilities `[V]`, best first, ties by lower id."""
     if k == 0:
         return ()
-    order = torch.argsort(logprobs, descending=True, stable=True)[:k]
-    return tuple((int(i), float(logprobs[i])) for i in order)
+    order, values = _top(logprobs, k)
+    return tuple((int(i), float(v)) for i, v in zip(order, values, strict=True))

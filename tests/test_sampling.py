@@ -116,3 +116,39 @@ def test_bad_params_say_what_to_fix(kwargs: dict[str, object], message: str) -> 
 def test_sampling_rejects_a_batch_of_logits() -> None:
     with pytest.raises(ValueError, match="one row"):
         sample_token(torch.zeros(2, 5), SamplingParams(temperature=0), 0)
+
+
+def reference_sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The definition, spelled out: rank every token (ties by id), cut by top_k then top_p, walk the cdf."""
+    assert params.seed is not None
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    if not params.top_k and params.top_p >= 1:
+        order = torch.arange(probs.numel())
+    else:
+        order = torch.argsort(probs, descending=True, stable=True)
+        if params.top_k:
+            order = order[: params.top_k]
+        if params.top_p < 1:
+            mass = torch.cumsum(probs[order], dim=0)
+            order = order[: int((mass < params.top_p).sum()) + 1]
+    cdf = torch.cumsum(probs[order], dim=0)
+    target = position_uniform(params.seed, position) * float(cdf[-1])
+    return int(order[min(int((cdf <= target).sum()), order.numel() - 1)])
+
+
+@given(
+    seed=st.integers(0, 2**32),
+    top_k=st.sampled_from([0, 1, 5, 100, 5000]),
+    top_p=st.sampled_from([1.0, 0.99, 0.9, 0.5]),
+    scale=st.sampled_from([0.5, 3.0, 10.0]),
+)
+@settings(max_examples=40, deadline=None)
+def test_sampling_matches_its_definition_on_a_large_vocabulary(
+    seed: int, top_k: int, top_p: float, scale: float
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    # Rounded logits make many exact ties, which the ranking must break by id.
+    logits = (torch.randn(20_000, generator=generator) * scale).round(decimals=1)
+    params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, seed=seed)
+    for position in range(5):
+        assert sample_token(logits, params, position) == reference_sample(logits, params, position)
