@@ -114,6 +114,9 @@ async def _errors_and_headers(request: web.Request, handler: Handler) -> web.Str
             f"{request.method} is not allowed on {request.path}; use {', '.join(exc.allowed_methods)}"
         )
         response = web.json_response(body.body(), status=405)
+    except web.HTTPException as exc:  # aiohttp's own refusals, e.g. a body over client_max_size (413)
+        body = BadRequest(f"{exc.reason}: {exc.text}" if exc.text else exc.reason)
+        response = web.json_response(body.body(), status=exc.status)
     if not response.prepared and FINGERPRINT in request.app:
         response.headers[STACK_HEADER] = request.app[FINGERPRINT]
     route = request.match_info.route.resource

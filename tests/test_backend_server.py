@@ -222,6 +222,9 @@ async def test_malformed_json_and_unknown_routes_get_openai_errors(client: TestC
     assert response.status == 404
     assert set((await response.json())["error"]) == {"message", "type", "param", "code"}
     assert "Stackpin-Stack" in response.headers
+    response = await client.post(COMPLETIONS, json={"prompt": "a" * 2_000_000})
+    assert response.status == 413
+    assert "too large" in (await response.json())["error"]["message"].lower()
 
 
 async def test_a_full_queue_answers_429(checkpoint: Path) -> None:
