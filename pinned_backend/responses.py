@@ -14,7 +14,7 @@ from typing import Any
 
 from pinned_backend.engine import BatchStats, TokenOutput
 
-TokenText = Callable[[int], str]
+TokenText = Callable[[int], tuple[str, bytes]]  # a token id -> its text alone, and its exact bytes
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ def usage(completion: Completion) -> dict[str, int]:
 
 def chat_logprobs(outputs: list[TokenOutput], token_text: TokenText) -> dict[str, Any]:
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        text, raw = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     content = [
         {**entry(o.token_id, o.logprob), "top_logprobs": [entry(t, lp) for t, lp in o.top_logprobs]}
@@ -87,14 +87,14 @@ def chat_logprobs(outputs: list[TokenOutput], token_text: TokenText) -> dict[str
 
 def completion_logprobs(outputs: list[TokenOutput], token_text: TokenText, offset: int) -> dict[str, Any]:
     """The legacy shape; `offset` is where this piece's text starts in the completion."""
-    tokens = [token_text(o.token_id) for o in outputs]
+    tokens = [token_text(o.token_id)[0] for o in outputs]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     # OpenAI's top_logprobs holds the requested top entries plus the sampled token.
     top = [
-        {**{token_text(t): lp for t, lp in o.top_logprobs}, tok: o.logprob}
+        {**{token_text(t)[0]: lp for t, lp in o.top_logprobs}, tok: o.logprob}
         for o, tok in zip(outputs, tokens, strict=True)
     ]
     return {

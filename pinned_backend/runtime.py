@@ -24,6 +24,7 @@ from pinned_backend.model import Transformer
 from pinned_backend.runner import EngineRunner
 from pinned_backend.stack import DTYPE_NAMES, batching_policy, build_stack, detect_hardware, detect_software
 from pinned_backend.tokenizer import Tokenizer
+from pinned_backend.tokenpieces import TokenPieces
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,6 +72,7 @@ class Runtime:
     runner: EngineRunner
     stack: dict[str, Any]
     max_model_len: int
+    pieces: TokenPieces
 
 
 def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None] | None = None) -> Runtime:
@@ -112,4 +114,7 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
             settings.max_batch_size, settings.max_step_tokens, getattr(kernels, "kv_split_size", 0)
         ),
     )
-    return Runtime(settings, tokenizer, engine, EngineRunner(engine), stack, config.max_position_embeddings)
+    pieces = TokenPieces(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), tokenizer.id_to_token)
+    return Runtime(
+        settings, tokenizer, engine, EngineRunner(engine), stack, config.max_position_embeddings, pieces
+    )

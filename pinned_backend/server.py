@@ -218,7 +218,7 @@ async def _serve(
         raise Overloaded(str(exc)) from None
     except RequestTooLarge as exc:
         raise BadRequest(str(exc), param="max_tokens") from None
-    token_text = _token_text(runtime)
+    token_text = runtime.pieces.piece
     try:
         if not body.stream:
             while completion.finish_reason is None:
@@ -228,12 +228,6 @@ async def _serve(
     finally:
         if completion.finish_reason is None:
             runtime.runner.cancel(request_id)
-
-
-def _token_text(runtime: Runtime) -> Callable[[int], str]:
-    """How one token reads on its own, special tokens included, for OpenAI's logprobs."""
-    decode = runtime.tokenizer.decode
-    return lambda token_id: decode([token_id], skip_special_tokens=False)
 
 
 def _checked(event: TokenOutput | EngineError) -> TokenOutput:
@@ -252,7 +246,7 @@ async def _stream(
     queue: asyncio.Queue[TokenOutput | EngineError],
     logprobs: bool,
 ) -> web.StreamResponse:
-    token_text = _token_text(request.app[RUNTIME])
+    token_text = request.app[RUNTIME].pieces.piece
     # The first event is awaited before the headers go out, so an engine failure can still be a clean error.
     first = _checked(await queue.get())
     response = web.StreamResponse(

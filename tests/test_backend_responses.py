@@ -16,8 +16,8 @@ from pinned_backend.responses import (
 TEXT = {1: "He", 2: "llo", 3: "!", 4: "?"}
 
 
-def token_text(token_id: int) -> str:
-    return TEXT[token_id]
+def token_text(token_id: int) -> tuple[str, bytes]:
+    return TEXT[token_id], TEXT[token_id].encode()
 
 
 def completion(finished: bool = True) -> Completion:
