@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=16)
     serve.add_argument("--max-step-tokens", type=int, default=256)
     serve.add_argument("--max-queue", type=int, default=64)
+    serve.add_argument(
+        "--threads", type=int, help="torch CPU threads (part of the stack; default: torch's choice)"
+    )
     serve.add_argument("--ready-file", type=Path, help="write the base URL here once listening")
     tiny = commands.add_parser("make-tiny", help="train and write the tiny model")
     tiny.add_argument("directory", type=Path)
@@ -76,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
             max_step_tokens=args.max_step_tokens,
             max_queue=args.max_queue,
+            threads=args.threads,
         )
     except ValidationError as exc:
         error = exc.errors()[0]

@@ -46,6 +46,7 @@ class BackendSettings(BaseModel):
     max_step_tokens: int = Field(default=256, ge=1)
     max_queue: int = Field(default=64, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)
+    threads: int | None = Field(default=None, ge=1)  # torch's CPU threads; None keeps torch's choice
 
     @model_validator(mode="after")
     def _consistent(self) -> BackendSettings:
@@ -78,6 +79,10 @@ class Runtime:
 def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None] | None = None) -> Runtime:
     """Load the checkpoint and build the engine; raises CheckpointError or ValueError saying what is wrong."""
     device = torch.device(settings.device)
+    if settings.threads is not None:
+        # Before the kernels are made: they record the count, which the stack reports (a BLAS splits a GEMM
+        # differently for another count, so it is part of what can change an answer).
+        torch.set_num_threads(settings.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device; use --device cpu")
     dtype = DTYPES[settings.dtype]

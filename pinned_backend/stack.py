@@ -118,7 +118,9 @@ def detect_hardware(device: torch.device) -> tuple[str, dict[str, Any]]:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
         cpuinfo = ""
-    return cpu_hardware(cpuinfo, platform.machine())
+    generation, detail = cpu_hardware(cpuinfo, platform.machine())
+    # On a CPU the thread count changes how a GEMM's sums are split, so it changes answers: it is part of the stack.
+    return generation, {**detail, "threads": torch.get_num_threads()}
 
 
 def detect_software(device: torch.device) -> dict[str, str | None]:
