@@ -30,12 +30,11 @@ MAKE = "import sys; from pathlib import Path; from pinned_backend.tiny import ma
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    # Two separate processes at once: the runs share nothing, and each trains on one thread.
-    parents = [tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("second")]
-    processes = [subprocess.Popen([sys.executable, "-c", MAKE, str(parent)]) for parent in parents]
-    assert [p.wait() for p in processes] == [0, 0], "make_tiny failed"
-    return parents[0] / TINY_NAME, parents[1] / TINY_NAME
+def two_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    # The session's tiny model was made in this process; the second run is a process of its own, sharing nothing.
+    parent = tmp_path_factory.mktemp("second")
+    assert subprocess.run([sys.executable, "-c", MAKE, str(parent)]).returncode == 0, "make_tiny failed"
+    return tiny_model, parent / TINY_NAME
 
 
 def test_two_runs_write_byte_identical_files(two_runs: tuple[Path, Path]) -> None:
