@@ -113,7 +113,9 @@ def test_detection_reports_this_machine() -> None:
     hardware, detail = detect_hardware(torch.device("cpu"))
     assert hardware.startswith("cpu-")
     assert set(detail) == {"cpu_model", "isa", "threads"}
-    assert detail["threads"] == torch.get_num_threads(), "the thread count changes CPU answers: it is in the stack"
+    assert detail["threads"] == torch.get_num_threads(), (
+        "the thread count changes CPU answers: it is in the stack"
+    )
     software = detect_software(torch.device("cpu"))
     assert software["torch"] == torch.__version__
     assert software["backend"] is not None

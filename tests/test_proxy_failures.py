@@ -81,9 +81,10 @@ async def test_an_answer_the_log_cannot_hold_is_not_served(replica: FakeReplica,
         status, body, _ = await harness.post("/v1/chat/completions", CHAT)
         assert status == 502 and "cannot be recorded" in body["error"]["message"]
         assert await record_count(harness) == 0
-        async with aiohttp.ClientSession() as session, session.post(
-            f"{harness.v1}/chat/completions", json={**CHAT, "stream": True}
-        ) as response:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{harness.v1}/chat/completions", json={**CHAT, "stream": True}) as response,
+        ):
             record_id = response.headers["Stackpin-Record"]
             await response.read()
         record = await harness.proxy.store.get_record(record_id, "local")
