@@ -51,6 +51,8 @@ async def replay(target: tuple[str, str | None], record_id: str, *, on: str | No
 def _print_error(result: Any) -> None:
     error = result.get("error", {}) if isinstance(result, dict) else {}
     print(f"error: {error.get('message', result)}", file=sys.stderr)
+    if "live_stacks" in error and not error["live_stacks"]:
+        print("  no stack is live", file=sys.stderr)
     for stack in error.get("live_stacks", []):
         s = stack["stack"]
         print(
