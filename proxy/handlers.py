@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.auth import authenticate
 from proxy.compare import Comparison
-from proxy.errors import BadRequest, NotFound, PayloadTooLarge, ReplicaFailed, StackpinError
+from proxy.errors import NotFound, PayloadTooLarge, StackpinError
 from proxy.forward import ReplicaRejected
 from proxy.keys import PROMPTS, PROXY, ROUTES
 from proxy.pins import parse_pin_body
@@ -35,16 +35,11 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
     except ReplicaRejected as e:
         _count_error(request, "replica_rejected")
         return web.json_response(e.body, status=e.status)
-    except web.HTTPRequestEntityTooLarge as e:
+    except web.HTTPRequestEntityTooLarge:
         limit = request.app[PROXY].settings.server.max_body_bytes
         _count_error(request, "body_too_large")
-        return (
-            PayloadTooLarge(
-                f"the request body is larger than the proxy accepts ({limit} bytes; server.max_body_bytes)"
-            ).response()
-            if e
-            else web.Response(status=413)
-        )
+        message = f"the request body is larger than the proxy accepts ({limit} bytes; server.max_body_bytes)"
+        return PayloadTooLarge(message).response()
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -239,6 +234,3 @@ def routes() -> list[web.RouteDef]:
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
     ]
-
-
-__all__ = ["BadRequest", "ReplicaFailed", "error_middleware", "routes"]

@@ -15,6 +15,7 @@ import structlog
 from proxy.answers import Tokens, tokens_of
 from proxy.audit import AuditRecord
 from proxy.compare import Comparison, compare
+from proxy.dispatch import dispatch
 from proxy.errors import BadRequest
 from proxy.pins import Pin
 from proxy.prompts import PromptVersion
@@ -84,8 +85,6 @@ async def replay(
             return await proxy.send_json(replica, body, original.endpoint)
         finally:
             proxy.registry.release(replica.name)
-
-    from proxy.dispatch import dispatch
 
     dispatched = await dispatch(
         proxy.registry,

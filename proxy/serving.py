@@ -24,12 +24,11 @@ from proxy.answers import StreamAssembly, Tokens
 from proxy.audit import AuditStore, NewEntry
 from proxy.config import Secrets, Settings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
-from proxy.errors import ReplicaFailed, StackpinError
+from proxy.errors import ReplicaFailed
 from proxy.fleet.runtime import Fleet
 from proxy.forward import (
     Answer,
     ReplicaGarbage,
-    ReplicaRejected,
     ReplicaUnavailable,
     Stream,
     open_stream,
@@ -249,13 +248,6 @@ class Proxy:
         )
 
 
-def rejected_response(e: ReplicaRejected) -> web.Response:
-    return web.json_response(e.body, status=e.status)
-
-
 def _body_fingerprint(body: dict[str, Any]) -> str | None:
     value = body.get("system_fingerprint")
     return value if isinstance(value, str) else None
-
-
-__all__ = ["RECORD_HEADER", "STACK_HEADER", "Proxy", "StackpinError", "new_record_id", "rejected_response"]
