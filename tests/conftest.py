@@ -11,6 +11,9 @@ import pytest
 from proxy.logs import configure_logging
 from tests.fake_replica import FakeReplica
 
+# The chart's fixtures (`rendered`, `variant`) live beside its helpers.
+pytest_plugins = ["tests.helm_chart"]
+
 
 @pytest.fixture(autouse=True)
 def json_logs_on_stderr() -> None:
