@@ -160,6 +160,10 @@ async def open_stream(
 def _raise_for_status(status: int, raw: bytes) -> None:
     if status >= 500:
         raise ReplicaUnavailable(f"replica answered {status}")
+    if status in (401, 403):
+        # The replica refused the proxy's own key, not the client's: the client must not see that answer, which
+        # may quote the key; a twin of the same stack may hold a good one.
+        raise ReplicaUnavailable(f"replica refused the proxy's credentials ({status}); check its api_key_env")
     if status >= 400:
         try:
             body = json.loads(raw)

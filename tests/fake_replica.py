@@ -63,7 +63,9 @@ def _unit(*parts: Any) -> float:
 class FakeReplica:
     stack: dict[str, Any] = field(default_factory=tiny_stack)
     nondeterministic: bool = False
-    failure: str | None = None  # None, "500", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int"
+    failure: str | None = (
+        None  # None, "500", "401", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int"
+    )
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     url: str = ""
@@ -119,6 +121,9 @@ class FakeReplica:
         self.headers_seen.append(dict(request.headers))
         if self.failure == "500":
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+        if self.failure == "401":
+            key = request.headers.get("Authorization", "")
+            return web.json_response({"error": {"message": f"Incorrect API key provided: {key}"}}, status=401)
         if self.failure == "garbage":
             return web.Response(text="<html>not json</html>", content_type="text/html")
         if not isinstance(body.get("max_tokens", 8), int) or body.get("max_tokens", 8) < 1:

@@ -229,6 +229,21 @@ async def test_secrets_never_reach_a_record(replica: FakeReplica, tmp_path: Path
         assert "sk-upstream-secret" not in dumped and "sk-client-secret" not in dumped
 
 
+async def test_an_upstream_refusing_the_proxys_key_never_shows_the_client_that_key(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    replicas = [
+        {"name": "upstream", "url": replica.url, "api_key_env": "UP", "stack": {"model": "fake-model"}}
+    ]
+    async with running_proxy(
+        [], tmp_path, replicas=replicas, environ={"UP": "sk-upstream-secret"}
+    ) as harness:
+        replica.failure = "401"
+        status, body, _ = await harness.post("/v1/chat/completions", CHAT)
+        assert status == 502 and "credentials" in body["error"]["message"]
+        assert "sk-upstream-secret" not in json.dumps(body)
+
+
 @pytest.mark.parametrize("path", ["/healthz", "/readyz"])
 async def test_health_and_readiness(replica: FakeReplica, tmp_path: Path, path: str) -> None:
     async with running_proxy([replica], tmp_path) as harness:
