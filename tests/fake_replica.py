@@ -8,6 +8,7 @@ logprob's last bit, as batch-dependent kernels do), changes its stack, or makes 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import random
@@ -63,6 +64,7 @@ def _unit(*parts: Any) -> float:
 class FakeReplica:
     stack: dict[str, Any] = field(default_factory=tiny_stack)
     nondeterministic: bool = False
+    chunk_delay_s: float = 0.0  # pause between streamed chunks, as a model's decode steps would
     failure: str | None = (
         None  # None, "500", "401", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int"
     )
@@ -216,6 +218,7 @@ class FakeReplica:
                 )
                 chunk["usage"] = usage
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(self.chunk_delay_s)
             if self.failure == "drop_stream" and k == 1:
                 assert request.transport is not None
                 request.transport.close()

@@ -5,6 +5,7 @@ request did not pin, and never leaves a half-written record."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -191,6 +192,28 @@ async def test_a_stream_the_replica_breaks_off_is_recorded_as_interrupted(
         assert "error" in json.loads(events[-1])
         record = await harness.proxy.store.get_record(record_id, "local")
         assert record is not None and record.status == "interrupted"
+
+
+async def test_a_client_that_leaves_mid_stream_leaves_an_interrupted_record(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    replica.chunk_delay_s = 0.2
+    async with running_proxy([replica], tmp_path) as harness:
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(
+                f"{harness.v1}/chat/completions", json={**CHAT, "max_tokens": 40, "stream": True}
+            )
+            record_id = response.headers["Stackpin-Record"]
+            await response.content.readline()  # the first event, then the client goes away
+            response.close()
+        for _ in range(100):
+            record = await harness.proxy.store.get_record(record_id, "local")
+            if record is not None and record.status != "streaming":
+                break
+            await asyncio.sleep(0.05)
+        assert record is not None and [e.part for e in record.entries] == ["opened", "closed"]
+        assert record.status == "interrupted"
+        assert "client went away" in record.entries[-1].content["error"]
 
 
 async def test_prompt_versions_inject_the_exact_text_and_record_its_hash(
