@@ -83,7 +83,8 @@ async def dispatch(
         except ReplicaUnavailable as e:
             last_failure = f"{replica.name}: {e}"
             log.warning("replica_failed", replica=replica.name, error=str(e))
-            registry.unreachable(replica.name)
+            if e.down:
+                registry.unreachable(replica.name)
         except StackMismatch as e:
             last_failure = str(e)
             await on_mismatch(e)

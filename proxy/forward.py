@@ -22,7 +22,15 @@ STACK_HEADER = "Stackpin-Stack"
 
 
 class ReplicaUnavailable(Exception):
-    """Worth retrying on another replica of the identical fingerprint."""
+    """Worth retrying on another replica of the identical fingerprint.
+
+    `down` says the replica could not be reached at all (connection refused or reset, timeout): it leaves
+    rotation until the health monitor reaches it again. A replica that answered, even with a 5xx, stays in.
+    """
+
+    def __init__(self, message: str, *, down: bool = True) -> None:
+        super().__init__(message)
+        self.down = down
 
 
 class ReplicaGarbage(Exception):
@@ -159,11 +167,13 @@ async def open_stream(
 
 def _raise_for_status(status: int, raw: bytes) -> None:
     if status >= 500:
-        raise ReplicaUnavailable(f"replica answered {status}")
+        raise ReplicaUnavailable(f"replica answered {status}", down=False)
     if status in (401, 403):
         # The replica refused the proxy's own key, not the client's: the client must not see that answer, which
         # may quote the key; a twin of the same stack may hold a good one.
-        raise ReplicaUnavailable(f"replica refused the proxy's credentials ({status}); check its api_key_env")
+        raise ReplicaUnavailable(
+            f"replica refused the proxy's credentials ({status}); check its api_key_env", down=False
+        )
     if status >= 400:
         try:
             body = json.loads(raw)

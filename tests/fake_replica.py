@@ -77,7 +77,7 @@ class FakeReplica:
     def fingerprint(self) -> str:
         return fingerprint_of(self.stack)
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.add_routes(
             [
@@ -88,7 +88,7 @@ class FakeReplica:
         )
         self._runner = web.AppRunner(app)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{port}"

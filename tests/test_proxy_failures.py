@@ -43,6 +43,7 @@ async def test_a_failing_replica_is_retried_on_a_twin_of_the_identical_fingerpri
             assert status == 200
             assert headers["Stackpin-Stack"] == replica.fingerprint
             assert len(replica.requests) == 1 and len(twin.requests) == 1 and not other_stack.requests
+            assert harness.proxy.registry.get("replica-0").in_rotation, "a replica that answered 500 stays in"  # type: ignore[union-attr]
     finally:
         await other_stack.stop()
 
@@ -63,6 +64,20 @@ async def test_when_every_identical_replica_fails_the_request_fails_rather_than_
             assert await record_count(harness) == 0
     finally:
         await other_stack.stop()
+
+
+async def test_a_replica_that_cannot_be_reached_leaves_rotation_until_it_answers_again(
+    replica: FakeReplica, twin: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica, twin], tmp_path) as harness:
+        harness.proxy.registry.acquire("replica-1")
+        await replica.stop()
+        status, _, _ = await harness.post("/v1/chat/completions", CHAT)
+        assert status == 200 and len(twin.requests) == 1
+        assert not harness.proxy.registry.get("replica-0").in_rotation  # type: ignore[union-attr]
+        await replica.start(port=int(replica.url.rsplit(":", 1)[1]))
+        await harness.proxy.health.check_all()
+        assert harness.proxy.registry.get("replica-0").in_rotation  # type: ignore[union-attr]
 
 
 async def test_garbage_from_a_replica_is_a_502_and_records_nothing(
