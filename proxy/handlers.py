@@ -15,6 +15,7 @@ from proxy.errors import NotFound, PayloadTooLarge, StackpinError
 from proxy.forward import ReplicaRejected
 from proxy.keys import PROMPTS, PROXY, ROUTES
 from proxy.pins import parse_pin_body
+from proxy.records import Served
 from proxy.replay import replay
 from proxy.requests import CHAT, COMPLETIONS, parse_body, read_request
 from proxy.router import live_stacks
@@ -82,27 +83,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     )
     if proxy.fleet is not None:
         await proxy.fleet.limiter.admit(tenant)
+    response: web.StreamResponse
     if client_request.stream:
-        response = await proxy.stream(client_request, tenant, received_at, request)
-        served_fp = response.headers.get("Stackpin-Stack", "none")
+        served, response = await proxy.stream(client_request, tenant, received_at, request)
     else:
         served, answer = await proxy.complete(client_request, tenant, received_at)
         response = proxy.answer_response(served, answer)
-        served_fp = served.fingerprint
-    _observe(proxy, endpoint, served_fp, response.status, time.perf_counter() - started)
+    _observe(proxy, endpoint, served, response.status, time.perf_counter() - started)
     return response
 
 
-def _observe(proxy: Proxy, endpoint: str, fingerprint: str, status: int, seconds: float) -> None:
-    replica = next((r for r in proxy.registry.all() if r.fingerprint == fingerprint and r.stack), None)
-    stack = replica.stack if replica else None
-    labels = (
-        endpoint,
-        fingerprint,
-        stack.model if stack else "unknown",
-        stack.kernel_mode if stack else "unknown",
-        stack.hardware if stack else "unknown",
-    )
+def _observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: float) -> None:
+    stack = served.replica.stack
+    assert stack is not None  # only a replica with a known stack serves
+    labels = (endpoint, served.fingerprint, stack.model, stack.kernel_mode, stack.hardware)
     proxy.metrics.requests.labels(*labels, str(status)).inc()
     proxy.metrics.duration.labels(*labels).observe(seconds)
 

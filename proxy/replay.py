@@ -79,18 +79,11 @@ async def replay(
     pin = on if on is not None else Pin(stack=original.fingerprint)
     received_at = proxy.clock()
 
-    async def send(replica: Any, body: dict[str, Any]) -> Any:
-        proxy.registry.acquire(replica.name)
-        try:
-            return await proxy.send_json(replica, body, original.endpoint)
-        finally:
-            proxy.registry.release(replica.name)
-
     dispatched = await dispatch(
         proxy.registry,
         pin,
         replay_body(original),
-        send,
+        lambda replica, body: proxy.send_json(replica, body, original.endpoint),
         deadline_s=proxy.settings.server.retry_deadline_s,
         on_mismatch=proxy.health.on_mismatch,
     )

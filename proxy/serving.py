@@ -64,29 +64,31 @@ class Proxy:
     fleet: Fleet | None = None  # rate limits, and the shared view in fleet mode
 
     async def send_json(self, replica: Replica, body: dict[str, Any], endpoint: str) -> Answer:
-        answer = await post_json(
+        """One non-streamed call, counted among the replica's outstanding requests while it runs."""
+        self.registry.acquire(replica.name)
+        try:
+            answer = await self._post(replica, body, endpoint)
+        finally:
+            self.registry.release(replica.name)
+        check_fingerprint(replica, answer.stack_header or _body_fingerprint(answer.body))
+        return answer
+
+    async def _post(self, replica: Replica, body: dict[str, Any], endpoint: str) -> Answer:
+        return await post_json(
             self.session,
             replica.url + endpoint,
             {**body, "stream": False} if body.get("stream") else body,
             api_key=self.secrets.replica_keys.get(replica.name),
             timeout_s=self.settings.server.replica_timeout_s,
         )
-        check_fingerprint(replica, answer.stack_header or _body_fingerprint(answer.body))
-        return answer
 
     async def complete(
         self, request: ClientRequest, tenant: str, received_at: datetime
     ) -> tuple[Served, Answer]:
         """Dispatch a non-streamed request and commit its record; the caller sends the answer afterwards."""
-
-        async def send(replica: Replica, body: dict[str, Any]) -> Answer:
-            self.registry.acquire(replica.name)
-            try:
-                return await self.send_json(replica, body, request.endpoint)
-            finally:
-                self.registry.release(replica.name)
-
-        dispatched = await self._dispatch(request, send)
+        dispatched = await self._dispatch(
+            request, lambda replica, body: self.send_json(replica, body, request.endpoint)
+        )
         served = self._served(request, tenant, received_at, dispatched)
         answer = dispatched.result
         upstream_fp = _body_fingerprint(answer.body)
@@ -98,7 +100,7 @@ class Proxy:
 
     async def stream(
         self, request: ClientRequest, tenant: str, received_at: datetime, http_request: web.Request
-    ) -> web.StreamResponse:
+    ) -> tuple[Served, web.StreamResponse]:
         async def send(replica: Replica, body: dict[str, Any]) -> Stream:
             stream = await open_stream(
                 self.session,
@@ -122,7 +124,7 @@ class Proxy:
             except BaseException:
                 upstream.close()
                 raise
-            return await self._relay(served, upstream, http_request)
+            return served, await self._relay(served, upstream, http_request)
         finally:
             self.registry.release(served.replica.name)
 
