@@ -8,8 +8,9 @@ nothing of pins, records or the client.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from pydantic import SecretStr, ValidationError
 from proxy.stack import Stack, fingerprint
 
 STACK_HEADER = "Stackpin-Stack"
+TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 
 
 class ReplicaUnavailable(Exception):
@@ -65,24 +67,20 @@ async def post_json(
     api_key: SecretStr | None,
     timeout_s: float,
 ) -> Answer:
-    try:
+    with _unreachable_on_transport_errors():
         async with session.post(
             url, json=body, headers=replica_headers(api_key), timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as response:
             raw = await response.read()
-            _raise_for_status(response.status, raw)
-            return Answer(_parse_completion(raw), response.headers.get(STACK_HEADER))
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
-        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
+    _raise_for_status(response.status, raw)
+    return Answer(_parse_completion(raw), response.headers.get(STACK_HEADER))
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> dict[str, Any]:
-    try:
+    with _unreachable_on_transport_errors():
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             raw = await response.read()
-            _raise_for_status(response.status, raw)
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
-        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
+    _raise_for_status(response.status, raw)
     return _parse_object(raw)
 
 
@@ -133,7 +131,7 @@ class Stream:
                 if payload == "[DONE]":
                     return
                 yield _parse_object(payload.encode())
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as e:
+        except TRANSPORT_ERRORS as e:
             raise ReplicaUnavailable(f"stream broke: {type(e).__name__}: {e}") from e
         raise ReplicaUnavailable("stream ended without data: [DONE]")
 
@@ -149,20 +147,27 @@ async def open_stream(
     api_key: SecretStr | None,
     timeout_s: float,
 ) -> Stream:
-    try:
+    with _unreachable_on_transport_errors():
         response = await session.post(
             url, json=body, headers=replica_headers(api_key), timeout=aiohttp.ClientTimeout(total=timeout_s)
         )
-    except (aiohttp.ClientConnectionError, TimeoutError) as e:
-        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
+        if response.status != 200:
+            raw = await response.read()
+            response.close()
     if response.status != 200:
-        raw = await response.read()
-        response.close()
         _raise_for_status(response.status, raw)
     if not response.headers.get("Content-Type", "").startswith("text/event-stream"):
         response.close()
         raise ReplicaGarbage("asked for a stream, got a response that is not text/event-stream")
     return Stream(response)
+
+
+@contextlib.contextmanager
+def _unreachable_on_transport_errors() -> Iterator[None]:
+    try:
+        yield
+    except TRANSPORT_ERRORS as e:
+        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
 
 
 def _raise_for_status(status: int, raw: bytes) -> None:
