@@ -28,20 +28,13 @@ from pathlib import Path
 
 import torch
 
-from pinned_backend.engine import Engine, TokenOutput
+from pinned_backend.engine import Engine
 from pinned_backend.runtime import BackendSettings, load_runtime
 from pinned_backend.sampling import SamplingParams
+from pinned_backend.schedule import Arrival, run_schedule
 from pinned_backend.stack import detect_hardware
 
 MODES = ("batch_invariant", "default")
-
-
-@dataclass(frozen=True)
-class Arrival:
-    step: int
-    request_id: str
-    prompt: list[int]
-    max_tokens: int
 
 
 @dataclass(frozen=True)
@@ -57,41 +50,36 @@ class ModeResult:
         return self.tokens / self.seconds
 
 
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
 def random_prompt(rng: random.Random, vocab: int, longest: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(rng.randint(4, longest))]
 
 
 def throughput_schedule(rng: random.Random, vocab: int, requests: int, max_tokens: int) -> list[Arrival]:
     return [
-        Arrival(rng.randint(0, 16), f"load-{i}", random_prompt(rng, vocab, 96), rng.randint(8, max_tokens))
+        Arrival(
+            rng.randint(0, 16), f"load-{i}", random_prompt(rng, vocab, 96), greedy(rng.randint(8, max_tokens))
+        )
         for i in range(requests)
     ]
 
 
 def identical_schedule(rng: random.Random, vocab: int, copies: int, max_tokens: int) -> list[Arrival]:
     prompt = random_prompt(rng, vocab, 48)
-    arrivals = [Arrival(i * 3, f"copy-{i}", prompt, max_tokens) for i in range(copies)]
+    arrivals = [Arrival(i * 3, f"copy-{i}", prompt, greedy(max_tokens)) for i in range(copies)]
     background = [
         Arrival(
-            rng.randint(0, copies * 3), f"bg-{i}", random_prompt(rng, vocab, 96), rng.randint(4, max_tokens)
+            rng.randint(0, copies * 3),
+            f"bg-{i}",
+            random_prompt(rng, vocab, 96),
+            greedy(rng.randint(4, max_tokens)),
         )
         for i in range(copies * 2)
     ]
     return arrivals + background
-
-
-def run(engine: Engine, arrivals: list[Arrival]) -> dict[str, list[TokenOutput]]:
-    outputs: dict[str, list[TokenOutput]] = {a.request_id: [] for a in arrivals}
-    pending = sorted(arrivals, key=lambda a: a.step)
-    step = 0
-    while pending or engine.has_work():
-        while pending and pending[0].step <= step:
-            a = pending.pop(0)
-            params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
-            engine.submit(a.request_id, a.prompt, params, outputs[a.request_id].append)
-        engine.step()
-        step += 1
-    return outputs
 
 
 def load(mode: str, args: argparse.Namespace) -> Engine:
@@ -109,7 +97,7 @@ def load(mode: str, args: argparse.Namespace) -> Engine:
 
 def timed(engine: Engine, arrivals: list[Arrival]) -> tuple[int, float]:
     start = time.perf_counter()
-    outputs = run(engine, arrivals)
+    outputs = run_schedule(engine, arrivals)
     return sum(len(o) for o in outputs.values()), time.perf_counter() - start
 
 
@@ -120,7 +108,7 @@ def measure(args: argparse.Namespace) -> list[ModeResult]:
     workload = throughput_schedule(rng, vocab, args.requests, args.max_tokens)
     identical = identical_schedule(rng, vocab, args.identical, args.max_tokens)
     for engine in engines.values():
-        run(engine, workload[:4])  # warm-up: first calls allocate and pick code paths
+        run_schedule(engine, workload[:4])  # warm-up: first calls allocate and pick code paths
     # Modes alternate and the best of the repeats counts, so that other load on the machine hits both alike.
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     tokens: dict[str, int] = {}
@@ -130,7 +118,7 @@ def measure(args: argparse.Namespace) -> list[ModeResult]:
             times[mode].append(seconds)
     results = []
     for mode, engine in engines.items():
-        copies = run(engine, identical)
+        copies = run_schedule(engine, identical)
         answers = [v for k, v in copies.items() if k.startswith("copy-")]
         distinct_tokens = len({tuple(o.token_id for o in a) for a in answers})
         distinct_bits = len({tuple((o.token_id, float.hex(o.logprob)) for o in a) for a in answers})

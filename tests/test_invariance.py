@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from pinned_backend.engine import Engine, TokenOutput
+from pinned_backend.engine import TokenOutput
 from pinned_backend.kernels import KernelMode
 from pinned_backend.runtime import BackendSettings
 from pinned_backend.sampling import SamplingParams
+from pinned_backend.schedule import Arrival, run_schedule
 from pinned_backend.server import create_app
 from tests.backend_checkpoint import make_engine, write_random_checkpoint
 
@@ -37,14 +37,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("invariance") / "random-qwen3")
 
 
-@dataclass(frozen=True)
-class Arrival:
-    step: int
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-
-
 def random_request(rng: random.Random, request_id: str, step: int) -> Arrival:
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
     greedy = rng.random() < 0.5
@@ -56,21 +48,6 @@ def random_request(rng: random.Random, request_id: str, step: int) -> Arrival:
         max_tokens=rng.randint(1, 16),
     )
     return Arrival(step, request_id, prompt, params)
-
-
-def run_schedule(engine: Engine, arrivals: list[Arrival]) -> dict[str, list[TokenOutput]]:
-    """Submit each arrival before the step it is scheduled for, and step until every request has finished."""
-    outputs: dict[str, list[TokenOutput]] = {a.request_id: [] for a in arrivals}
-    pending = sorted(arrivals, key=lambda a: a.step)
-    step = 0
-    while pending or engine.has_work():
-        while pending and pending[0].step <= step:
-            a = pending.pop(0)
-            engine.submit(a.request_id, a.prompt, a.params, outputs[a.request_id].append)
-        engine.step()
-        step += 1
-        assert step < 10_000, "the schedule did not finish"
-    return outputs
 
 
 def answer(outputs: list[TokenOutput]) -> tuple[list[int], list[str]]:
