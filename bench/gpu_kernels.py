@@ -1,12 +1,18 @@
-"""Check and tune the Triton batch-invariant kernels on one GPU in one run.
+"""Check and tune the Triton batch-invariant matmul on one GPU in one run.
 
 1. The ceilings: device-to-device copy bandwidth and cuBLAS bf16 TFLOP/s at 8192^3, on random data.
-2. For every candidate matmul configuration at every Qwen3-1.7B weight shape: bitwise invariance of every row over
-   M = 1..512 (against one M = 512 product, and shifted windows), and time against cuBLAS at M in `TIMED_M`.
-   The configuration with the smallest worst ratio is what `matmul.TUNED` should hold for that shape.
-3. cuBLAS's own invariance at the same shapes, for the record.
+2. For every Qwen3-1.7B weight shape and every candidate reduction order (split of K), a set of candidate tiles:
+   - each tile against float64;
+   - each tile bit-identical to the group's first tile at M = 512, and every M = 1..512 and shifted row windows
+     bit-identical to that product: the proof that tiles may follow M without changing a row's bits;
+   - time against cuBLAS at each M in `TIMED_M` (and the prefill sizes `PREFILL_M`).
+3. Per reduction order, the fastest proven tile at each timed M makes a plan (tiles by M range); the order whose
+   plan has the smallest worst ratio over M = 1..512 wins. The winning plan is then run as `matmul` runs it,
+   checked bitwise again over M = 1..512 and timed at M between the timed points, and printed as Python for
+   `matmul.TUNED`.
+4. cuBLAS's own invariance at the same shapes, for the record.
 
-Usage: python bench/gpu_kernels.py OUT.json [--quick] [--deep] [--shapes=qkv,down]. Prints a short table last.
+Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--budget-s=SECONDS]. Prints a short table last.
 """
 
 from __future__ import annotations
@@ -15,68 +21,58 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from pinned_backend.kernels.triton.matmul import MatmulConfig, matmul, matmul_config
+from pinned_backend.kernels.triton.matmul import MatmulPlan, MatmulTile, matmul
 
 SHAPES = {
+    "down": (2048, 6144),
+    "o_proj": (2048, 2048),
     "qkv": (4096, 2048),
     "gate_up": (12288, 2048),
-    "o_proj": (2048, 2048),
-    "down": (2048, 6144),
     "lm_head": (151936, 2048),
 }
-TIMED_M = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
-PREFILL_M = [2048, 8192]  # timed for the record, outside the 1..512 target
+SPLITS = {"down": [1, 2, 4], "o_proj": [1, 2], "qkv": [1], "gate_up": [1], "lm_head": [1]}
+TIMED_M = [1, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512]
+BETWEEN_M = [3, 24, 48, 80, 112, 160, 224, 320, 448]  # checked on the final plan only
+PREFILL_M = [2048, 8192]  # chooses the tile past 512; timed for the record, outside the 1..512 target
 ROTATE_BYTES = 200 << 20  # weight copies cycled per timing: four times the H200's 50 MiB L2
+SMEM_BYTES = 220 * 1024
+LARGE_M = 1 << 62
 
 
-def candidates(n: int, k: int) -> list[MatmulConfig]:
-    tiles = [
-        (64, 32, 128),
-        (64, 64, 64),
-        (64, 64, 128),
-        (64, 128, 64),
-        (64, 128, 128),
-        (64, 256, 64),
-        (128, 64, 64),
-        (128, 128, 64),
-        (128, 256, 64),
+# (block_m, block_n, block_k, warps, stages): narrow tiles with deep pipelines for small M (enough programs and
+# weight bytes in flight), wide tiles for large M (arithmetic); all of them wgmma's shapes.
+SMALL_TILES = [
+    (64, 16, 256, 4, 4),
+    (64, 16, 128, 4, 6),
+    (64, 32, 128, 4, 6),
+    (64, 32, 256, 4, 4),
+    (64, 64, 64, 4, 6),
+    (64, 64, 128, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 128, 64, 4, 6),
+    (64, 256, 64, 4, 3),
+]
+LARGE_TILES = [(64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)]
+SPLIT_PROGRAM_TILES = [(64, 16, 128, 4, 6), (64, 32, 128, 4, 6), (64, 64, 64, 4, 6), (64, 64, 128, 4, 4)]
+
+
+def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
+    slice_k = k // split
+    tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES]
+    if split > 1:
+        tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
+    return [
+        t
+        for t in tiles
+        if slice_k % t.block_k == 0
+        and 8 <= n / t.block_n <= 2400
+        and (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= SMEM_BYTES
     ]
-    splits = [1] if n > 50000 else [1, 2] if n > 8192 else [1, 2, 4, 8] if k > 4096 else [1, 2, 4]
-    out = []
-    for bm, bn, bk in tiles:
-        for s in splits:
-            if k % (s * bk) or k // s < 256:
-                continue
-            stages = 3 if bm * bk + bn * bk >= 16384 else 4
-            out.append(MatmulConfig(bm, bn, bk, s, num_warps=8 if bm == 128 else 4, num_stages=stages))
-    base = matmul_config(n, k)
-    return out if base in out else [base, *out]
-
-
-def deep_candidates(n: int, k: int) -> list[MatmulConfig]:
-    """Deeper software pipelines for the narrow tiles: more weight bytes in flight per multiprocessor, which is
-    what a memory-bound small-M product is short of when N gives few tiles."""
-    splits = [1, 2, 4, 8] if k > 4096 else [1, 2, 4]
-    out = []
-    for bm, bn, bk in [(64, 64, 64), (64, 128, 64), (64, 64, 128), (64, 128, 128)]:
-        stage_bytes = (bm + bn) * bk * 2
-        for stages in (5, 6, 8):
-            if stages * stage_bytes > 200 * 1024:
-                continue
-            for s in splits:
-                if k % (s * bk) == 0 and k // s >= 256:
-                    out.append(MatmulConfig(bm, bn, bk, s, num_warps=4, num_stages=stages))
-    base = matmul_config(n, k)
-    return out if base in out else [base, *out]
-
-
-def bench_ms(fn) -> float:  # type: ignore[no-untyped-def]
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
 
 
 def weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
@@ -86,7 +82,7 @@ def weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
     return [w.clone() for _ in range(n)]
 
 
-def time_rotating(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:  # type: ignore[no-untyped-def]
+def time_rotating(fn: Callable[..., Any], x: torch.Tensor, weights: list[torch.Tensor]) -> float:
     """Microseconds per `fn(x, w)`, w cycling through `weights`, all calls captured in one CUDA graph so that
     launch gaps stay out (a decode step runs as a graph too); the median of five replays."""
     for w in weights[:2]:
@@ -109,6 +105,12 @@ def time_rotating(fn, x: torch.Tensor, weights: list[torch.Tensor]) -> float:  #
     return sorted(times)[2]
 
 
+def bench_ms(fn: Callable[[], Any]) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+
+
 def ceilings() -> dict[str, float]:
     src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
     dst = torch.empty_like(src)
@@ -120,25 +122,140 @@ def ceilings() -> dict[str, float]:
     return {"copy_TBps": moved / ms / 1e9, "cublas_8192_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
 
 
-def invariance_failures(fn, x: torch.Tensor, w: torch.Tensor, ms: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
-    full = fn(x[:512], w)
-    bad = [m for m in ms if not torch.equal(fn(x[:m], w), full[:m])]
+def mismatches(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, full: torch.Tensor) -> list[int]:
+    """The M (and, negated, the row offsets) at which `fn` gives a row other bits than `full` = the M = 512
+    reference product of x[:512]."""
+    bad = [m for m in range(1, 513) if not torch.equal(fn(x[:m]), full[:m])]
     for j in (1, 5, 64, 77):
-        if not torch.equal(fn(x[j : j + 512], w)[: 512 - j], full[j:]):
+        if not torch.equal(fn(x[j : j + 512])[: 512 - j], full[j:]):
             bad.append(-j)
     return bad
 
 
+def plan_from(rows: list[dict[str, Any]], split: int) -> tuple[MatmulPlan, dict[int, float]]:
+    """The fastest tile at each timed M, as a plan of M ranges (a range ends at a timed M), and its times."""
+    chosen: list[tuple[int, MatmulTile]] = []
+    times: dict[int, float] = {}
+    for m in TIMED_M + PREFILL_M:
+        best = min(rows, key=lambda r: r["us"][m])
+        tile = MatmulTile(**best["tile"])
+        times[m] = best["us"][m]
+        if chosen and chosen[-1][1] == tile:
+            chosen[-1] = (m, tile)
+        else:
+            chosen.append((m, tile))
+    chosen[-1] = (LARGE_M, chosen[-1][1])
+    return MatmulPlan(split, tuple(chosen)), times
+
+
+def plan_source(name: str, n: int, k: int, plan: MatmulPlan) -> str:
+    tiles = []
+    for max_m, t in plan.tiles:
+        bound = "_LARGE_M" if max_m == LARGE_M else str(max_m)
+        extra = ", split_programs=True" if t.split_programs else ""
+        tiles.append(
+            f"({bound}, _tile({t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{extra}))"
+        )
+    return f"    ({n}, {k}): MatmulPlan({plan.split_k}, ({', '.join(tiles)},)),  # {name}"
+
+
+def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(max(PREFILL_M), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    copies = weight_copies(w)
+    ref = x[:64].double() @ w.double().T
+    timed = TIMED_M + PREFILL_M
+    cublas_us = {m: time_rotating(lambda a, b: a @ b.T, x[:m], copies) for m in timed + BETWEEN_M}
+    cublas_bad = mismatches(lambda a: a @ w.T, x, x[:512] @ w.T)
+    groups: dict[int, dict[str, Any]] = {}
+    for split in SPLITS[name]:
+        rows: list[dict[str, Any]] = []
+        failed: list[dict[str, Any]] = []
+        reference: torch.Tensor | None = None
+        for tile in candidate_tiles(n, k, split):
+            if time.time() > deadline:
+                failed.append({"tile": tile.__dict__, "error": "skipped: time budget spent"})
+                continue
+            plan = MatmulPlan(split, ((LARGE_M, tile),))
+            t0 = time.time()
+            try:
+                run = lambda a, b=w, p=plan, t=tile: matmul(a, b, p, t)  # noqa: E731
+                out = run(x[:512])
+                err = float((out[:64].double() - ref).norm() / ref.norm())
+                if reference is None:
+                    reference = out
+                bad = mismatches(run, x, reference)
+                us = {
+                    m: time_rotating(lambda a, b, p=plan, t=tile: matmul(a, b, p, t), x[:m], copies)
+                    for m in timed
+                }
+            except Exception as exc:  # a tile that does not fit is a result, not a crash
+                failed.append({"tile": tile.__dict__, "error": repr(exc)[:300]})
+                continue
+            row = {
+                "tile": tile.__dict__,
+                "rel_err": err,
+                "mismatches": bad,
+                "us": us,
+                "seconds": time.time() - t0,
+            }
+            (rows if not bad and err < 1e-2 else failed).append(row)
+            print(name, split, tile, f"bad {len(bad)} err {err:.1e}", f"{time.time() - t0:.1f}s", flush=True)
+        if not rows:
+            groups[split] = {"tiles": [], "failed": failed}
+            continue
+        plan, times = plan_from(rows, split)
+        ratios = {m: times[m] / cublas_us[m] for m in timed}
+        groups[split] = {
+            "tiles": rows,
+            "failed": failed,
+            "plan": plan_source(name, n, k, plan),
+            "plan_ratio": ratios,
+            "worst_ratio": max(ratios[m] for m in TIMED_M),
+            "_plan": plan,
+        }
+    done = [g for g in groups.values() if "_plan" in g]
+    result: dict[str, Any] = {
+        "n": n,
+        "k": k,
+        "cublas_us": cublas_us,
+        "cublas_mismatches": cublas_bad,
+        "groups": {s: {key: v for key, v in g.items() if key != "_plan"} for s, g in groups.items()},
+    }
+    if not done:
+        return result
+    best = min(done, key=lambda g: g["worst_ratio"])
+    plan: MatmulPlan = best["_plan"]
+    # The winner as serving runs it: the tile picked by M, checked bitwise and timed between the timed points.
+    serve = lambda a, b=w, p=plan: matmul(a, b, p)  # noqa: E731
+    final_bad = mismatches(serve, x, serve(x[:512]))
+    final_us = {
+        m: time_rotating(lambda a, b, p=plan: matmul(a, b, p), x[:m], copies) for m in timed + BETWEEN_M
+    }
+    final_ratio = {m: final_us[m] / cublas_us[m] for m in final_us}
+    result.update(
+        {
+            "plan": plan_source(name, n, k, plan),
+            "plan_mismatches": final_bad,
+            "plan_us": final_us,
+            "plan_ratio": final_ratio,
+            "worst_ratio_1_512": max(r for m, r in final_ratio.items() if m <= 512),
+        }
+    )
+    return result
+
+
 def main() -> None:
     out_path = sys.argv[1]
-    quick = "--quick" in sys.argv
-    deep = "--deep" in sys.argv
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--shapes=")), list(SHAPES))
+    budget = float(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--budget-s=")), "1e9"))
+    start = time.time()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     import triton
 
-    report: dict[str, object] = {
+    report: dict[str, Any] = {
         "device": props.name,
         "sms": props.multi_processor_count,
         "torch": torch.__version__,
@@ -148,66 +265,29 @@ def main() -> None:
         "shapes": {},
     }
     print(json.dumps(report["ceilings"]), flush=True)
-    all_m = list(range(1, 513)) if not quick else [1, 2, 3, 64, 65, 200, 512]
-    summary = []
-    for name, (n, k) in SHAPES.items():
-        if name not in only:
-            continue
-        x = torch.randn(max(PREFILL_M), k, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-        copies = weight_copies(w)
-        ref = x[:64].double() @ w.double().T
-        timed = TIMED_M + PREFILL_M
-        cublas_us = {m: time_rotating(lambda a, b: a @ b.T, x[:m], copies) for m in timed}
-        cublas_bad = invariance_failures(lambda a, b: a @ b.T, x, w, all_m)
-        rows = []
-        for cfg in deep_candidates(n, k) if deep else candidates(n, k):
-            t0 = time.time()
-            try:
-                out = matmul(x[:64], w, cfg)
-                err = float((out.double() - ref).norm() / ref.norm())
-                bad = invariance_failures(lambda a, b, c=cfg: matmul(a, b, c), x, w, all_m)
-                t = {m: time_rotating(lambda a, b, c=cfg: matmul(a, b, c), x[:m], copies) for m in timed}
-            except Exception as exc:  # a configuration that does not fit is a result, not a crash
-                rows.append({"config": cfg.__dict__, "error": repr(exc)[:300]})
-                continue
-            ratios = {m: t[m] / cublas_us[m] for m in timed}
-            rows.append(
-                {
-                    "config": cfg.__dict__,
-                    "rel_err": err,
-                    "invariance_failures": bad,
-                    "us": t,
-                    "ratio_to_cublas": ratios,
-                    "worst_ratio": max(ratios[m] for m in TIMED_M),
-                    "geomean_ratio": math.exp(sum(math.log(ratios[m]) for m in TIMED_M) / len(TIMED_M)),
-                    "seconds": time.time() - t0,
-                }
-            )
-            print(name, cfg, f"worst {rows[-1]['worst_ratio']:.2f}", f"bad {len(bad)}", flush=True)
-        ok = [r for r in rows if "error" not in r and not r["invariance_failures"]]
-        best = min(ok, key=lambda r: (r["worst_ratio"], r["geomean_ratio"])) if ok else None
-        report["shapes"][name] = {  # type: ignore[index]
-            "n": n,
-            "k": k,
-            "cublas_us": cublas_us,
-            "cublas_invariance_failures": cublas_bad,
-            "candidates": rows,
-            "best": best,
-        }
-        if best:
-            summary.append(
-                (name, n, k, best["config"], best["worst_ratio"], best["geomean_ratio"], len(cublas_bad))
-            )
-        del x, w, copies
+    names = [s for s in SHAPES if s in only]
+    for i, name in enumerate(names):
+        n, k = SHAPES[name]
+        # Each shape gets an equal share of what is left of the budget.
+        deadline = time.time() + (start + budget - time.time()) / (len(names) - i)
+        report["shapes"][name] = tune_shape(name, n, k, deadline)
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
-    print(
-        "\nshape     N       K     best config                                   worst  geomean  cublas-variant-M"
-    )
-    for name, n, k, cfg, worst, gm, cb in summary:
-        c = f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} s{cfg['split_k']} w{cfg['num_warps']} st{cfg['num_stages']}"
-        print(f"{name:8s} {n:7d} {k:5d}   {c:44s} {worst:5.2f}  {gm:5.2f}    {cb}")
+    print("\nshape     N       K    worst ratio 1..512 (M at worst)   mismatches  cuBLAS-variant")
+    for name, r in report["shapes"].items():
+        if "plan" not in r:
+            print(f"{name:8s} no proven tile")
+            continue
+        worst_m = max((m for m in r["plan_ratio"] if m <= 512), key=lambda m: r["plan_ratio"][m])
+        print(
+            f"{name:8s} {r['n']:7d} {r['k']:5d}   {r['worst_ratio_1_512']:5.2f} ({worst_m})"
+            f"                   {len(r['plan_mismatches'])}           {len(r['cublas_mismatches'])}"
+        )
+    print("\nTUNED = {")
+    for r in report["shapes"].values():
+        if "plan" in r:
+            print(r["plan"])
+    print("}")
 
 
 if __name__ == "__main__":

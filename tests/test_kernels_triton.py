@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from pinned_backend.kernels.triton.matmul import MatmulConfig, matmul_config, rule_config
+from pinned_backend.kernels.triton.matmul import MatmulPlan, MatmulTile, matmul_plan, rule_plan
+from pinned_backend.kernels.triton.matmul import matmul as matmul_with_plan
 
 QWEN3_1_7B_WEIGHTS = [(4096, 2048), (12288, 2048), (2048, 2048), (2048, 6144), (151936, 2048)]
 
@@ -22,17 +23,50 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
-def test_matmul_config_depends_on_the_weight_shape_only(n: int, k: int) -> None:
-    cfg = matmul_config(n, k)
-    assert isinstance(cfg, MatmulConfig)
-    assert cfg == matmul_config(n, k), "one (N, K) must always give one configuration"
-    assert k % (cfg.split_k * cfg.block_k) == 0, "each slice of K must be whole K steps"
+@pytest.mark.parametrize(
+    ("n", "k"), [*QWEN3_1_7B_WEIGHTS, (3072, 2048), (2048, 8192), (128256, 2048), (96, 200)]
+)
+def test_matmul_plan_depends_on_the_weight_shape_only(n: int, k: int) -> None:
+    plan = matmul_plan(n, k)
+    assert isinstance(plan, MatmulPlan)
+    assert plan == matmul_plan(n, k), "one (N, K) must always give one plan"
+    plan.check(k)  # every tile reduces K in the plan's one order
+    bounds = [max_m for max_m, _ in plan.tiles]
+    assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds)
+    assert plan.tile_for(1) == plan.tiles[0][1] and plan.tile_for(10**9) == plan.tiles[-1][1]
 
 
-def test_rule_config_splits_k_only_when_n_leaves_the_chip_idle() -> None:
-    assert rule_config(151936, 2048).split_k == 1
-    assert rule_config(2048, 2048).split_k > 1
+def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> None:
+    narrow = rule_plan(2048, 2048)
+    assert -(-2048 // narrow.tile_for(1).block_n) >= 128
+    assert narrow.tile_for(4096).block_m == 128
+    assert rule_plan(151936, 2048).tile_for(1).block_n == 128
+    assert all(plan.split_k == 1 for plan in (narrow, rule_plan(151936, 2048)))
+
+
+@pytest.mark.parametrize(
+    ("plan", "k", "why"),
+    [
+        (MatmulPlan(1, ((1 << 62, MatmulTile(32, 64, 64, 4, 4)),)), 2048, "64 or 128 rows"),
+        (MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 2, 4)),)), 2048, "4 or 8 warps"),
+        (MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 24, 4, 4)),)), 2048, "multiple of 16"),
+        (MatmulPlan(2, ((1 << 62, MatmulTile(64, 64, 64, 4, 4)),)), 2000, "every K step must divide"),
+        (
+            MatmulPlan(1, ((8, MatmulTile(64, 16, 64, 4, 4)), (1 << 62, MatmulTile(128, 128, 64, 8, 3)))),
+            2000,
+            "every K step must divide",
+        ),
+    ],
+)
+def test_a_plan_whose_tiles_could_reduce_in_different_orders_is_refused(
+    plan: MatmulPlan, k: int, why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        plan.check(k)
+
+
+def test_a_ragged_k_is_allowed_to_a_plan_of_one_tile_and_one_slice() -> None:
+    MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4)),)).check(2000)
 
 
 @pytest.fixture
@@ -48,18 +82,27 @@ def triton_ops():  # type: ignore[no-untyped-def]
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
-def test_matmul_matches_float64_and_is_invariant_across_m_and_row_position(
+def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
     triton_ops, n: int, k: int
 ) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    plan = matmul_plan(n, k)
     full = triton_ops.matmul(x[:512], w)
     assert _rel_err(full, x[:512].double() @ w.double().T) < 1e-2
-    for m in [1, 2, 3, 7, 16, 63, 64, 65, 127, 200, 333, 511, 512]:
-        assert torch.equal(triton_ops.matmul(x[:m], w), full[:m]), f"rows changed when M went from 512 to {m}"
-    shifted = triton_ops.matmul(x[37:549], w)
-    assert torch.equal(shifted[:475], full[37:]), "a row's bits changed with its position in the batch"
+    for _, tile in plan.tiles:
+        assert torch.equal(matmul_with_plan(x[:512], w, plan, tile), full), (
+            f"{tile} gives other bits than the plan"
+        )
+    edges = {m + d for m, _ in plan.tiles[:-1] for d in (-1, 0, 1)}
+    for m in sorted(edges | {1, 2, 3, 7, 16, 63, 64, 65, 127, 200, 333, 511, 512}):
+        if 1 <= m <= 512:
+            assert torch.equal(triton_ops.matmul(x[:m], w), full[:m]), (
+                f"rows changed when M went from 512 to {m}"
+            )
+    for j in (1, 5, 77):
+        assert torch.equal(triton_ops.matmul(x[j : j + 512], w)[: 512 - j], full[j:]), f"rows shifted by {j}"
 
 
 @gpu

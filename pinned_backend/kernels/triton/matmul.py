@@ -1,76 +1,130 @@
 """Batch-invariant matmul `x [M, K] @ w[N, K].T -> [M, N]` on the GPU, bf16 or fp16 in, fp32 accumulation.
 
-The launch configuration (tile shape, K step, split of K, warps, pipeline depth) is a function of the weight's
-shape (N, K) alone: `matmul_config(n, k)`. The number of rows M only changes how many row tiles are launched, and
-each row of a tile is reduced by the same sequence of tensor-core steps whatever its neighbours, so a row's output
-bits depend on nothing but that row and the weight. K is cut into `split_k` equal slices summed by separate
-programs into fp32 partials, which a second kernel adds in slice order 0, 1, 2, ...; the split is fixed per (N, K),
-which buys parallelism at decode sizes without letting M into the reduction order.
+Two things are kept apart here, because only one of them decides a result's bits:
+- The reduction order, `MatmulPlan.split_k`, a function of the weight's shape (N, K) alone. K is cut into `split_k`
+  equal slices; each slice is reduced from zero by one chain of tensor-core steps of 16 elements of K, in K order,
+  and the slices' fp32 sums are added in slice order 0, 1, 2, ... (the first slice's sum taken as it is).
+- The tiling, `MatmulTile`, which may follow M: the tile's rows and columns, how much of K one loop step loads,
+  the warps and the pipeline depth, and whether a slice runs in its own program (fp32 partials, summed by a second
+  kernel) or after the previous slice inside one program. None of these changes the chain a row goes through:
+  every tile issues the same Hopper `wgmma` steps of K = 16 for the same operand values, a K step of 64 is four of
+  them and of 128 eight, and slices meet in the same order either way. So small M gets narrow tiles (enough
+  programs to keep weight bytes in flight) and large M wide ones, with one set of bits for every M.
 
-The table `TUNED` holds the configurations measured best (worst ratio to cuBLAS over M = 1..512) for the shapes of
-the models we serve; other shapes get `rule_config`. This module knows nothing of models or of scheduling.
+That equivalence is a claim about the hardware and the compiler, so it is proven rather than assumed: on the GPU,
+every tile of a plan is checked bit-identical to every other at every M = 1..512 and at shifted row windows
+(`tests/test_kernels_triton.py`, `bench/gpu_kernels.py`). Tiles are kept to `wgmma`'s shapes (64 or 128 rows,
+4 or 8 warps), so no tile falls back to the older `mma` instruction, whose internal sums could differ.
+
+`TUNED` holds the plans measured best for the weights of the models we serve; other shapes get `rule_plan`.
+This module knows nothing of models or of scheduling.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ._compat import tl, triton
 
+# The tensor cores' K step for 16-bit operands; the reduction chain is made of these whatever the tile.
+INSTRUCTION_K = 16
+_WGMMA_ROWS = (64, 128)
+_WGMMA_WARPS = (4, 8)
 # Without a split, fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
 _TARGET_PROGRAMS = 128
-# Each slice of K keeps at least this many elements, so partial sums stay few and long.
-_MIN_K_PER_SPLIT = 512
 
 
 @dataclass(frozen=True)
-class MatmulConfig:
+class MatmulTile:
+    """How one launch cuts the work. Free to follow M: it never changes a row's reduction order."""
+
     block_m: int
     block_n: int
     block_k: int
-    split_k: int
     num_warps: int
     num_stages: int
+    # A slice of K per program (partials in fp32, then a summing kernel) rather than all slices in one program.
+    split_programs: bool = False
+
+    def check(self) -> None:
+        if self.block_m not in _WGMMA_ROWS or self.num_warps not in _WGMMA_WARPS:
+            raise ValueError(f"{self}: tiles must have 64 or 128 rows and 4 or 8 warps (one wgmma shape)")
+        if self.block_k % INSTRUCTION_K:
+            raise ValueError(f"{self}: the K step must be a multiple of {INSTRUCTION_K}")
 
 
-# (N, K) -> configuration for Qwen3-1.7B's weights, from bench/gpu_kernels.py on an H200 (bench/results/): among
-# the configurations whose worst ratio to cuBLAS over M = 1..512 is within 0.25 of the best, the fastest at
-# decode sizes (M <= 128), where a serving step spends its matmul time.
-TUNED: dict[tuple[int, int], MatmulConfig] = {
-    (4096, 2048): MatmulConfig(64, 128, 64, split_k=1, num_warps=4, num_stages=8),
-    (12288, 2048): MatmulConfig(64, 128, 64, split_k=1, num_warps=4, num_stages=4),
-    (2048, 2048): MatmulConfig(64, 64, 64, split_k=1, num_warps=4, num_stages=6),
-    (2048, 6144): MatmulConfig(64, 128, 64, split_k=4, num_warps=4, num_stages=4),
-    (151936, 2048): MatmulConfig(64, 128, 64, split_k=1, num_warps=4, num_stages=4),
+@dataclass(frozen=True)
+class MatmulPlan:
+    """Everything that decides a weight's matmul: one reduction order, and the tile used up to each M."""
+
+    split_k: int
+    # (largest M, tile), ascending in M; the last tile serves every larger M too.
+    tiles: tuple[tuple[int, MatmulTile], ...]
+
+    def tile_for(self, m: int) -> MatmulTile:
+        for max_m, tile in self.tiles:
+            if m <= max_m:
+                return tile
+        return self.tiles[-1][1]
+
+    def check(self, k: int) -> None:
+        """Raise unless every tile reduces K in this plan's one order. A ragged end of K (zero-padded loads) is
+        allowed only to a plan of one tile and one slice: padding steps of different tiles would differ."""
+        for _, tile in self.tiles:
+            tile.check()
+        ragged = any(k % (self.split_k * tile.block_k) for _, tile in self.tiles)
+        if ragged and (self.split_k > 1 or len(self.tiles) > 1):
+            raise ValueError(f"{self}: every K step must divide each of the {self.split_k} slices of K = {k}")
+
+
+def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, split_programs: bool = False) -> MatmulTile:
+    return MatmulTile(bm, bn, bk, warps, stages, split_programs)
+
+
+_LARGE_M = 1 << 62
+
+# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
+# reduction order, the fastest tile at each timed M; then the order whose worst ratio to cuBLAS is smallest.
+TUNED: dict[tuple[int, int], MatmulPlan] = {
+    (4096, 2048): MatmulPlan(1, ((_LARGE_M, _tile(64, 128, 64, 4, 8)),)),
+    (12288, 2048): MatmulPlan(1, ((_LARGE_M, _tile(64, 128, 64, 4, 4)),)),
+    (2048, 2048): MatmulPlan(1, ((_LARGE_M, _tile(64, 64, 64, 4, 6)),)),
+    (2048, 6144): MatmulPlan(4, ((_LARGE_M, _tile(64, 128, 64, 4, 4, split_programs=True)),)),
+    (151936, 2048): MatmulPlan(1, ((_LARGE_M, _tile(64, 128, 64, 4, 4)),)),
 }
 
 
-def rule_config(n: int, k: int) -> MatmulConfig:
-    """A configuration for any (N, K): wide tiles for wide weights, and a split of K when N alone gives too few
-    programs to fill the chip."""
-    block_n = 128 if n >= 8192 else 64
-    block_k = 64
-    tiles_n = -(-n // block_n)
-    split_k = 1
-    while (
-        tiles_n * split_k < _TARGET_PROGRAMS
-        and k % (2 * split_k * block_k) == 0
-        and k // (2 * split_k) >= _MIN_K_PER_SPLIT
-    ):
-        split_k *= 2
-    return MatmulConfig(
-        block_m=64, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=4
+def rule_plan(n: int, k: int) -> MatmulPlan:
+    """A plan for any (N, K): no split of K (so no second kernel), narrow tiles while M is small so that N alone
+    gives the chip enough programs, wide tiles once M is large enough to be bound by arithmetic."""
+    block_k = 64 if k % 64 == 0 else INSTRUCTION_K if k % INSTRUCTION_K == 0 else 0
+    if block_k == 0:
+        return MatmulPlan(1, ((_LARGE_M, _tile(64, 64, 64, 4, 4)),))
+    narrow = 128
+    while narrow > 16 and -(-n // narrow) < _TARGET_PROGRAMS:
+        narrow //= 2
+    return MatmulPlan(
+        1,
+        (
+            (64, _tile(64, narrow, block_k, 4, 4)),
+            (256, _tile(64, 128, block_k, 4, 4)),
+            (_LARGE_M, _tile(128, 128, block_k, 8, 3)),
+        ),
     )
 
 
-def matmul_config(n: int, k: int) -> MatmulConfig:
-    """The one configuration used for a weight of shape (N, K), whatever the number of rows."""
-    return TUNED.get((n, k)) or rule_config(n, k)
+@functools.cache
+def matmul_plan(n: int, k: int) -> MatmulPlan:
+    """The one plan used for a weight of shape (N, K), whatever the number of rows."""
+    plan = TUNED.get((n, k)) or rule_plan(n, k)
+    plan.check(k)
+    return plan
 
 
-# M is not specialised (Triton would otherwise compile M == 1 and M % 16 == 0 apart): one binary for all M.
+# M is not specialised (Triton would otherwise compile M == 1 and M % 16 == 0 apart): one binary per tile.
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr,
@@ -84,6 +138,7 @@ def _matmul_kernel(
     stride_wn,
     stride_om,
     stride_os,
+    SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -94,6 +149,7 @@ def _matmul_kernel(
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m
     pid_n = pid // num_m
+    # This program reduces slices pid_k * SLICES .. pid_k * SLICES + SLICES - 1.
     pid_k = tl.program_id(1)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,26 +160,33 @@ def _matmul_kernel(
     # the store drops them. Each row's result depends on its own inputs only, either way.
     row_ok = (offs_m < M)[:, None]
     cols = offs_n % N
-    k_lo = pid_k * K_PER_SPLIT
+    k_lo = pid_k * SLICES * K_PER_SPLIT
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_lo + offs_k)[None, :]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K_PER_SPLIT, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-            w = tl.load(w_ptrs)
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(SLICES):
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, K_PER_SPLIT, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+                w = tl.load(w_ptrs)
+            else:
+                k_ok = ((kk + offs_k) < K)[None, :]
+                x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        # The first slice is taken as it is, as the summing kernel takes it: 0.0 + (-0.0) would flip a sign bit.
+        if s == 0:  # noqa: SIM108  (a constexpr branch; Triton unrolls it)
+            total = acc
         else:
-            k_ok = ((k_lo + k + offs_k) < K)[None, :]
-            x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+            total = total + acc
 
     out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -131,15 +194,17 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: t
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    # Slice order 0, 1, 2, ...: the one place partial sums meet, so this order is the reduction order.
+    # Slice order 0, 1, 2, ...: the order the in-program path adds its slices in.
     for s in tl.static_range(1, SPLIT_K):
         acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype. `config` is for benchmarks that compare configurations; it
-    must not be chosen from M."""
+def matmul(
+    x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = None, tile: MatmulTile | None = None
+) -> torch.Tensor:
+    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype. `plan` and `tile` are for benchmarks and tests that compare
+    plans and tiles; serving takes `matmul_plan(N, K)` and its tile for M."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         raise TypeError(f"matmul takes bf16 or fp16 operands of one dtype, got {x.dtype} and {w.dtype}")
     m, k = x.shape
@@ -150,17 +215,20 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None)
         x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
-    cfg = config or matmul_config(n, k)
+    if plan is None and tile is None:
+        plan = matmul_plan(n, k)
+        tile = plan.tile_for(m)
+    else:
+        plan = plan or matmul_plan(n, k)
+        tile = tile or plan.tile_for(m)
+        MatmulPlan(plan.split_k, ((_LARGE_M, tile),)).check(k)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0:
         return out
-    k_per_split = -(-k // cfg.split_k)
-    k_per_split = -(-k_per_split // cfg.block_k) * cfg.block_k
-    even_k = k_per_split * cfg.split_k == k
-    target = (
-        out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), device=x.device, dtype=torch.float32)
-    )
-    grid = (-(-m // cfg.block_m) * -(-n // cfg.block_n), cfg.split_k)
+    split = plan.split_k
+    programs_k = split if tile.split_programs and split > 1 else 1
+    target = out if programs_k == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    grid = (-(-m // tile.block_m) * -(-n // tile.block_n), programs_k)
     _matmul_kernel[grid](
         x,
         w,
@@ -168,21 +236,22 @@ def matmul(x: torch.Tensor, w: torch.Tensor, config: MatmulConfig | None = None)
         m,
         n,
         k,
-        k_per_split,
+        k // split,
         x.stride(0),
         w.stride(0),
         n,
         m * n,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        EVEN_K=even_k,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        SLICES=split // programs_k,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        EVEN_K=k % tile.block_k == 0,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
-    if cfg.split_k > 1:
+    if programs_k > 1:
         block = 1024
         _sum_splits_kernel[(-(-(m * n) // block),)](
-            target, out, m * n, SPLIT_K=cfg.split_k, BLOCK=block, num_warps=4
+            target, out, m * n, SPLIT_K=split, BLOCK=block, num_warps=4
         )
     return out
