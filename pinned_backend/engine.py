@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pinned_backend.sampling import SamplingParams, sample_token, top_logprobs
+from pinned_backend.sampling import SamplingParams, sample_token, top_logprobs_rows
 from pinned_backend.textstream import StopTextStream
 
 
@@ -111,6 +111,15 @@ class TokenOutput:
 
 
 Sink = Callable[[TokenOutput | EngineError], None]
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    """What one sampling row of a step drew."""
+
+    token: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -217,11 +226,11 @@ class Engine:
         prefill = sum(n for seq, n in plan if seq.computed < len(seq.prompt_ids))
         decode = sum(n for _, n in plan) - prefill
         with torch.inference_mode():
-            logprob_rows = self._forward(plan)
+            drawn = self._forward(plan)
         sequences = len(plan)
         for seq, _ in plan:
             seq.batch = seq.batch.add(sequences)
-        finished = self._emit(plan, logprob_rows)
+        finished = self._emit(plan, drawn)
         for seq in finished:
             self._release(seq)
         self._report(
@@ -291,8 +300,8 @@ class Engine:
                 budget -= chunk
         return plan
 
-    def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, torch.Tensor]:
-        """Feed the plan's tokens; returns log-probabilities `[V]` for each plan row that samples a token."""
+    def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, _Drawn]:
+        """Feed the plan's tokens; returns what each plan row that samples a token drew."""
         token_ids: list[int] = []
         query_seq: list[int] = []
         query_pos: list[int] = []
@@ -323,19 +332,33 @@ class Engine:
             seq.computed += n
         if not sampling_rows:
             return {}
-        # The sampler reads the logits and reports their log-softmax, one row at a time, on the CPU.
-        logprobs = self.kernels.log_softmax(logits).float().cpu()
-        logits = logits.float().cpu()
-        return {row: torch.stack((logits[i], logprobs[i])) for i, row in enumerate(sampling_rows)}
+        return self._sample(logits, [plan[row][0] for row in sampling_rows], sampling_rows)
 
-    def _emit(self, plan: list[tuple[_Sequence, int]], rows: dict[int, torch.Tensor]) -> list[_Sequence]:
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], plan_rows: list[int]) -> dict[int, _Drawn]:
+        """Each sampling row's token, its log-probability and the top log-probabilities asked for.
+
+        Greedy rows take the argmax where the logits are (torch.argmax returns the first of equal maxima on
+        every device, as `sample_token` does), so a GPU step moves a few numbers to the host, not whole rows of
+        the vocabulary; only rows that draw at random bring their logits to the CPU's float64 sampler."""
+        logprobs = self.kernels.log_softmax(logits).float()  # [R, V]
+        tokens = torch.argmax(logits, dim=-1).tolist()
+        drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+        if drawn:
+            host = logits[torch.tensor(drawn, device=logits.device)].float().cpu()
+            for j, i in enumerate(drawn):
+                tokens[i] = sample_token(host[j], seqs[i].params, len(seqs[i].output_ids))
+        index = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+        chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+        tops = top_logprobs_rows(logprobs, [seq.params.top_logprobs for seq in seqs])
+        return {row: _Drawn(tokens[i], chosen[i], tops[i]) for i, row in enumerate(plan_rows)}
+
+    def _emit(self, plan: list[tuple[_Sequence, int]], rows: dict[int, _Drawn]) -> list[_Sequence]:
         finished = []
         for row, (seq, _) in enumerate(plan):
             if row not in rows:
                 continue
-            logits, logprobs = rows[row]
-            position = len(seq.output_ids)
-            token = sample_token(logits, seq.params, position)
+            draw = rows[row]
+            token = draw.token
             seq.output_ids.append(token)
             reason = self._finish_reason(seq, token)
             if token in self.config.eos_token_ids:
@@ -349,8 +372,8 @@ class Engine:
             seq.sink(
                 TokenOutput(
                     token_id=token,
-                    logprob=float(logprobs[token]),
-                    top_logprobs=top_logprobs(logprobs, seq.params.top_logprobs),
+                    logprob=draw.logprob,
+                    top_logprobs=draw.top_logprobs,
                     text=text,
                     finish_reason=reason,
                     batch=seq.batch,

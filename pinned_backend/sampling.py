@@ -3,8 +3,8 @@
 A request's randomness is a pure function of its seed and the token's position in the completion: each draw
 takes one uniform number from a counter-based hash of `(seed, position)`, never from a shared generator, so
 neither the batch a request shares nor the order in which the engine visits its rows can change what it
-samples. Every function here works on a single row, so the result never depends on the shape of a batch
-either.
+samples. Every function here treats each row alone (the batched one only saves transfers), so the result never
+depends on the shape of a batch either.
 
 This module knows nothing of scheduling, caches or HTTP; the engine calls it once per sampled token, and the
 caller supplies the randomness used to draw a seed when a request has none.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,3 +120,26 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...
         return ()
     order, values = _top(logprobs, k)
     return tuple((int(i), float(v)) for i, v in zip(order, values, strict=True))
+
+
+def top_logprobs_rows(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple[tuple[int, float], ...]]:
+    """`top_logprobs(logprobs[i], ks[i])` for every row of `logprobs [R, V]`, with one transfer to the host.
+
+    On a GPU, one stable descending sort of the rows that ask for any (stable: equal values keep index order, so
+    ties go to the lower id, as `top_logprobs` breaks them); on the CPU, row by row, where a partial selection
+    beats sorting a large vocabulary."""
+    if logprobs.device.type == "cpu" or not any(ks):
+        return [top_logprobs(logprobs[i], k) for i, k in enumerate(ks)]
+    return sorted_top_logprobs(logprobs, ks)
+
+
+def sorted_top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple[tuple[int, float], ...]]:
+    """`top_logprobs_rows` by one stable sort, on any device."""
+    wanted = [i for i, k in enumerate(ks) if k]
+    width = max(ks)
+    values, ids = torch.sort(logprobs[wanted], dim=-1, descending=True, stable=True)
+    values, ids = values[:, :width].cpu().tolist(), ids[:, :width].cpu().tolist()
+    out: list[tuple[tuple[int, float], ...]] = [() for _ in ks]
+    for j, i in enumerate(wanted):
+        out[i] = tuple(zip(ids[j][: ks[i]], values[j][: ks[i]], strict=True))
+    return out

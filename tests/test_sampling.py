@@ -14,7 +14,9 @@ from pinned_backend.sampling import (
     draw_seed,
     position_uniform,
     sample_token,
+    sorted_top_logprobs,
     top_logprobs,
+    top_logprobs_rows,
 )
 
 
@@ -93,6 +95,17 @@ def test_top_logprobs_are_sorted_and_tie_break_by_id() -> None:
     row = torch.tensor([-1.0, -0.5, -0.5, -3.0])
     assert top_logprobs(row, 3) == ((1, -0.5), (2, -0.5), (0, -1.0))
     assert top_logprobs(row, 0) == ()
+
+
+def test_top_logprobs_of_many_rows_by_one_sort_equal_those_taken_row_by_row() -> None:
+    gen = torch.Generator().manual_seed(3)
+    # Rounded to a coarse grid, so that rows hold many ties, which both ways must break towards the lower id.
+    rows = (torch.randn(12, 3000, generator=gen) * 4).round() / 4
+    ks = [0, 1, 5, 20, 3, 0, 7, 20, 2, 1, 0, 9]
+    expected = [top_logprobs(rows[i], k) for i, k in enumerate(ks)]
+    assert sorted_top_logprobs(rows, ks) == expected
+    assert top_logprobs_rows(rows, ks) == expected
+    assert top_logprobs_rows(rows, [0] * 12) == [()] * 12
 
 
 @pytest.mark.parametrize(
