@@ -274,6 +274,9 @@ def weight_bytes(model: Transformer) -> int:
 # production servers batch 2048 to 8192 tokens a step), background prompts of 1..MAX_NOISE_PROMPT tokens.
 STEP_TOKENS = 2048
 MAX_NOISE_PROMPT = 1500
+# Requests arriving before each step (uniform over 0..ARRIVALS_MAX) while fewer than QUEUE_MAX wait.
+ARRIVALS_MAX = 6
+QUEUE_MAX = 32
 
 
 def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int, on_step: Any = None) -> Engine:
@@ -303,6 +306,7 @@ def divergence(
     batches: dict[str, tuple[int, int]] = {}
     step_tokens: list[int] = []  # tokens in each step of the loaded run, in order
     step_of: dict[str, list[int]] = {}  # for each request, the steps that produced its tokens
+    step_seconds: list[float] = []
 
     def sink_for(rid: str) -> Any:
         def sink(event: TokenOutput | EngineError) -> None:
@@ -333,14 +337,17 @@ def divergence(
         model,
         kernels,
         num_blocks=64 * -(-(MAX_NOISE_PROMPT + 64) // PAGE),
-        on_step=lambda st: step_tokens.append(st.prefill_tokens + st.decode_tokens),
+        on_step=lambda st: (
+            step_tokens.append(st.prefill_tokens + st.decode_tokens),
+            step_seconds.append(st.seconds),
+        ),
     )
     started, steps = time.perf_counter(), 0
     while jobs or engine.has_work():
         if time.perf_counter() - started > budget_s:
             jobs = []  # out of time: finish what is in flight, report how many trials ran
-        for _ in range(rng.randint(0, 3)):
-            if jobs and engine.queue_depth < 16:
+        for _ in range(rng.randint(0, ARRIVALS_MAX)):
+            if jobs and engine.queue_depth < QUEUE_MAX:
                 rid, ids, params = jobs.pop()
                 engine.submit(rid, ids, params, sink_for(rid))
         engine.step()
@@ -375,6 +382,7 @@ def divergence(
         "max_step_tokens": STEP_TOKENS,
         "max_background_prompt": MAX_NOISE_PROMPT,
         "seconds": time.perf_counter() - started,
+        "step_seconds_median": sorted(step_seconds)[len(step_seconds) // 2] if step_seconds else None,
     }
 
 

@@ -1,0 +1,102 @@
+"""Specification of `stackpin-backend serve --device cuda`: the real command, on loopback, on a GPU.
+
+It starts on the GPU in either kernel mode, describes the GPU it serves on in its stack, and in `batch_invariant`
+mode gives one request the same tokens and logprob bits alone and amid concurrent others. Needs CUDA and Triton;
+skipped cleanly without them.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.backend_checkpoint import write_random_checkpoint
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("cuda") / "random-qwen3", with_tokenizer=True)
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=["batch_invariant", "default"])
+def server(request: pytest.FixtureRequest, checkpoint: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    pytest.importorskip("triton")
+    mode = request.param
+    ready = tmp_path / "ready"
+    args = ["serve", "--model", str(checkpoint), "--port", "0", "--ready-file", str(ready)]
+    args += ["--device", "cuda", "--dtype", "bf16", "--kernel-mode", mode, "--kv-cache-mb", "16"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pinned_backend.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not ready.exists():
+            assert process.poll() is None, f"the server exited early: {process.stderr.read()}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the server never wrote its ready file"
+            time.sleep(0.2)
+        yield ready.read_text().strip(), mode
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        process.stderr.close()  # type: ignore[union-attr]
+
+
+def test_serve_on_cuda_describes_the_gpu_in_its_stack(server: tuple[str, str]) -> None:
+    url, mode = server
+    with urllib.request.urlopen(f"{url}/v1/stack", timeout=30) as response:
+        described = json.load(response)
+    stack = described.get("stack", described)
+    name = torch.cuda.get_device_name(0)
+    assert stack["hardware"] == "-".join(name.lower().split())
+    assert stack["hardware_detail"]["name"] == name
+    assert stack["kernel_mode"] == mode
+    assert stack["software"]["cuda"] == torch.version.cuda
+    assert stack["software"]["driver"]
+
+
+def test_batch_invariant_on_cuda_answers_alike_alone_and_amid_others(server: tuple[str, str]) -> None:
+    url, mode = server
+    if mode != "batch_invariant":
+        pytest.skip("only batch_invariant mode promises this")
+    body = {"prompt": "stackpin on a GPU", "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    alone = _post(f"{url}/v1/completions", body)
+    others = [
+        {"prompt": "x" * (5 + 13 * i), "max_tokens": 4 + i, "temperature": 0.7, "seed": i} for i in range(12)
+    ]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        loaded = [pool.submit(_post, f"{url}/v1/completions", body) for _ in range(4)]
+        loaded += [pool.submit(_post, f"{url}/v1/completions", other) for other in others]
+        answers = [future.result() for future in loaded[:4]]
+
+    def bits(answer: dict[str, Any]) -> Any:
+        choice = answer["choices"][0]
+        return answer["stackpin"]["token_ids"], json.dumps(choice["logprobs"]), choice["text"]
+
+    assert all(bits(answer) == bits(alone) for answer in answers)
