@@ -288,6 +288,7 @@ def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int, on_step
         max_batch_size=64,
         max_step_tokens=STEP_TOKENS,
         max_queue=100000,
+        decode_graphs=kernels.mode == "batch_invariant",
     )
     allocator = BlockAllocator(num_blocks)
     return Engine(model, cache, allocator, kernels, config, lambda ids: "", device=DEVICE, on_step=on_step)

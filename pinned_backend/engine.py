@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pinned_backend.decode_graphs import DecodeGraphs
 from pinned_backend.sampling import SamplingParams, sample_token, top_logprobs_rows
 from pinned_backend.textstream import StopTextStream
 
@@ -73,6 +74,9 @@ class EngineConfig:
     max_step_tokens: int = 256
     max_queue: int = 64
     eos_token_ids: frozenset[int] = frozenset()
+    # Run decode-only steps padded to a few batch sizes, as CUDA graphs on a GPU (decode_graphs.py). Only sound
+    # under batch-invariant kernels; it reserves one cache block for the padding rows.
+    decode_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_queue < 0 or self.num_blocks < 1 or self.block_size < 1:
@@ -175,6 +179,19 @@ class Engine:
         self._cancelled: set[str] = set()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
+        self._graphs: DecodeGraphs | None = None
+        if config.decode_graphs:
+            if getattr(kernels, "mode", None) != "batch_invariant":
+                raise ValueError("decode graphs pad steps, which only batch-invariant kernels allow")
+            self._graphs = DecodeGraphs(
+                model,
+                cache,
+                scratch_block=allocator.allocate(1)[0],
+                max_batch=config.max_batch_size,
+                table_width=-(-config.max_model_len // config.block_size),
+                device=self.device,
+                capture=self.device.type == "cuda",
+            )
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
         return -(-(prompt_len + max_tokens) // self.config.block_size)
@@ -188,10 +205,11 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {self.config.max_model_len} tokens"
             )
-        if self.blocks_needed(len(prompt_ids), params.max_tokens) > self.config.num_blocks:
+        usable = self.config.num_blocks - (self._graphs is not None)  # less the padding rows' block
+        if self.blocks_needed(len(prompt_ids), params.max_tokens) > usable:
             raise RequestTooLarge(
                 f"prompt plus max_tokens needs more KV cache than this server has "
-                f"({self.config.num_blocks * self.config.block_size} tokens); lower max_tokens"
+                f"({usable * self.config.block_size} tokens); lower max_tokens"
             )
         seq = _Sequence(request_id, list(prompt_ids), params, sink, StopTextStream(params.stop))
         with self._lock:
@@ -302,6 +320,17 @@ class Engine:
 
     def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, _Drawn]:
         """Feed the plan's tokens; returns what each plan row that samples a token drew."""
+        if self._graphs is not None and all(
+            n == 1 and seq.computed >= len(seq.prompt_ids) for seq, n in plan
+        ):
+            logits = self._graphs.forward(
+                [seq.token(seq.computed) for seq, _ in plan],
+                [seq.computed for seq, _ in plan],
+                [seq.blocks for seq, _ in plan],
+            )
+            for seq, _ in plan:
+                seq.computed += 1
+            return self._sample(logits, [seq for seq, _ in plan], list(range(len(plan))))
         token_ids: list[int] = []
         query_seq: list[int] = []
         query_pos: list[int] = []

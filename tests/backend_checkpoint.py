@@ -96,8 +96,10 @@ def make_engine(
     max_queue: int = 8,
     eos_token_ids: frozenset[int] = frozenset(),
     on_step: Callable[[StepStats], None] | None = None,
+    decode_graphs: bool = False,
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype = torch.float32,
 ) -> Engine:
-    device, dtype = torch.device("cpu"), torch.float32
     kernels = select_kernels(mode, device, kv_split_size=kv_split_size)
     model = Transformer.from_pretrained(folder, kernels, device, dtype)
     cache = PagedKVCache(model.config, num_blocks, block_size, device, dtype)
@@ -109,6 +111,7 @@ def make_engine(
         max_step_tokens=max_step_tokens,
         max_queue=max_queue,
         eos_token_ids=eos_token_ids,
+        decode_graphs=decode_graphs,
     )
     return Engine(model, cache, BlockAllocator(num_blocks), kernels, config, letters, device, on_step)
 
