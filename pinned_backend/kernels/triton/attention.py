@@ -1,15 +1,35 @@
 """Batch-invariant causal attention over a paged KV cache on the GPU, for prefill, chunked prefill and decode alike.
 
-One kernel serves every step. A query at position p attends to keys 0..p of its sequence, walked in chunks of
-`split` keys (the stack's `kv_split_size`) and, inside a chunk, in tiles of `_BLOCK_N` keys, always from the
-chunk's first key. Each chunk gets its own online softmax, and chunk results are merged in chunk order 0, 1, 2, ...
-So the reduction order for a query depends on p and the split size alone: not on how the cache was filled (one
-prefill, chunks, decode steps), not on which other queries share the step, not on where the query sits in it.
+A query at position p attends to keys 0..p of its sequence, walked in chunks of `split` keys (the stack's
+`kv_split_size`) and, inside a chunk, in tiles of `_BLOCK_N` keys, always from the chunk's first key. Each chunk
+gets its own online softmax, and chunk results are merged in chunk order 0, 1, 2, ... So the reduction order for
+a query depends on p and the split size alone: not on how the cache was filled (one prefill, chunks, decode
+steps), not on which other queries share the step, not on where the query sits in it, and not on which of the two
+paths below serves it.
 
-A program owns one, or up to `_ROWS // group`, consecutive query tokens and one KV head; its rows are (token, query head of
-that KV head's group) pairs. Tokens of different sequences in one program are served one sequence at a time.
-A row meets tiles past its own position only as fully masked tiles, whose update is exactly the identity
-(scale 1, add 0), so sharing a program with longer queries leaves its bits unchanged.
+Serial path, one kernel, grid (programs of query tokens, Hkv). A program owns one, or up to `_ROWS // group`,
+consecutive query tokens and one KV head; its rows are (token, query head of that KV head's group) pairs. It walks
+all chunks of its rows itself, merging each into a running total. Tokens of different sequences in one program are
+served one sequence at a time. A row meets tiles and chunks past its own position only as fully masked ones,
+whose update is exactly the identity (scale 1, add 0), so sharing a program with longer queries leaves its bits
+unchanged. This path serves prefill and mixed steps.
+
+Chunks path, two kernels, for steps where every program would serve one query token (decode). First grid
+(T, Hkv, max_chunks), with max_chunks = ceil(max_blocks * block_size / split): one program per (token, KV head,
+chunk), so a lone decode query keeps several programs busy instead of one walking its chunks serially. Each runs
+its chunk's online softmax over the same 16-row tile as the serial path and stores the chunk's running max m, sum
+l and unnormalised acc [rows, D] in an fp32 workspace; programs whose chunk starts past their query's position
+return at once. Then grid (T, Hkv): each program merges chunks 0..p // split of its rows in order, from the same
+start state, and writes the output. `max_chunks` comes from the block table's width, never from the batch's
+contents, so a step launches without reading anything back from the device (decode steps run in CUDA graphs).
+
+Why the two paths give the same bits: the tile loop of a chunk (`_attend_chunk`), the start state (`_fresh`), the
+merge of one chunk into the total (`_merge`) and the final division (`_normalise`) are each one `@triton.jit`
+function that both paths call, with the same tile shapes, warps and stages, so both compile the same arithmetic,
+down to which multiply the compiler fuses with an add (`tot * a + x * b` becomes fma(tot, a, x * b) in both).
+The workspace holds the fp32 partials exactly, and the serial path's extra merges of fully masked chunks are the
+identity. The workspace grows with T * Hq * max_chunks * D; past `_WORKSPACE_LIMIT` a decode step takes the
+serial path, with the same bits.
 
 Layouts (see kernels/__init__.py): q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
 block_tables [S, max_blocks] int32; query_seq, query_pos [T] int32. This module knows nothing of how the cache is
@@ -19,6 +39,7 @@ allocated or written.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
@@ -26,6 +47,103 @@ from ._compat import tl, triton
 
 _ROWS = 16  # rows of one program's query tile: the smallest tensor-core tile
 _BLOCK_N = 64  # keys per tile; divides every split size we accept
+_WORKSPACE_LIMIT = 64 << 20  # bytes of chunk partials a decode step may take before it walks chunks serially
+
+AttentionPath = Literal["auto", "chunks", "serial"]
+
+
+@triton.jit
+def _fresh(ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The (m, l, acc) of an online softmax that has seen no key."""
+    return (
+        tl.full((ROWS,), float("-inf"), tl.float32),
+        tl.zeros((ROWS,), tl.float32),
+        tl.zeros((ROWS, HEAD_DIM), tl.float32),
+    )
+
+
+@triton.jit
+def _attend_chunk(
+    q,
+    k_ptr,
+    v_ptr,
+    table,
+    kv_head,
+    mine,
+    row_pos,
+    last_pos,
+    lo,
+    hi,
+    scale_log2,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Online softmax of rows `mine` (each seeing keys up to its `row_pos`) over keys lo..hi-1 -> (m, l, acc)."""
+    dims = tl.arange(0, HEAD_DIM)
+    keys = tl.arange(0, BLOCK_N)
+    m_i, l_i, acc = _fresh(ROWS, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        kv_pos = start + keys
+        kv_ok = kv_pos <= last_pos
+        page = tl.load(table + kv_pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+        slot = kv_pos % PAGE
+        k = tl.load(
+            k_ptr
+            + page[:, None] * stride_kb
+            + slot[:, None] * stride_ks
+            + kv_head * stride_kh
+            + dims[None, :],
+            mask=kv_ok[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        visible = mine[:, None] & (kv_pos[None, :] <= row_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr
+            + page[:, None] * stride_vb
+            + slot[:, None] * stride_vs
+            + kv_head * stride_vh
+            + dims[None, :],
+            mask=kv_ok[:, None],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _merge(tot_m, tot_l, tot_acc, m_i, l_i, acc):
+    """The running total after one more chunk; chunk order is the reduction order."""
+    tot_new = tl.maximum(tot_m, m_i)
+    tot_ref = tl.where(tot_new == float("-inf"), 0.0, tot_new)
+    a = tl.exp2(tot_m - tot_ref)
+    b = tl.exp2(m_i - tot_ref)
+    tot_l = tot_l * a + l_i * b
+    tot_acc = tot_acc * a[:, None] + acc * b[:, None]
+    return tot_new, tot_l, tot_acc
+
+
+@triton.jit
+def _normalise(tot_l, tot_acc, mine):
+    safe_l = tl.where(mine, tot_l, 1.0)
+    return tot_acc / safe_l[:, None]
 
 
 # T is not specialised: a step of one token must run the same binary as any other step.
@@ -65,7 +183,6 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows < TOKENS * GROUP) & (tok < T)
     dims = tl.arange(0, HEAD_DIM)
-    keys = tl.arange(0, BLOCK_N)
 
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
@@ -86,61 +203,18 @@ def _paged_attention_kernel(
         n_chunks = tl.where(first < ROWS, last_pos // SPLIT + 1, 0)
         table = tables_ptr + seq.to(tl.int64) * stride_table
 
-        tot_m = tl.full((ROWS,), float("-inf"), tl.float32)
-        tot_l = tl.zeros((ROWS,), tl.float32)
-        tot_acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
+        tot_m, tot_l, tot_acc = _fresh(ROWS, HEAD_DIM)
         for chunk in range(0, n_chunks):
             lo = chunk * SPLIT
             hi = tl.minimum(lo + SPLIT, last_pos + 1)
-            m_i = tl.full((ROWS,), float("-inf"), tl.float32)
-            l_i = tl.zeros((ROWS,), tl.float32)
-            acc = tl.zeros((ROWS, HEAD_DIM), tl.float32)
-            for start in range(lo, hi, BLOCK_N):
-                kv_pos = start + keys
-                kv_ok = kv_pos <= last_pos
-                page = tl.load(table + kv_pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-                slot = kv_pos % PAGE
-                k = tl.load(
-                    k_ptr
-                    + page[:, None] * stride_kb
-                    + slot[:, None] * stride_ks
-                    + kv_head * stride_kh
-                    + dims[None, :],
-                    mask=kv_ok[:, None],
-                    other=0.0,
-                )
-                s = tl.dot(q, tl.trans(k)) * scale_log2
-                visible = mine[:, None] & (kv_pos[None, :] <= row_pos[:, None])
-                s = tl.where(visible, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_ref[:, None])
-                alpha = tl.exp2(m_i - m_ref)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(
-                    v_ptr
-                    + page[:, None] * stride_vb
-                    + slot[:, None] * stride_vs
-                    + kv_head * stride_vh
-                    + dims[None, :],
-                    mask=kv_ok[:, None],
-                    other=0.0,
-                )
-                acc = acc * alpha[:, None]
-                acc = tl.dot(p.to(v.dtype), v, acc)
-                m_i = m_new
-            # Merge this chunk into the running total; chunk order is the reduction order.
-            tot_new = tl.maximum(tot_m, m_i)
-            tot_ref = tl.where(tot_new == float("-inf"), 0.0, tot_new)
-            a = tl.exp2(tot_m - tot_ref)
-            b = tl.exp2(m_i - tot_ref)
-            tot_l = tot_l * a + l_i * b
-            tot_acc = tot_acc * a[:, None] + acc * b[:, None]
-            tot_m = tot_new
+            m_i, l_i, acc = _attend_chunk(
+                q, k_ptr, v_ptr, table, kv_head, mine, row_pos, last_pos, lo, hi, scale_log2,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                ROWS, HEAD_DIM, PAGE, BLOCK_N,
+            )  # fmt: skip
+            tot_m, tot_l, tot_acc = _merge(tot_m, tot_l, tot_acc, m_i, l_i, acc)
 
-        safe_l = tl.where(mine, tot_l, 1.0)
-        result = tl.where(mine[:, None], tot_acc / safe_l[:, None], result)
+        result = tl.where(mine[:, None], _normalise(tot_l, tot_acc, mine), result)
         pending = pending & ~mine
 
     tl.store(
@@ -148,6 +222,121 @@ def _paged_attention_kernel(
         result.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None],
     )
+
+
+@triton.jit
+def _paged_attention_chunk_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    m_ws_ptr,
+    l_ws_ptr,
+    acc_ws_ptr,
+    tables_ptr,
+    seq_ptr,
+    pos_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_table,
+    stride_wt,
+    stride_wh,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    chunk = tl.program_id(2)
+    last_pos = tl.load(pos_ptr + tok)
+    lo = chunk * SPLIT
+    if lo > last_pos:
+        return
+    hi = tl.minimum(lo + SPLIT, last_pos + 1)
+    rows = tl.arange(0, ROWS)
+    head = kv_head * GROUP + rows % GROUP
+    mine = rows < GROUP
+    row_pos = tl.where(mine, last_pos, -1)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + tok * stride_qt + head[:, None] * stride_qh + dims[None, :], mask=mine[:, None], other=0.0
+    )
+    table = tables_ptr + tl.load(seq_ptr + tok).to(tl.int64) * stride_table
+    m_i, l_i, acc = _attend_chunk(
+        q, k_ptr, v_ptr, table, kv_head, mine, row_pos, last_pos, lo, hi, scale_log2,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        ROWS, HEAD_DIM, PAGE, BLOCK_N,
+    )  # fmt: skip
+    # m_ws, l_ws [T, Hq, C]; acc_ws [T, Hq, C, D]
+    slot = tok.to(tl.int64) * stride_wt + head * stride_wh + chunk
+    tl.store(m_ws_ptr + slot, m_i, mask=mine)
+    tl.store(l_ws_ptr + slot, l_i, mask=mine)
+    tl.store(acc_ws_ptr + slot[:, None] * HEAD_DIM + dims[None, :], acc, mask=mine[:, None])
+
+
+@triton.jit
+def _paged_attention_merge_kernel(
+    m_ws_ptr,
+    l_ws_ptr,
+    acc_ws_ptr,
+    out_ptr,
+    pos_ptr,
+    stride_wt,
+    stride_wh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, ROWS)
+    head = kv_head * GROUP + rows % GROUP
+    mine = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    n_chunks = tl.load(pos_ptr + tok) // SPLIT + 1
+    first_slot = tok.to(tl.int64) * stride_wt + head * stride_wh
+
+    tot_m, tot_l, tot_acc = _fresh(ROWS, HEAD_DIM)
+    for chunk in range(0, n_chunks):
+        slot = first_slot + chunk
+        m_i = tl.load(m_ws_ptr + slot, mask=mine, other=float("-inf"))
+        l_i = tl.load(l_ws_ptr + slot, mask=mine, other=0.0)
+        acc = tl.load(acc_ws_ptr + slot[:, None] * HEAD_DIM + dims[None, :], mask=mine[:, None], other=0.0)
+        tot_m, tot_l, tot_acc = _merge(tot_m, tot_l, tot_acc, m_i, l_i, acc)
+
+    tl.store(
+        out_ptr + tok * stride_ot + head[:, None] * stride_oh + dims[None, :],
+        _normalise(tot_l, tot_acc, mine).to(out_ptr.dtype.element_ty),
+        mask=mine[:, None],
+    )
+
+
+def choose_path(
+    t: int, n_seqs: int, hq: int, d: int, max_chunks: int, path: AttentionPath
+) -> Literal["chunks", "serial"]:
+    """The path for a step of t query tokens over a block table of n_seqs rows and max_chunks chunks.
+
+    "auto" takes the chunks path when each program would serve one token (t <= n_seqs, the decode rule) and the
+    workspace fits `_WORKSPACE_LIMIT`. Either path gives the same bits, so this decides speed only.
+    """
+    if path not in ("auto", "chunks", "serial"):
+        raise ValueError(f"attention: unknown path {path!r}; choose auto, chunks or serial")
+    if path != "auto":
+        return path
+    fits = t * hq * max_chunks * d * 4 <= _WORKSPACE_LIMIT
+    return "chunks" if t <= n_seqs and fits else "serial"
 
 
 def paged_attention(
@@ -159,8 +348,14 @@ def paged_attention(
     query_pos: torch.Tensor,
     scale: float,
     split: int,
+    *,
+    path: AttentionPath = "auto",
 ) -> torch.Tensor:
-    """Causal attention of each query over its sequence's cached keys 0..query_pos -> [T, Hq, D] in q's dtype."""
+    """Causal attention of each query over its sequence's cached keys 0..query_pos -> [T, Hq, D] in q's dtype.
+
+    `path` forces one of the two paths (same bits either way); it is for tests and benchmarks only, and the
+    stack always runs "auto".
+    """
     t, hq, d = q.shape
     _, page, hkv, d_k = k_cache.shape
     if d_k != d or v_cache.shape != k_cache.shape:
@@ -171,17 +366,39 @@ def paged_attention(
         raise ValueError(f"attention: kv split size {split} must be a multiple of {_BLOCK_N}")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    max_chunks = max(1, -(-(block_tables.shape[1] * page) // split))
+    chosen = choose_path(t, block_tables.shape[0], hq, d, max_chunks, path)
     out = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
     if t == 0:
         return out
+    args = (q, k_cache, v_cache, block_tables, query_seq, query_pos, scale * math.log2(math.e), split, out)
+    if chosen == "chunks":
+        _launch_chunks(*args, max_chunks)
+    else:
+        _launch_serial(*args)
+    return out
+
+
+def _launch_serial(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_seq: torch.Tensor,
+    query_pos: torch.Tensor,
+    scale_log2: float,
+    split: int,
+    out: torch.Tensor,
+) -> None:
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
     group = hq // hkv
     # How many query tokens share a program's 16 rows follows the step: one when the step is mostly decode
     # (one query per sequence, so no keys to share and more programs in flight), else as many as fit. It decides
     # which rows sit side by side, never a row's reduction order: tile shapes, and so every instruction a row
     # meets, are the same either way (the tests compare the two).
     tokens = 1 if t <= block_tables.shape[0] else _ROWS // group
-    grid = (-(-t // tokens), hkv)
-    _paged_attention_kernel[grid](
+    _paged_attention_kernel[(-(-t // tokens), hkv)](
         q,
         k_cache,
         v_cache,
@@ -190,26 +407,81 @@ def paged_attention(
         query_seq,
         query_pos,
         t,
-        scale * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
+        scale_log2,
+        *q.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        *out.stride()[:2],
         block_tables.stride(0),
         GROUP=group,
         TOKENS=tokens,
         ROWS=_ROWS,
         HEAD_DIM=d,
-        PAGE=page,
+        PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=_BLOCK_N,
         num_warps=4,
         num_stages=2,
     )
-    return out
+
+
+def _launch_chunks(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_seq: torch.Tensor,
+    query_pos: torch.Tensor,
+    scale_log2: float,
+    split: int,
+    out: torch.Tensor,
+    max_chunks: int,
+) -> None:
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    # Slots of chunks past a query's position are never written and never read.
+    m_ws = torch.empty((t, hq, max_chunks), device=q.device, dtype=torch.float32)
+    l_ws = torch.empty_like(m_ws)
+    acc_ws = torch.empty((t, hq, max_chunks, d), device=q.device, dtype=torch.float32)
+    # Warps and stages are the serial kernel's: the shared tile loop must compile to the same instructions.
+    _paged_attention_chunk_kernel[(t, hkv, max_chunks)](
+        q,
+        k_cache,
+        v_cache,
+        m_ws,
+        l_ws,
+        acc_ws,
+        block_tables,
+        query_seq,
+        query_pos,
+        scale_log2,
+        *q.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        *m_ws.stride()[:2],
+        GROUP=group,
+        ROWS=_ROWS,
+        HEAD_DIM=d,
+        PAGE=k_cache.shape[1],
+        SPLIT=split,
+        BLOCK_N=_BLOCK_N,
+        num_warps=4,
+        num_stages=2,
+    )
+    _paged_attention_merge_kernel[(t, hkv)](
+        m_ws,
+        l_ws,
+        acc_ws,
+        out,
+        query_pos,
+        *m_ws.stride()[:2],
+        *out.stride()[:2],
+        GROUP=group,
+        ROWS=_ROWS,
+        HEAD_DIM=d,
+        SPLIT=split,
+        num_warps=4,
+        num_stages=2,
+    )
