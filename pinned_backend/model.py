@@ -18,6 +18,10 @@ import torch
 
 from pinned_backend.checkpoint import ModelConfig, RopeScaling, load_config, load_weights
 from pinned_backend.kernels import Kernels
+
+# Re-exported: the reference model in tiny.py and the tests import them from here.
+from pinned_backend.kernels.composed import apply_rope as apply_rope
+from pinned_backend.kernels.composed import silu as silu
 from pinned_backend.kvcache import PagedKVCache
 
 SERVING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -63,24 +67,6 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x) in float32, rounded once to x's dtype.
-
-    Spelled with exp, add and divide on purpose: on the CPU, PyTorch's fused float32 silu (and sigmoid) gives an
-    element other bits when it falls in the scalar tail of a vectorised loop, which depends on the tensor's
-    length; exp, add and divide give each element the same bits wherever it sits (tests/test_model.py).
-    """
-    x32 = x.float()
-    return (x32 / (1 + torch.exp(-x32))).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, H, D]; cos, sin [T, 1, D/2] float32. Halves rotated as Hugging Face's rotate_half does.
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Transformer:
@@ -161,17 +147,18 @@ class Transformer:
             pos = query_pos.long()
             block_size = cache.block_size
             slots = block_tables[query_seq.long(), pos // block_size].long() * block_size + pos % block_size
-            cos, sin = self.rope_cos[pos][:, None, :], self.rope_sin[pos][:, None, :]  # [T, 1, D/2]
-            eps = self.config.rms_norm_eps
-            x = self.embed[token_ids]  # [T, hidden]
+            eps, last = self.config.rms_norm_eps, len(self.layers) - 1
+            x = self.embed[token_ids]  # [T, hidden], the residual stream
+            h = self.kernels.rms_norm(x, self.layers[0].input_norm, eps)  # what the next block reads
             for i, layer in enumerate(self.layers):
-                h = self.kernels.rms_norm(x, layer.input_norm, eps)
-                x = x + self._attention(
-                    i, layer, h, cos, sin, slots, query_seq, query_pos, block_tables, cache
-                )
-                h = self.kernels.rms_norm(x, layer.post_norm, eps)
-                x = x + self._mlp(layer, h)
-            h = self.kernels.rms_norm(x[logits_rows], self.norm, eps)
+                attended = self._attention(i, layer, h, pos, slots, query_seq, query_pos, block_tables, cache)
+                x, h = self.kernels.add_rms_norm(x, attended, layer.post_norm, eps)
+                mlp_out = self._mlp(layer, h)
+                if i < last:
+                    x, h = self.kernels.add_rms_norm(x, mlp_out, self.layers[i + 1].input_norm, eps)
+            # The final norm runs on the rows that need logits alone; adding only those rows gives each of them
+            # the bits that adding every row would.
+            _, h = self.kernels.add_rms_norm(x[logits_rows], mlp_out[logits_rows], self.norm, eps)
             return self.kernels.matmul(h, self.lm_head).float()
 
     def _attention(
@@ -179,8 +166,7 @@ class Transformer:
         index: int,
         layer: _Layer,
         h: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        pos: torch.Tensor,  # [T] int64 position of each token
         slots: torch.Tensor,  # [T] cache slot of each token
         query_seq: torch.Tensor,
         query_pos: torch.Tensor,
@@ -188,24 +174,17 @@ class Transformer:
         cache: PagedKVCache,
     ) -> torch.Tensor:
         c = self.config
-        n_tokens, eps = h.shape[0], c.rms_norm_eps
         qkv = self.kernels.matmul(h, layer.qkv)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.reshape(n_tokens, c.num_attention_heads, c.head_dim)
-        k = k.reshape(n_tokens, c.num_key_value_heads, c.head_dim)
-        v = v.reshape(n_tokens, c.num_key_value_heads, c.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q = self.kernels.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps).reshape(q.shape)
-            k = self.kernels.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps).reshape(k.shape)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache.write(index, slots, k, v)
+        q = self.kernels.qkv_rope_cache(
+            qkv, layer.q_norm, layer.k_norm, c.rms_norm_eps, self.rope_cos, self.rope_sin, pos, slots,
+            cache.k[index], cache.v[index],
+        )  # fmt: skip
         attended = self.kernels.attention(
             q, cache.k[index], cache.v[index], block_tables, query_seq, query_pos, 1.0 / math.sqrt(c.head_dim)
         )
-        return self.kernels.matmul(attended.reshape(n_tokens, c.q_size), layer.o)
+        return self.kernels.matmul(attended.reshape(h.shape[0], c.q_size), layer.o)
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.kernels.matmul(h, layer.gate_up).chunk(2, dim=-1)
-        return self.kernels.matmul(silu(gate) * up, layer.down)
+        return self.kernels.matmul(self.kernels.silu_mul(self.kernels.matmul(h, layer.gate_up)), layer.down)

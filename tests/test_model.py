@@ -149,6 +149,96 @@ class Runner:
         return self.sequences[s].numel() - self.done[s]
 
 
+def unfused_forward(
+    model: Transformer,
+    token_ids: torch.Tensor,
+    query_seq: torch.Tensor,
+    query_pos: torch.Tensor,
+    block_tables: torch.Tensor,
+    cache: PagedKVCache,
+    logits_rows: torch.Tensor,
+) -> torch.Tensor:
+    """The forward pass as it was written before the fused kernel families: one torch op per elementwise step, the
+    model's kernels for every reduction."""
+    kernels, c, eps = model.kernels, model.config, model.config.rms_norm_eps
+    n, half = token_ids.shape[0], c.head_dim // 2
+    pos = query_pos.long()
+    slots = block_tables[query_seq.long(), pos // BLOCK].long() * BLOCK + pos % BLOCK
+    cos, sin = model.rope_cos[pos][:, None, :], model.rope_sin[pos][:, None, :]
+
+    def rope(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    x = model.embed[token_ids]
+    for i, layer in enumerate(model.layers):
+        h = kernels.rms_norm(x, layer.input_norm, eps)
+        qkv = kernels.matmul(h, layer.qkv)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.reshape(n, c.num_attention_heads, c.head_dim)
+        k = k.reshape(n, c.num_key_value_heads, c.head_dim)
+        v = v.reshape(n, c.num_key_value_heads, c.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = kernels.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps).reshape(q.shape)
+            k = kernels.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps).reshape(k.shape)
+        q, k = rope(q), rope(k)
+        cache.write(i, slots, k, v)
+        attended = kernels.attention(
+            q, cache.k[i], cache.v[i], block_tables, query_seq, query_pos, 1.0 / math.sqrt(c.head_dim)
+        )
+        x = x + kernels.matmul(attended.reshape(n, c.q_size), layer.o)
+        h = kernels.rms_norm(x, layer.post_norm, eps)
+        gate, up = kernels.matmul(h, layer.gate_up).chunk(2, dim=-1)
+        g32 = gate.float()
+        x = x + kernels.matmul((g32 / (1 + torch.exp(-g32))).to(gate.dtype) * up, layer.down)
+    return kernels.matmul(kernels.rms_norm(x[logits_rows], model.norm, eps), model.lm_head).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["default", "batch_invariant"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_forward_gives_the_unfused_forwards_bits(
+    tmp_path: Path, variant: str, mode: Any, dtype: torch.dtype
+) -> None:
+    write_folder(tmp_path, VARIANTS[variant])
+    model = Transformer.from_pretrained(tmp_path, select_kernels(mode, CPU, kv_split_size=32), CPU, dtype)
+    generator = torch.Generator().manual_seed(6)
+    sequences = [torch.randint(0, 512, (50,), generator=generator) for _ in range(2)]
+    tables = torch.arange(8, dtype=torch.int32).view(4, 2).T.contiguous()  # [2 sequences, 4 blocks]
+    fused_cache, unfused_cache = (PagedKVCache(model.config, 8, BLOCK, CPU, dtype) for _ in range(2))
+    done = [0, 0]
+    # A prefill of both, a decode step of both, then chunks; logits for some rows, in no particular order.
+    for chunks, rows in [
+        ([(0, 30), (1, 12)], [29, 41, 0]),
+        ([(1, 1), (0, 1)], [1, 0]),
+        ([(0, 19), (1, 9)], [27]),
+    ]:
+        ids, seq, pos = [], [], []
+        for s, count in chunks:
+            ids.append(sequences[s][done[s] : done[s] + count])
+            seq += [s] * count
+            pos += range(done[s], done[s] + count)
+            done[s] += count
+        step = (
+            torch.cat(ids),
+            torch.tensor(seq, dtype=torch.int32),
+            torch.tensor(pos, dtype=torch.int32),
+            tables,
+        )
+        logits_rows = torch.tensor(rows)
+        fused = model.forward(*step, fused_cache, logits_rows)
+        with torch.inference_mode():
+            unfused = unfused_forward(model, *step, unfused_cache, logits_rows)
+        assert torch.equal(fused, unfused), (
+            f"{mode} {variant} {dtype}: fused logits differ from the unfused ones"
+        )
+        for layer in range(model.config.num_hidden_layers):
+            assert torch.equal(fused_cache.k[layer], unfused_cache.k[layer])
+            assert torch.equal(fused_cache.v[layer], unfused_cache.v[layer])
+
+
 @pytest.mark.parametrize("mode", ["default", "batch_invariant"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_forward_matches_the_dense_float64_reference(tmp_path: Path, variant: str, mode: Any) -> None:

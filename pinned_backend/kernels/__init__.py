@@ -14,6 +14,19 @@ Shapes, shared by every implementation:
                 query_seq [T] int32 (row of block_tables each query belongs to); query_pos [T] int32 (absolute
                 position of each query; it attends causally to positions 0..query_pos) -> [T, Hq, D].
                 The KV cache must already hold this step's keys and values.
+
+Fused families: each computes what a short run of elementwise torch ops computes (`kernels.composed` spells
+them out, and the kernel sets that do not fuse use that spelling), in one pass over memory.
+- add_rms_norm:   x [M, D], delta [M, D], weight [D] -> (x + delta [M, D], rms_norm(x + delta) [M, D]); the sum
+                  rounded once to x's dtype, as torch's add rounds it. The residual add before the next norm.
+- silu_mul:       gate_up [T, 2I] -> [T, I] = silu(gate) * up; silu in fp32 as g / (1 + exp(-g)), rounded to
+                  the dtype, then times up, rounded again.
+- qkv_rope_cache: qkv [T, Hq * D + 2 * Hkv * D] (q | k | v, any bias already added); q_norm, k_norm [D] or
+                  None (Qwen3's per-head RMSNorm, applied when given); rope_cos, rope_sin [max_positions, D/2]
+                  float32; positions [T] int (each token's absolute position, an index into the tables);
+                  slots [T] int64 (block * block_size + offset); k_cache, v_cache [num_blocks, block_size, Hkv, D].
+                  Normalises q and k per head, rotates them (Hugging Face rotate_half, fp32 math, rounded once
+                  to qkv's dtype), writes k and v at the slots and nowhere else -> q [T, Hq, D].
 """
 
 from __future__ import annotations
@@ -44,6 +57,26 @@ class Kernels(Protocol):
         query_seq: torch.Tensor,
         query_pos: torch.Tensor,
         scale: float,
+    ) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def qkv_rope_cache(
+        self,
+        qkv: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
     ) -> torch.Tensor: ...
 
 

@@ -2,7 +2,8 @@
 
 This is what an ordinary server runs. The reduction order of each op is whatever PyTorch picks for the shapes
 of the step, so a row's result may change with the batch around it; the `batch_invariant` modes exist to fix
-that. It knows nothing of the model beyond the shapes in `pinned_backend.kernels`."""
+that. The fused families are the torch ops they fuse (`kernels.composed`). It knows nothing of the model beyond
+the shapes in `pinned_backend.kernels`."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from pinned_backend.kernels import KernelMode
+from pinned_backend.kernels.composed import ComposedKernels
 
 
-class TorchKernels:
+class TorchKernels(ComposedKernels):
     mode: KernelMode = "default"
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

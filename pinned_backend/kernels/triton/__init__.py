@@ -13,8 +13,11 @@ import torch
 from .. import KernelMode
 from .attention import paged_attention
 from .matmul import matmul
+from .residual_norm import add_rms_norm
 from .rms_norm import rms_norm
+from .rope_cache import qkv_rope_cache
 from .softmax import log_softmax
+from .swiglu import silu_mul
 
 DEFAULT_KV_SPLIT_SIZE = 256
 
@@ -48,5 +51,40 @@ class TritonKernels:
             q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, split=self.kv_split_size
         )
 
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, delta, weight, eps)
 
-__all__ = ["DEFAULT_KV_SPLIT_SIZE", "TritonKernels", "log_softmax", "matmul", "paged_attention", "rms_norm"]
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up)
+
+    def qkv_rope_cache(
+        self,
+        qkv: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        return qkv_rope_cache(
+            qkv, q_norm, k_norm, eps, rope_cos, rope_sin, positions, slots, k_cache, v_cache
+        )
+
+
+__all__ = [
+    "DEFAULT_KV_SPLIT_SIZE",
+    "TritonKernels",
+    "add_rms_norm",
+    "log_softmax",
+    "matmul",
+    "paged_attention",
+    "qkv_rope_cache",
+    "rms_norm",
+    "silu_mul",
+]

@@ -1,0 +1,48 @@
+"""SwiGLU's elementwise half on the GPU: `gate_up [T, 2I] -> silu(gate) * up [T, I]`, in one pass.
+
+No element depends on another, so invariance is a matter of doing the same arithmetic on each: a program owns
+`_BLOCK` columns of one row, and the block and warps are fixed, whatever T. The roundings are the composed
+version's (`kernels.composed.silu`): silu in fp32 as g / (1 + exp(-g)), rounded to the dtype, then times up and
+rounded again. Triton's exp and division are not the C library's, so an element may differ from torch's in its
+last bit; the same element always gets the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._compat import tl, triton
+
+_BLOCK = 1024
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, stride_in, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    gate_row = gate_up_ptr + row * stride_in
+    gate = tl.load(gate_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_row + inner + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    y = act.to(tl.float32) * up
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns first) -> [T, I] in gate_up's dtype."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2 != 0:
+        raise ValueError(f"silu_mul takes [T, 2I], got {tuple(gate_up.shape)}")
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    t, width = gate_up.shape
+    inner = width // 2
+    out = torch.empty((t, inner), device=gate_up.device, dtype=gate_up.dtype)
+    if t == 0 or inner == 0:
+        return out
+    grid = (t, -(-inner // _BLOCK))
+    _silu_mul_kernel[grid](
+        gate_up, out, inner, gate_up.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+    )
+    return out
