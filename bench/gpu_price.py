@@ -238,7 +238,9 @@ _FAMILIES = {
     "matmul (Triton)": ("_matmul_kernel", "_sum_splits"),
     "matmul (cuBLAS)": ("gemm", "gemv", "nvjet", "cutlass", "splitk"),
     "attention": ("_paged_attention",),
-    "rms_norm": ("_rms_norm",),
+    "rms_norm and residual add": ("_rms_norm", "_add_rms_norm"),
+    "q/k norm, RoPE and cache write": ("_qkv_rope_cache",),
+    "SiLU times up": ("_silu_mul",),
     "log_softmax": ("_log_softmax",),
 }
 

@@ -97,9 +97,10 @@ def make_engine(
     eos_token_ids: frozenset[int] = frozenset(),
     on_step: Callable[[StepStats], None] | None = None,
     decode_graphs: bool = False,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Engine:
+    device = device or torch.device("cpu")
     kernels = select_kernels(mode, device, kv_split_size=kv_split_size)
     model = Transformer.from_pretrained(folder, kernels, device, dtype)
     cache = PagedKVCache(model.config, num_blocks, block_size, device, dtype)
