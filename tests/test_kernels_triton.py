@@ -47,7 +47,7 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
 @pytest.mark.parametrize(
     ("plan", "k", "why"),
     [
-        (MatmulPlan(1, ((1 << 62, MatmulTile(32, 64, 64, 4, 4)),)), 2048, "64 or 128 rows"),
+        (MatmulPlan(1, ((1 << 62, MatmulTile(32, 64, 64, 4, 4)),)), 2048, "64, 128 or 256 rows"),
         (MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 2, 4)),)), 2048, "4 or 8 warps"),
         (MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 24, 4, 4)),)), 2048, "multiple of 16"),
         (MatmulPlan(2, ((1 << 62, MatmulTile(64, 64, 64, 4, 4)),)), 2000, "every K step must divide"),
