@@ -33,6 +33,8 @@ from ._compat import tl, triton
 INSTRUCTION_K = 16
 _WGMMA_ROWS = (64, 128, 256)
 _WGMMA_WARPS = (4, 8)
+# Row tiles per band of the launch order (see the kernel); 16 bands of 128 rows of a K = 6144 x take 24 MiB of L2.
+_GROUP_M = 16
 # Without a split, fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
 _TARGET_PROGRAMS = 128
 
@@ -88,7 +90,8 @@ _LARGE_M = 1 << 62
 
 # (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
 # reduction order, the fastest proven tile at each timed M, up to that M. The down projection keeps two slices of K:
-# they make it 1.1x of cuBLAS at decode sizes instead of 1.3x, for 1.3x instead of 1.1x at M = 512 and beyond.
+# they make it 1.1x of cuBLAS at decode sizes instead of 1.3x, for 1.3x instead of 1.1x from M = 512 on; measured
+# end to end, K whole lost more decode (0.93-0.97 of default) than it won prefill (bench/results/h200.md).
 TUNED: dict[tuple[int, int], MatmulPlan] = {
     (4096, 2048): MatmulPlan(
         1,
@@ -198,12 +201,21 @@ def _matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    N_TILES: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    # Row tiles vary fastest, so the programs in flight share one weight tile through L2.
+    # Programs walk bands of GROUP_M row tiles; inside a band, row tiles vary fastest. So the programs in flight
+    # share one weight tile through L2, and a band's rows of x stay in L2 while the weight streams past them. With
+    # M of GROUP_M row tiles or fewer (every decode step) this is plain row-fastest order; at prefill sizes, where
+    # x outgrows L2, it keeps x from being read once per weight tile. The order decides nothing but speed.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m
-    pid_n = pid // num_m
+    band = pid // (GROUP_M * N_TILES)
+    first_m = band * GROUP_M
+    band_rows = tl.minimum(num_m - first_m, GROUP_M)
+    in_band = pid % (GROUP_M * N_TILES)
+    pid_m = first_m + in_band % band_rows
+    pid_n = in_band // band_rows
     # This program reduces slices pid_k * SLICES .. pid_k * SLICES + SLICES - 1.
     pid_k = tl.program_id(1)
 
@@ -301,6 +313,8 @@ def matmul(
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
         EVEN_K=k % tile.block_k == 0,
+        N_TILES=-(-n // tile.block_n),
+        GROUP_M=_GROUP_M,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
