@@ -12,16 +12,19 @@
    `matmul.TUNED`.
 4. cuBLAS's own invariance at the same shapes, for the record.
 
-Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--budget-s=SECONDS]. Prints a short table last.
+Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--budget-s=SECONDS] [--write-tuned]. Prints a short
+table last; `--write-tuned` also rewrites `matmul.TUNED` with the winning plans of the shapes swept.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +38,9 @@ SHAPES = {
     "gate_up": (12288, 2048),
     "lm_head": (151936, 2048),
 }
-SPLITS = {"down": [1, 2], "o_proj": [1, 2], "qkv": [1], "gate_up": [1], "lm_head": [1]}
+# Reductions orders tried per weight. The down projection is held to two slices of K: with K whole it is faster
+# from M = 512 on, but end to end that lost more decode than it won prefill (bench/results/h200.md, run 16).
+SPLITS = {"down": [2], "o_proj": [1, 2], "qkv": [1], "gate_up": [1], "lm_head": [1]}
 TIMED_M = [1, 8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512]
 BETWEEN_M = [3, 24, 48, 80, 112, 144, 224, 288, 352, 480]  # checked on the final plan only
 PREFILL_M = [2048, 8192]  # chooses the tile past 512; timed for the record, outside the 1..512 target
@@ -295,6 +300,27 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
     return result
 
 
+def write_tuned(plans: dict[tuple[int, int], str]) -> None:
+    """Replace the entries of `matmul.TUNED` for the swept shapes with their new plans; other entries stay."""
+    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    path = Path(matmul_module.__file__)
+    source = path.read_text()
+    head = "TUNED: dict[tuple[int, int], MatmulPlan] = {\n"
+    start = source.index(head) + len(head)
+    end = source.index("\n}\n", start)
+    kept = [
+        f"    {shape}: {_source_of(plan)},"
+        for shape, plan in matmul_module.TUNED.items()
+        if shape not in plans
+    ]
+    body = "\n".join([*kept, *plans.values()])
+    path.write_text(source[:start] + body + source[end:])
+
+
+def _source_of(plan: MatmulPlan) -> str:
+    return plan_source("", 0, 0, plan).split(": ", 1)[1].rsplit(",  #", 1)[0]
+
+
 def main() -> None:
     out_path = sys.argv[1]
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--shapes=")), list(SHAPES))
@@ -332,6 +358,8 @@ def main() -> None:
             f"{name:8s} {r['n']:7d} {r['k']:5d}   {r['worst_ratio_1_512']:5.2f} ({worst_m})"
             f"                   {len(r['plan_mismatches'])}           {len(r['cublas_mismatches'])}"
         )
+    if "--write-tuned" in sys.argv:
+        write_tuned({(r["n"], r["k"]): r["plan"] for r in report["shapes"].values() if "plan" in r})
     print("\nTUNED = {")
     for r in report["shapes"].values():
         if "plan" in r:

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU reports come from, in one run on one machine: the GPU tests, the matmul sweep and the price
-# of reproducibility. Usage: bench/gpu_run.sh OUT_DIR [STAGE...], stages: tests sweep speed divergence
-# (default: all). Each stage writes its JSON and log under OUT_DIR; a failing stage does not stop the others.
+# of reproducibility. Usage: bench/gpu_run.sh OUT_DIR [STAGE...], stages: tests sweep tune speed divergence
+# (default: tests sweep speed divergence). `tune` is `sweep` that also rewrites matmul.TUNED in this copy of the
+# tree (and leaves the new matmul.py in OUT_DIR), so that the stages after it run the new plans. Each stage writes
+# its JSON and log under OUT_DIR; a failing stage does not stop the others.
 set -u
-out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [speed] [divergence]}
+out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [speed] [divergence]}
 shift
 stages=${*:-tests sweep speed divergence}
 mkdir -p "$out"
@@ -18,6 +20,11 @@ for stage in $stages; do
             tests/test_backend_cuda.py >"$out/pytest.log" 2>&1
         ;;
     sweep) python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-240}" >"$out/kernels.log" 2>&1 ;;
+    tune)
+        python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-240}" --write-tuned \
+            >"$out/kernels.log" 2>&1
+        cp pinned_backend/kernels/triton/matmul.py "$out/matmul.py"
+        ;;
     speed) python3 bench/gpu_price.py "$out/price.json" --parts speed >"$out/price.log" 2>&1 ;;
     divergence)
         python3 bench/gpu_price.py "$out/divergence.json" --parts divergence --embed-std 0.02 \
@@ -30,7 +37,7 @@ done
 for stage in $stages; do
     case $stage in
     tests) tail -n 3 "$out/pytest.log" ;;
-    sweep) sed -n '/^shape/,$p' "$out/kernels.log" ;;
+    sweep | tune) sed -n '/^shape/,$p' "$out/kernels.log" ;;
     speed) sed -n '/^NVIDIA\|^copy\|^matmul worst\|^batch\|^ *[0-9]\|^decode step/p' "$out/price.log" | tail -n 12 ;;
     divergence) grep '^divergence' "$out/divergence.log" | tail -n 2 ;;
     esac
