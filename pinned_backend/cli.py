@@ -1,7 +1,7 @@
 """`stackpin-backend`: serve a checkpoint over HTTP, or write the tiny model.
 
     stackpin-backend serve --model DIR [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
-                           [--device cpu|cuda] [--dtype fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
+                           [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--ready-file PATH]
     stackpin-backend make-tiny DIR
 
@@ -44,7 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="0 picks any free port")
     serve.add_argument("--kernel-mode", choices=["batch_invariant", "default"], default="batch_invariant")
     serve.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    serve.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    serve.add_argument(
+        "--dtype",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="auto: bf16 on cuda, fp32 on cpu",
+    )
     serve.add_argument("--kv-cache-mb", type=float, default=64.0)
     serve.add_argument("--max-batch-size", type=int, default=16)
     serve.add_argument("--max-step-tokens", type=int, default=256)

@@ -38,7 +38,7 @@ class BackendSettings(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on a GPU, fp32 on the CPU
     kv_cache_mb: float = Field(default=64, gt=0)
     block_size: int = Field(default=16, ge=1)
     kv_split_size: int = Field(default=256, ge=1)
@@ -54,11 +54,22 @@ class BackendSettings(BaseModel):
             raise ValueError(
                 f"max_step_tokens ({self.max_step_tokens}) must be at least max_batch_size ({self.max_batch_size})"
             )
+        if self.device == "cuda" and self.kernel_mode == "batch_invariant" and self.dtype == "fp32":
+            raise ValueError(
+                "batch_invariant kernels on cuda run bf16 or fp16 on the tensor cores; choose --dtype bf16 "
+                "(or fp16), or --kernel-mode default for fp32"
+            )
         if self.kv_split_size % self.block_size:
             raise ValueError(
                 f"kv_split_size ({self.kv_split_size}) must be a multiple of block_size ({self.block_size})"
             )
         return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device == "cuda" else torch.float32
+        return DTYPES[self.dtype]
 
     @property
     def served_name(self) -> str:
@@ -85,7 +96,7 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         torch.set_num_threads(settings.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device; use --device cpu")
-    dtype = DTYPES[settings.dtype]
+    dtype = settings.torch_dtype
     config = load_config(settings.model)
     kernels = select_kernels(settings.kernel_mode, device, kv_split_size=settings.kv_split_size)
     digest = weights_sha256(settings.model)

@@ -41,6 +41,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (("serve", "--model", ".", "--kernel-mode", "fast"), "invalid choice: 'fast'"),
         (("serve", "--model", ".", "--port", "70000"), "--port"),
         (("serve", "--model", ".", "--max-batch-size", "64", "--max-step-tokens", "8"), "max_step_tokens"),
+        (("serve", "--model", ".", "--device", "cuda", "--dtype", "fp32"), "choose --dtype bf16"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(

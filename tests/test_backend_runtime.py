@@ -29,6 +29,18 @@ def test_settings_refuse_inconsistent_batching() -> None:
         BackendSettings(model=Path("."), kernel_mode="fast")  # type: ignore[arg-type]
 
 
+def test_dtype_auto_is_bf16_on_a_gpu_and_fp32_on_the_cpu() -> None:
+    assert BackendSettings(model=Path("m")).torch_dtype == torch.float32
+    assert BackendSettings(model=Path("m"), device="cuda").torch_dtype == torch.bfloat16
+    assert BackendSettings(model=Path("m"), device="cuda", dtype="fp16").torch_dtype == torch.float16
+
+
+def test_fp32_on_a_gpu_is_refused_in_batch_invariant_mode_only() -> None:
+    with pytest.raises(ValidationError, match="choose --dtype bf16"):
+        BackendSettings(model=Path("m"), device="cuda", dtype="fp32")
+    BackendSettings(model=Path("m"), device="cuda", dtype="fp32", kernel_mode="default")
+
+
 def test_the_stack_reports_the_loaded_weights_dtype_and_mode(checkpoint: Path) -> None:
     settings = BackendSettings(
         model=checkpoint, kernel_mode="default", dtype="bf16", block_size=4, kv_split_size=8
