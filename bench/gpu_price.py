@@ -7,8 +7,8 @@ numbers are about speed and bit-reproducibility, never about answer quality. The
 
 - `batch_invariant`: `TritonKernels`, every reduction in a fixed order per row.
 - `default`: the same, except that matmuls go to cuBLAS (`F.linear`), the op whose reduction order follows the
-  batch. RMSNorm, log-softmax and attention stay the fused Triton kernels in both modes, so the ratio prices the
-  matmul alone; the project's CPU-friendly `TorchKernels` attention loops over sequences on the host and would
+  batch. RMSNorm, the fused elementwise kernels, log-softmax and attention stay the Triton kernels in both modes,
+  so the ratio prices the matmul alone; the project's CPU-friendly `TorchKernels` attention loops over sequences on the host and would
   make `default` look slower than it is on a GPU.
 
 Measured: matmul TFLOP/s against cuBLAS at the model's shapes for M = 1..512; decode throughput (CUDA graph per
