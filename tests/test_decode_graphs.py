@@ -24,18 +24,22 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve_all(engine: Engine, seed: int) -> dict[str, tuple[object, ...]]:
-    """Random requests (greedy and seeded, with top logprobs) arriving over the steps; what each one got."""
+    """Random requests (greedy and seeded, with top logprobs) arriving over the first steps, one long one last, so
+    that decode-only steps come at several batch sizes and two block-table widths; what each request got."""
     rng = random.Random(seed)
     collectors: dict[str, Collector] = {}
     jobs = []
     for i in range(9):
         prompt = [rng.randrange(90) for _ in range(rng.randint(1, 20))]
         params = SamplingParams(
-            temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=rng.randint(1, 12), top_logprobs=3
+            temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=rng.randint(4, 24), top_logprobs=3
         )
         jobs.append((f"r{i}", prompt, params))
+    jobs.insert(
+        0, ("long", [rng.randrange(90) for _ in range(70)], SamplingParams(temperature=0, max_tokens=8))
+    )
     while jobs or engine.has_work():
-        for _ in range(rng.randint(0, 2)):
+        for _ in range(rng.randint(1, 3)):
             if jobs:
                 rid, prompt, params = jobs.pop()
                 collectors[rid] = Collector()
@@ -62,6 +66,7 @@ def test_padded_decode_steps_give_every_request_the_same_bits_as_unpadded_ones(c
     graphs = padded_engine._graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 7]
     assert graphs.steps > 0 and graphs.padded_rows > 0, "no decode step was padded: the test proves nothing"
+    assert {width for _, width in graphs.shapes} == {16, 32}, "steps should have run at two table widths"
 
 
 def test_decode_graphs_are_refused_under_kernels_that_are_not_batch_invariant(checkpoint: Path) -> None:
@@ -97,9 +102,9 @@ def test_cuda_graph_decode_steps_give_the_same_bits_as_eager_ones(checkpoint: Pa
         "kv_split_size": 64,
     }
     on_gpu = {"device": torch.device("cuda"), "dtype": torch.bfloat16}
-    plain = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=5)
+    plain = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=4)
     graphed_engine = make_engine(checkpoint, **sizes, **on_gpu, decode_graphs=True)
-    graphed = _serve_all(graphed_engine, seed=5)
+    graphed = _serve_all(graphed_engine, seed=4)
     assert graphed == plain
     graphs = graphed_engine._graphs
     assert graphs is not None and graphs.steps > 0 and graphs.padded_rows > 0
