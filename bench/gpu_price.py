@@ -33,7 +33,7 @@ from gpu_kernels import time_rotating, weight_copies
 
 from pinned_backend.checkpoint import ModelConfig, expected_shapes
 from pinned_backend.engine import Engine, EngineConfig, EngineError, TokenOutput
-from pinned_backend.kernels.triton import TritonKernels, matmul
+from pinned_backend.kernels.triton import CublasKernels, TritonKernels, matmul
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
 from pinned_backend.sampling import SamplingParams
@@ -44,15 +44,6 @@ PAGE = 16
 CONTEXT = 512  # prompt tokens per sequence before decode is timed
 DECODE_STEPS = 64
 DEVICE = "cuda"
-
-
-class CublasKernels(TritonKernels):
-    """`default` mode on the GPU: cuBLAS matmuls, whose kernel and split of K follow M."""
-
-    mode = "default"  # type: ignore[assignment]
-
-    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w)
 
 
 def qwen3_1_7b() -> ModelConfig:

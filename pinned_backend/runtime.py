@@ -127,7 +127,7 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         hardware=detect_hardware(device),
         kernel_mode=kernels.mode,
         software=detect_software(device),
-        # The default kernels do not split attention by a fixed size; 0 says so.
+        # The CPU's default kernels do not split attention by a fixed size; 0 says so.
         batching=batching_policy(
             settings.max_batch_size, settings.max_step_tokens, getattr(kernels, "kv_split_size", 0)
         ),

@@ -158,14 +158,18 @@ def test_select_kernels_picks_the_implementation_for_mode_and_device() -> None:
     assert invariant.mode == "batch_invariant"
     with pytest.raises(ValueError, match="unknown kernel mode 'fast'"):
         select_kernels("fast", CPU)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="no kernels for device type 'meta'"):
-        select_kernels("batch_invariant", torch.device("meta"))
+    for mode in ("default", "batch_invariant"):
+        with pytest.raises(ValueError, match="no kernels for device type 'meta'"):
+            select_kernels(mode, torch.device("meta"))  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
-def test_batch_invariant_on_cuda_without_a_device_is_a_clear_error() -> None:
-    with pytest.raises(RuntimeError, match="no CUDA device"):
-        select_kernels("batch_invariant", torch.device("cuda"))
+@pytest.mark.parametrize("mode", ["default", "batch_invariant"])
+def test_either_mode_on_cuda_without_a_device_is_a_clear_error(mode: str) -> None:
+    with pytest.raises(
+        RuntimeError, match=f"{mode} mode on cuda: this torch build or machine has no CUDA device"
+    ):
+        select_kernels(mode, torch.device("cuda"))  # type: ignore[arg-type]
 
 
 def test_a_thread_count_changed_after_start_is_refused() -> None:

@@ -81,6 +81,19 @@ def triton_ops():  # type: ignore[no-untyped-def]
 
 @gpu
 @needs_cuda
+def test_default_mode_on_cuda_is_cublas_over_the_same_triton_kernels(triton_ops) -> None:  # type: ignore[no-untyped-def]
+    from pinned_backend.kernels import select_kernels
+
+    kernels = select_kernels("default", torch.device("cuda"), kv_split_size=128)
+    assert isinstance(kernels, triton_ops.CublasKernels) and kernels.mode == "default"
+    assert kernels.kv_split_size == 128
+    x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(kernels.matmul(x, w), torch.nn.functional.linear(x, w))
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
 def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
     triton_ops, n: int, k: int

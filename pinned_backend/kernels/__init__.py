@@ -83,38 +83,33 @@ class Kernels(Protocol):
 def select_kernels(mode: KernelMode, device: torch.device, *, kv_split_size: int = 256) -> Kernels:
     """The kernels for `mode` on `device`; `kv_split_size` (tokens) is the invariant attention's KV split.
 
-    Implementations are imported here, not at the top, so that the CPU never imports Triton.
+    On a GPU, `default` is what a fast ordinary server runs: cuBLAS matmuls, whose kernel and split of K follow the
+    batch, over the same Triton attention and fused kernels as `batch_invariant` (PyTorch's own attention over a
+    paged cache would loop over sequences on the host). Implementations are imported here, not at the top, so that
+    the CPU never imports Triton.
     """
     if mode not in KERNEL_MODES:
         raise ValueError(f"unknown kernel mode {mode!r}; choose one of {', '.join(KERNEL_MODES)}")
-    if mode == "default":
-        from pinned_backend.kernels.torch_ops import TorchKernels
-
-        return TorchKernels()
     if device.type == "cpu":
+        if mode == "default":
+            from pinned_backend.kernels.torch_ops import TorchKernels
+
+            return TorchKernels()
         from pinned_backend.kernels.cpu import CpuInvariantKernels
 
         return CpuInvariantKernels(kv_split_size=kv_split_size)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(
-                f"batch_invariant mode on {device}: this torch build or machine has no CUDA device"
-            )
+            raise RuntimeError(f"{mode} mode on {device}: this torch build or machine has no CUDA device")
         try:
             import triton  # noqa: F401  (the kernels package imports it lazily; fail here, at start)
 
             from pinned_backend.kernels import triton as triton_kernels
         except ImportError as exc:
             raise RuntimeError(
-                f"batch_invariant mode on {device} needs Triton kernels, which failed to import ({exc}); "
-                "install triton or run with kernel mode 'default'"
+                f"{mode} mode on {device} needs the Triton kernels, which failed to import ({exc}); install triton"
             ) from exc
-        factory = getattr(triton_kernels, "TritonKernels", None)
-        if factory is None:
-            raise RuntimeError(
-                "batch_invariant mode on CUDA is not available: "
-                "pinned_backend.kernels.triton has no TritonKernels"
-            )
+        factory = triton_kernels.CublasKernels if mode == "default" else triton_kernels.TritonKernels
         kernels: Kernels = factory(kv_split_size=kv_split_size)
         return kernels
-    raise ValueError(f"batch_invariant mode has no kernels for device type {device.type!r}; use cpu or cuda")
+    raise ValueError(f"no kernels for device type {device.type!r}; use cpu or cuda")

@@ -2,13 +2,15 @@
 
 `TritonKernels` implements the `Kernels` protocol of the parent package. Every launch configuration is fixed by
 dtype and weight shape (and, for attention, by `kv_split_size`), never by the step's batch, so every output row's
-bits are a function of that row's inputs alone. Importable without Triton or CUDA (see `_compat`); using it needs
+bits are a function of that row's inputs alone. `CublasKernels` is the `default` mode on CUDA: the same kernels
+with cuBLAS matmuls, the one op whose reduction order then follows the batch. Importable without Triton or CUDA (see `_compat`); using it needs
 both. What runs where, and how the choice is made, is the parent package's business.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import KernelMode
 from .attention import paged_attention
@@ -77,8 +79,18 @@ class TritonKernels:
         )
 
 
+class CublasKernels(TritonKernels):
+    """`default` mode on CUDA: cuBLAS matmuls, whose kernel and split of K follow M; everything else as above."""
+
+    mode: KernelMode = "default"
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+
 __all__ = [
     "DEFAULT_KV_SPLIT_SIZE",
+    "CublasKernels",
     "TritonKernels",
     "add_rms_norm",
     "log_softmax",
