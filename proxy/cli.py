@@ -121,6 +121,15 @@ def _parser() -> argparse.ArgumentParser:
         "--interval-s", type=float, help="seconds between beats (default: a third of the lease)"
     )
     heartbeat.set_defaults(run=_fleet_heartbeat)
+    lift = fleet_commands.add_parser(
+        "lift",
+        parents=[config],
+        help="lift a replica's quarantine for every proxy, once it serves the intended stack; its records stay marked",
+    )
+    lift.add_argument("name", help="the quarantined replica's name")
+    lift.add_argument("--redis", help="Redis URL (default: the configuration's [fleet] redis_url)")
+    lift.add_argument("--json", action="store_true", help="print the lifted quarantine as JSON")
+    lift.set_defaults(run=_fleet_lift)
     return parser
 
 
@@ -190,6 +199,17 @@ def _probe(args: argparse.Namespace) -> int:
     return asyncio.run(probe(_client_target(args, settings), args))
 
 
+def _fleet_redis_url(args: argparse.Namespace, settings: Settings, command: str) -> str:
+    import re
+
+    redis_url: str | None = args.redis or settings.fleet.redis_url
+    if not redis_url:
+        raise ConfigError(f"fleet {command} needs Redis: pass --redis URL or set [fleet] redis_url")
+    if not re.match(r"^(redis|rediss|unix)://", redis_url):
+        raise ConfigError(f"--redis must start with redis://, rediss:// or unix://, got {redis_url!r}")
+    return redis_url
+
+
 def _fleet_heartbeat(args: argparse.Namespace) -> int:
     import re
 
@@ -198,11 +218,7 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
     from proxy.logs import configure_logging
 
     settings = _settings(args)
-    redis_url = args.redis or settings.fleet.redis_url
-    if not redis_url:
-        raise ConfigError("fleet heartbeat needs Redis: pass --redis URL or set [fleet] redis_url")
-    if not re.match(r"^(redis|rediss|unix)://", redis_url):
-        raise ConfigError(f"--redis must start with redis://, rediss:// or unix://, got {redis_url!r}")
+    redis_url = _fleet_redis_url(args, settings, "heartbeat")
     if not re.match(r"^https?://[^\s/]+", args.replica_url):
         raise ConfigError(f"--replica-url must start with http:// or https://, got {args.replica_url!r}")
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", args.name):
@@ -222,6 +238,43 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
             timeout_s=min(settings.fleet.timeout_s, interval_s),
             clock=utc_now,
         )
+    )
+    return EXIT_OK
+
+
+def _fleet_lift(args: argparse.Namespace) -> int:
+    from proxy.fleet.documents import FleetKeys
+    from proxy.fleet.state import FleetState, FleetUnavailable, connect
+
+    settings = _settings(args)
+    redis_url = _fleet_redis_url(args, settings, "lift")
+
+    async def lift() -> str | None:
+        state = FleetState(
+            connect(redis_url, timeout_s=settings.fleet.timeout_s), FleetKeys(settings.fleet.key_prefix)
+        )
+        try:
+            return await state.lift(args.name)
+        finally:
+            await state.close()
+
+    try:
+        note = asyncio.run(lift())
+    except FleetUnavailable as e:
+        print(f"stackpin: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if note is None:
+        print(f"stackpin: {args.name} has no quarantine in the fleet; nothing lifted", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps({"lifted": args.name, "quarantine": json.loads(note)}))
+        return EXIT_OK
+    detail = json.loads(note)
+    print(
+        f"lifted the quarantine on {args.name} ({detail.get('reason')}, registered {detail.get('registered')}, "
+        f"observed {detail.get('observed')}, placed {detail.get('at')} by {detail.get('by')}); every proxy puts it "
+        "back in rotation at its next sync, registered with the stack it proves next; the records it marked stay "
+        "marked"
     )
     return EXIT_OK
 

@@ -3,8 +3,9 @@
 This is the in-process registry, the embedded default. It holds state only; the health monitor feeds it what the
 replicas say, and the router reads it. A replica enters rotation only once its stack is known: declared in
 configuration for an upstream API, or proved at `GET /v1/stack` for a pinned_backend. A replica whose proved stack
-changes is quarantined: out of rotation until an operator restarts the proxy, because every answer it gave since
-its last good check is now suspect (DESIGN.md, invariant 3).
+changes is quarantined: out of rotation until an operator restarts the proxy (in fleet mode: lifts the quarantine,
+`stackpin fleet lift`), because every answer it gave since its last good check is now suspect (DESIGN.md,
+invariant 3). A lift returns it as if new; the records it marked stay marked.
 
 In fleet mode (`[fleet] redis_url`) this registry stays the router's only view: `proxy/fleet/sync.py` keeps it in
 step with the leases, quarantines and outstanding counts that every proxy shares in Redis.
@@ -89,6 +90,15 @@ class Registry:
 
     def quarantine(self, name: str, reason: str) -> None:
         self.replicas[name].quarantined = reason
+
+    def lift(self, name: str) -> None:
+        """Back from quarantine. A proved replica comes back as if new: the next stack it proves is the one it is
+        registered with. A declared one keeps the stack its configuration declares."""
+        replica = self.replicas[name]
+        replica.quarantined = None
+        if not replica.declared:
+            replica.stack = replica.fingerprint = replica.last_good_check = None
+            replica.reachable = False
 
     def unreachable(self, name: str) -> None:
         self.replicas[name].reachable = False

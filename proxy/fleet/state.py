@@ -97,6 +97,24 @@ class FleetState:
             raise FleetUnavailable(f"quarantining {name}: {e}") from e
         return bool(placed)
 
+    async def lift(self, name: str) -> str | None:
+        """An operator's act: removes the quarantine on `name` with its flagging claim and its registered
+        fingerprint (so that its sidecar registers the stack it serves now). Returns the note that was lifted
+        (raw JSON), or None when there was none, in which case nothing is removed."""
+        keys = self.keys
+        script = (
+            "local note = redis.call('GET', KEYS[1]) "
+            "if note then redis.call('DEL', KEYS[1], KEYS[2], KEYS[3]) end "
+            "return note"
+        )
+        try:
+            note = await self.client.eval(
+                script, 3, keys.quarantine(name), keys.flagged(name), keys.registered(name)
+            )
+        except RedisError as e:
+            raise FleetUnavailable(f"lifting the quarantine on {name}: {e}") from e
+        return None if note is None else str(note)
+
     async def claim_flagging(self, name: str, proxy_id: str) -> bool:
         """Only one proxy marks a quarantined replica's records; the others leave them to it."""
         try:

@@ -5,7 +5,8 @@ counts; then it updates the local `Registry`, which the router reads without eve
 
 - a replica with a live lease is in rotation with the stack its sidecar proved; one whose lease expired leaves;
 - a lease whose stack is not the one its replica registered with, or a quarantine in Redis, quarantines the
-  replica here too, and a quarantine found here is published there; a proxy never lifts one;
+  replica here too, and a quarantine found here is published there. No proxy or sidecar lifts one: an operator
+  does (`stackpin fleet lift`), and a quarantine this proxy has seen in Redis that is gone from it is lifted here;
 - outstanding counts are the other proxies' published counts plus this proxy's own, exact ones. Requests move
   the shared counters fire-and-forget (`moved`), so routing never waits on Redis; every round rewrites this
   proxy's absolute counts, which heals a lost increment, and a crashed proxy's counts expire with it.
@@ -79,6 +80,9 @@ class FleetSync:
         self.last_error: str | None = None
         self.inflight: dict[str, int] = {}
         self._unshared: dict[str, Quarantine] = {}  # quarantines found while Redis was away
+        # Quarantines seen in Redis: only these are lifted here when they leave it. One this proxy has just
+        # published but not yet read back is not, whatever a view read before the publish says.
+        self._seen_in_fleet: set[str] = set()
         self._sends: set[asyncio.Task[None]] = set()
 
     def status(self) -> Staleness:
@@ -166,10 +170,17 @@ class FleetSync:
                 log.info("replica_leased", replica=name, url=lease.url, fingerprint=lease.fingerprint)
             elif lease is not None and not replica.leased and not replica.declared:
                 replica.leased = True  # its sidecar now speaks for it; the health monitor stops polling it
-            if note is not None and replica.quarantined is None:
-                await self.health.quarantine(
-                    replica, note.reason, claimed=note.observed, since=note.last_good_check
-                )
+            if note is not None:
+                self._seen_in_fleet.add(name)
+                if replica.quarantined is None:
+                    await self.health.quarantine(
+                        replica, note.reason, claimed=note.observed, since=note.last_good_check
+                    )
+            elif name in self._seen_in_fleet and name not in self._unshared:
+                self._seen_in_fleet.discard(name)
+                if replica.quarantined is not None:
+                    log.warning("quarantine_lifted", replica=name, reason=replica.quarantined)
+                    self.registry.lift(name)
             if replica.leased:
                 await self._apply_lease(replica, lease)
         for replica in self.registry.all():
