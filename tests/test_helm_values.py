@@ -50,6 +50,7 @@ TINY = {
         ({"stacks": [{**TINY, "name": "Tiny_CPU"}]}, "DNS label"),
         ({"stacks": [{**TINY, "kernelMode": "fast"}]}, "kernelMode"),
         ({"stacks": [{**TINY, "dtype": "int3"}]}, "dtype"),
+        ({"stacks": [{**TINY, "gpus": 1, "dtype": "fp32"}]}, "batch_invariant on GPUs runs bf16 or fp16"),
         ({"stacks": [TINY, TINY]}, "appears twice"),
         ({"stacks": [{**TINY, "maxBatchSize": 512}]}, "maxStepTokens must be at least maxBatchSize"),
         ({"stacks": [{**TINY, "name": "x" * 60}]}, "longer than 63"),
