@@ -5,6 +5,7 @@ Knows SQLite (aiosqlite, the embedded default) and PostgreSQL (asyncpg). Knows n
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,12 +63,27 @@ def describe(url: URL) -> str:
 
 
 Durability = Literal["disk", "process"]
+_WAL_ATTEMPTS = 40  # about 4 s of waiting in all
 
 
 def connect_args(url: URL, schema: str | None) -> dict[str, Any]:
     if url.get_backend_name() == "postgresql" and schema is not None:
         return {"server_settings": {"search_path": schema}}
     return {}
+
+
+def _use_wal(cursor: Any) -> None:
+    """Switch the file to WAL (it stays so). While several connections open a brand-new file at once, SQLite answers
+    some of them "database is locked" at once, without waiting on the busy timeout (it would deadlock otherwise), for
+    the switch and for reads alike; they try again, briefly. This runs once per connection, at start."""
+    for attempt in range(_WAL_ATTEMPTS):
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except Exception as e:  # the driver's OperationalError, in whichever wrapper
+            if "locked" not in str(e) or attempt == _WAL_ATTEMPTS - 1:
+                raise
+            time.sleep(0.005 * (attempt + 1))
 
 
 def _sqlite_settings(engine: Engine, *, immediate: bool, durability: Durability = "disk") -> None:
@@ -79,9 +95,9 @@ def _sqlite_settings(engine: Engine, *, immediate: bool, durability: Durability 
         # WAL lets readers run beside the writer; FULL syncs the WAL on every commit, which is the durability
         # the proxy promises before it answers. NORMAL ("process") syncs at checkpoints only: a commit survives
         # the proxy's crash, not the machine's.
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA synchronous={'FULL' if durability == 'disk' else 'NORMAL'}")
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        _use_wal(cursor)
+        cursor.execute(f"PRAGMA synchronous={'FULL' if durability == 'disk' else 'NORMAL'}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
