@@ -266,15 +266,23 @@ def _fleet_lift(args: argparse.Namespace) -> int:
     if note is None:
         print(f"stackpin: {args.name} has no quarantine in the fleet; nothing lifted", file=sys.stderr)
         return EXIT_ERROR
+    try:
+        detail = json.loads(note)
+    except ValueError:
+        detail = None
     if args.json:
-        print(json.dumps({"lifted": args.name, "quarantine": json.loads(note)}))
+        print(json.dumps({"lifted": args.name, "quarantine": detail if detail is not None else note}))
         return EXIT_OK
-    detail = json.loads(note)
+    what = (
+        f"{detail.get('reason')}, registered {detail.get('registered')}, observed {detail.get('observed')}, "
+        f"placed {detail.get('at')} by {detail.get('by')}"
+        if isinstance(detail, dict)
+        else f"an unreadable note: {note[:200]}"
+    )
     print(
-        f"lifted the quarantine on {args.name} ({detail.get('reason')}, registered {detail.get('registered')}, "
-        f"observed {detail.get('observed')}, placed {detail.get('at')} by {detail.get('by')}); every proxy puts it "
-        "back in rotation at its next sync, registered with the stack it proves next; the records it marked stay "
-        "marked"
+        f"lifted the quarantine on {args.name} ({what}); it stays out of rotation until its sidecar registers and "
+        "leases the stack it serves now, then every proxy takes it back at its next sync; the records it marked "
+        "stay marked"
     )
     return EXIT_OK
 

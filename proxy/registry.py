@@ -91,14 +91,15 @@ class Registry:
     def quarantine(self, name: str, reason: str) -> None:
         self.replicas[name].quarantined = reason
 
-    def lift(self, name: str) -> None:
+    def lift(self, name: str, now: datetime) -> None:
         """Back from quarantine. A proved replica comes back as if new: the next stack it proves is the one it is
-        registered with. A declared one keeps the stack its configuration declares."""
+        registered with, and nothing it served before `now` is its to answer for again. A declared one keeps the
+        stack its configuration declares."""
         replica = self.replicas[name]
         replica.quarantined = None
         if not replica.declared:
-            replica.stack = replica.fingerprint = replica.last_good_check = None
-            replica.reachable = False
+            replica.stack = replica.fingerprint = None
+            replica.reachable, replica.last_good_check = False, now
 
     def unreachable(self, name: str) -> None:
         self.replicas[name].reachable = False

@@ -63,6 +63,41 @@ async def test_a_lifted_quarantine_returns_the_replica_to_every_proxy_under_the_
             )
 
 
+async def test_a_proxy_that_syncs_before_the_sidecar_beats_again_neither_requarantines_nor_marks_anew(
+    replica: FakeReplica, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with audit_database("sqlite", tmp_path) as db:
+        await db.migrate()
+        async with running_fleet(db, {"r1": replica}) as fleet:
+            _, _, headers = await fleet.proxies[0].post("/v1/chat/completions", CHAT)
+            fleet.clock.advance(1)
+            replica.stack = {**replica.stack, "quantisation": "bf16"}
+            await fleet.beat()
+            await fleet.sync_all()
+            assert await asyncio.to_thread(stackpin, lift_argv(fleet, tmp_path, "r1")) == 0
+            assert "lifted the quarantine on r1 (stack_changed" in capsys.readouterr().out
+            await fleet.sync_all()  # the old lease, which proved another stack than registered, is gone
+            keys = fleet.state.keys
+            assert not await fleet.state.client.exists(keys.quarantine("r1"))
+            assert all(p.proxy.registry.live() == [] for p in fleet.proxies), "out until the sidecar beats"
+            assert await flags_of(fleet) == [headers["Stackpin-Record"]]
+            await fleet.beat()
+            await fleet.sync_all()
+            assert all(len(p.proxy.registry.live()) == 1 for p in fleet.proxies)
+
+
+async def test_an_unreadable_quarantine_note_is_lifted_and_shown_as_it_is(
+    replica: FakeReplica, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with audit_database("sqlite", tmp_path) as db:
+        await db.migrate()
+        async with running_fleet(db, {"r1": replica}, proxies=1) as fleet:
+            await fleet.state.client.set(fleet.state.keys.quarantine("r1"), "not json")
+            assert await asyncio.to_thread(stackpin, lift_argv(fleet, tmp_path, "r1")) == 0
+            assert "an unreadable note: not json" in capsys.readouterr().out
+            assert not await fleet.state.client.exists(fleet.state.keys.quarantine("r1"))
+
+
 async def test_lifting_a_replica_without_a_quarantine_exits_2_and_removes_nothing(
     replica: FakeReplica, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

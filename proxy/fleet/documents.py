@@ -10,8 +10,8 @@
     {prefix}outstanding:{proxy}    hash: replica name -> requests this proxy has in flight to it
     {prefix}rate:{{tenant}}:{window}:requests|tokens   per-tenant counters of one minute
 
-An operator lifts a quarantine with `stackpin fleet lift NAME`, which deletes `quarantine:{name}`, `flagged:{name}` and
-`registered:{name}` in one step; proxies follow at their next sync, and never lift one on their own.
+An operator lifts a quarantine with `stackpin fleet lift NAME`, which deletes `quarantine:{name}`, `flagged:{name}`,
+`registered:{name}` and `lease:{name}` in one step; proxies follow at their next sync, and never lift one on their own.
 """
 
 from __future__ import annotations

@@ -98,18 +98,18 @@ class FleetState:
         return bool(placed)
 
     async def lift(self, name: str) -> str | None:
-        """An operator's act: removes the quarantine on `name` with its flagging claim and its registered
-        fingerprint (so that its sidecar registers the stack it serves now). Returns the note that was lifted
-        (raw JSON), or None when there was none, in which case nothing is removed."""
+        """An operator's act: removes the quarantine on `name` with its flagging claim, its registered fingerprint
+        and its lease, so that the replica stays out until its sidecar registers and leases the stack it serves
+        now. Returns the note that was lifted (raw), or None when there was none, in which case nothing is removed."""
         keys = self.keys
         script = (
             "local note = redis.call('GET', KEYS[1]) "
-            "if note then redis.call('DEL', KEYS[1], KEYS[2], KEYS[3]) end "
+            "if note then redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4]) end "
             "return note"
         )
         try:
             note = await self.client.eval(
-                script, 3, keys.quarantine(name), keys.flagged(name), keys.registered(name)
+                script, 4, keys.quarantine(name), keys.flagged(name), keys.registered(name), keys.lease(name)
             )
         except RedisError as e:
             raise FleetUnavailable(f"lifting the quarantine on {name}: {e}") from e

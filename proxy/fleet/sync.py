@@ -180,7 +180,7 @@ class FleetSync:
                 self._seen_in_fleet.discard(name)
                 if replica.quarantined is not None:
                     log.warning("quarantine_lifted", replica=name, reason=replica.quarantined)
-                    self.registry.lift(name)
+                    self.registry.lift(name, self.clock())
             if replica.leased:
                 await self._apply_lease(replica, lease)
         for replica in self.registry.all():
