@@ -54,10 +54,11 @@ class BackendSettings(BaseModel):
             raise ValueError(
                 f"max_step_tokens ({self.max_step_tokens}) must be at least max_batch_size ({self.max_batch_size})"
             )
-        if self.device == "cuda" and self.kernel_mode == "batch_invariant" and self.dtype == "fp32":
+        if self.device == "cuda" and self.dtype == "fp32":
+            # Both modes run the Triton kernels on a GPU, written for 16-bit operands (a float32 tl.dot would
+            # quietly compute in TF32).
             raise ValueError(
-                "batch_invariant kernels on cuda run bf16 or fp16 on the tensor cores; choose --dtype bf16 "
-                "(or fp16), or --kernel-mode default for fp32"
+                "the kernels on cuda run bf16 or fp16 on the tensor cores; choose --dtype bf16 (or fp16)"
             )
         if self.kv_split_size % self.block_size:
             raise ValueError(

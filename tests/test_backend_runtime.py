@@ -35,10 +35,11 @@ def test_dtype_auto_is_bf16_on_a_gpu_and_fp32_on_the_cpu() -> None:
     assert BackendSettings(model=Path("m"), device="cuda", dtype="fp16").torch_dtype == torch.float16
 
 
-def test_fp32_on_a_gpu_is_refused_in_batch_invariant_mode_only() -> None:
+@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+def test_fp32_on_a_gpu_is_refused_in_either_mode(mode: str) -> None:
     with pytest.raises(ValidationError, match="choose --dtype bf16"):
-        BackendSettings(model=Path("m"), device="cuda", dtype="fp32")
-    BackendSettings(model=Path("m"), device="cuda", dtype="fp32", kernel_mode="default")
+        BackendSettings(model=Path("m"), device="cuda", dtype="fp32", kernel_mode=mode)  # type: ignore[arg-type]
+    BackendSettings(model=Path("m"), device="cpu", dtype="fp32", kernel_mode=mode)  # type: ignore[arg-type]
 
 
 def test_the_stack_reports_the_loaded_weights_dtype_and_mode(checkpoint: Path) -> None:

@@ -246,8 +246,8 @@ ConfigMap includes it, so `helm template` and `helm install` fail before anythin
 {{- if not (has .dtype (list "fp32" "bf16" "fp16")) }}
 {{- fail (printf "stack %q: dtype must be fp32, bf16 or fp16" .name) }}
 {{- end }}
-{{- if and (gt (int (default 0 .gpus)) 0) (eq .kernelMode "batch_invariant") (eq .dtype "fp32") }}
-{{- fail (printf "stack %q: batch_invariant on GPUs runs bf16 or fp16 on the tensor cores; set dtype to bf16 (or fp16), or kernelMode to default" .name) }}
+{{- if and (gt (int (default 0 .gpus)) 0) (eq .dtype "fp32") }}
+{{- fail (printf "stack %q: the kernels on GPUs run bf16 or fp16 on the tensor cores; set dtype to bf16 (or fp16)" .name) }}
 {{- end }}
 {{- if gt (int (default 32 .maxBatchSize)) (int (default 256 .maxStepTokens)) }}
 {{- fail (printf "stack %q: maxStepTokens must be at least maxBatchSize" .name) }}
