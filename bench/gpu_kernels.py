@@ -178,7 +178,8 @@ def plan_from(rows: list[dict[str, Any]], split: int) -> tuple[MatmulPlan, dict[
     return MatmulPlan(split, tuple(chosen)), times
 
 
-def plan_source(name: str, n: int, k: int, plan: MatmulPlan) -> str:
+def plan_expression(plan: MatmulPlan) -> str:
+    """`plan` as the Python that `matmul.TUNED` holds."""
     tiles = []
     for max_m, t in plan.tiles:
         bound = "_LARGE_M" if max_m == LARGE_M else str(max_m)
@@ -186,7 +187,11 @@ def plan_source(name: str, n: int, k: int, plan: MatmulPlan) -> str:
         tiles.append(
             f"({bound}, _tile({t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{extra}))"
         )
-    return f"    ({n}, {k}): MatmulPlan({plan.split_k}, ({', '.join(tiles)},)),  # {name}"
+    return f"MatmulPlan({plan.split_k}, ({', '.join(tiles)},))"
+
+
+def plan_source(name: str, n: int, k: int, plan: MatmulPlan) -> str:
+    return f"    ({n}, {k}): {plan_expression(plan)},  # {name}"
 
 
 def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
@@ -300,6 +305,15 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
     return result
 
 
+def provable(result: dict[str, Any]) -> bool:
+    """Whether a shape's winning plan may go into `TUNED`: its tiles agreed bit for bit at every M, and the sweep
+    timed every candidate (a sweep cut short by its budget may have missed the best tiles)."""
+    if "plan" not in result or result["plan_mismatches"]:
+        return False
+    failed = [t for g in result["groups"].values() for t in g["failed"]]
+    return not any("time budget" in str(t.get("error", "")) or t.get("mismatches") for t in failed)
+
+
 def write_tuned(plans: dict[tuple[int, int], str]) -> None:
     """Replace the entries of `matmul.TUNED` for the swept shapes with their new plans; other entries stay."""
     matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
@@ -309,16 +323,12 @@ def write_tuned(plans: dict[tuple[int, int], str]) -> None:
     start = source.index(head) + len(head)
     end = source.index("\n}\n", start)
     kept = [
-        f"    {shape}: {_source_of(plan)},"
+        f"    {shape}: {plan_expression(plan)},"
         for shape, plan in matmul_module.TUNED.items()
         if shape not in plans
     ]
     body = "\n".join([*kept, *plans.values()])
     path.write_text(source[:start] + body + source[end:])
-
-
-def _source_of(plan: MatmulPlan) -> str:
-    return plan_source("", 0, 0, plan).split(": ", 1)[1].rsplit(",  #", 1)[0]
 
 
 def main() -> None:
@@ -359,7 +369,7 @@ def main() -> None:
             f"                   {len(r['plan_mismatches'])}           {len(r['cublas_mismatches'])}"
         )
     if "--write-tuned" in sys.argv:
-        write_tuned({(r["n"], r["k"]): r["plan"] for r in report["shapes"].values() if "plan" in r})
+        write_tuned({(r["n"], r["k"]): r["plan"] for r in report["shapes"].values() if provable(r)})
     print("\nTUNED = {")
     for r in report["shapes"].values():
         if "plan" in r:

@@ -23,7 +23,9 @@ for stage in $stages; do
     tune)
         python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-240}" --write-tuned \
             >"$out/kernels.log" 2>&1
+        status=$?
         cp pinned_backend/kernels/triton/matmul.py "$out/matmul.py"
+        (exit $status)
         ;;
     speed) python3 bench/gpu_price.py "$out/price.json" --parts speed >"$out/price.log" 2>&1 ;;
     divergence)

@@ -29,7 +29,6 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_matmul_plan_depends_on_the_weight_shape_only(n: int, k: int) -> None:
     plan = matmul_plan(n, k)
     assert isinstance(plan, MatmulPlan)
-    assert plan == matmul_plan(n, k), "one (N, K) must always give one plan"
     plan.check(k)  # every tile reduces K in the plan's one order
     bounds = [max_m for max_m, _ in plan.tiles]
     assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds)
@@ -99,7 +98,7 @@ def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
     triton_ops, n: int, k: int
 ) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(n + k)
-    x = torch.randn(600, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
     plan = matmul_plan(n, k)
     full = triton_ops.matmul(x[:512], w)
@@ -116,6 +115,9 @@ def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
             )
     for j in (1, 5, 77):
         assert torch.equal(triton_ops.matmul(x[j : j + 512], w)[: 512 - j], full[j:]), f"rows shifted by {j}"
+    # Past 16 row tiles the launch walks bands of row tiles (prefill sizes); a row's bits stay its own.
+    for m in (1100, 2200):
+        assert torch.equal(triton_ops.matmul(x[:m], w)[:512], full), f"rows changed at M = {m}"
 
 
 @gpu
