@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 # Batch sizes captured, up to the engine's largest batch (which is always captured too). Each captured size costs
-# one graph's activations; the gaps bound the padding to a third of a step.
+# one graph's activations; the gaps bound the padding to 3 rows in 8 (a step of 5 runs as 8).
 GRAPH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # Block-table widths captured: powers of two from this up to the model's whole context. Attention launches work
 # (and sizes its workspace) by the table's width, so a short step should not carry a 40,960-token table.
