@@ -28,20 +28,25 @@ def lift_argv(fleet: Fleet, folder: Path, name: str, *extra: str) -> list[str]:
     return ["fleet", "lift", name, "--config", str(config), "--redis", REDIS_URL, *extra]
 
 
+async def quarantine_after_one_answer(fleet: Fleet, replica: FakeReplica) -> str:
+    """r1 answers once, then its sidecar proves another stack: quarantined everywhere, that record marked."""
+    _, _, headers = await fleet.proxies[0].post("/v1/chat/completions", CHAT)
+    fleet.clock.advance(1)
+    replica.stack = {**replica.stack, "quantisation": "bf16"}
+    await fleet.beat()
+    await fleet.sync_all()
+    assert all(p.proxy.registry.live() == [] for p in fleet.proxies)
+    assert await flags_of(fleet) == [headers["Stackpin-Record"]]
+    return headers["Stackpin-Record"]
+
+
 async def test_a_lifted_quarantine_returns_the_replica_to_every_proxy_under_the_stack_it_proves_next(
     replica: FakeReplica, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     async with audit_database("sqlite", tmp_path) as db:
         await db.migrate()
         async with running_fleet(db, {"r1": replica}) as fleet:
-            _, _, headers = await fleet.proxies[0].post("/v1/chat/completions", CHAT)
-            fleet.clock.advance(1)
-            replica.stack = {**replica.stack, "quantisation": "bf16"}
-            await fleet.beat()
-            await fleet.sync_all()
-            assert all(p.proxy.registry.live() == [] for p in fleet.proxies)
-            assert await flags_of(fleet) == [headers["Stackpin-Record"]]
-
+            marked = await quarantine_after_one_answer(fleet, replica)
             argv = lift_argv(fleet, tmp_path, "r1", "--json")
             assert await asyncio.to_thread(stackpin, argv) == 0
             lifted = json.loads(capsys.readouterr().out)
@@ -58,9 +63,7 @@ async def test_a_lifted_quarantine_returns_the_replica_to_every_proxy_under_the_
                 assert live.name == "r1" and live.fingerprint == replica.fingerprint
                 status, _, reply = await proxy.post("/v1/chat/completions", CHAT)
                 assert status == 200 and reply["Stackpin-Stack"] == replica.fingerprint
-            assert await flags_of(fleet) == [headers["Stackpin-Record"]], (
-                "the marked record stays marked, alone"
-            )
+            assert await flags_of(fleet) == [marked], "the marked record stays marked, alone"
 
 
 async def test_a_proxy_that_syncs_before_the_sidecar_beats_again_neither_requarantines_nor_marks_anew(
@@ -69,18 +72,14 @@ async def test_a_proxy_that_syncs_before_the_sidecar_beats_again_neither_requara
     async with audit_database("sqlite", tmp_path) as db:
         await db.migrate()
         async with running_fleet(db, {"r1": replica}) as fleet:
-            _, _, headers = await fleet.proxies[0].post("/v1/chat/completions", CHAT)
-            fleet.clock.advance(1)
-            replica.stack = {**replica.stack, "quantisation": "bf16"}
-            await fleet.beat()
-            await fleet.sync_all()
+            marked = await quarantine_after_one_answer(fleet, replica)
             assert await asyncio.to_thread(stackpin, lift_argv(fleet, tmp_path, "r1")) == 0
             assert "lifted the quarantine on r1 (stack_changed" in capsys.readouterr().out
             await fleet.sync_all()  # the old lease, which proved another stack than registered, is gone
             keys = fleet.state.keys
             assert not await fleet.state.client.exists(keys.quarantine("r1"))
             assert all(p.proxy.registry.live() == [] for p in fleet.proxies), "out until the sidecar beats"
-            assert await flags_of(fleet) == [headers["Stackpin-Record"]]
+            assert await flags_of(fleet) == [marked]
             await fleet.beat()
             await fleet.sync_all()
             assert all(len(p.proxy.registry.live()) == 1 for p in fleet.proxies)
