@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pinned_backend.kernels.triton.attention import choose_path
+from tests.test_kernels_triton import attention_reference
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -36,15 +37,6 @@ def attention() -> Attention:
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
-
-
-def _reference(q: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, pos: int) -> torch.Tensor:
-    """float64 causal attention of one query [Hq, D] over keys 0..pos of [L, Hkv, D]."""
-    group = q.shape[0] // k_seq.shape[1]
-    k = k_seq[: pos + 1].double().repeat_interleave(group, dim=1)
-    v = v_seq[: pos + 1].double().repeat_interleave(group, dim=1)
-    w = torch.softmax(torch.einsum("hd,lhd->hl", q.double(), k) * SCALE, dim=-1)
-    return torch.einsum("hl,lhd->hd", w, v)
 
 
 class _Sequences:
@@ -131,7 +123,7 @@ def test_chunks_path_matches_float64(attention: Attention, split: int) -> None:
     data = _Sequences([2001], seed=10 + split)
     for p in POSITIONS:
         out = data.step(attention, [(0, p)], split, path="chunks")[0]
-        ref = _reference(data.q[0][p], data.k[0], data.v[0], p)
+        ref = attention_reference(data.q[0][p], data.k[0], data.v[0], p, SCALE)
         assert _rel_err(out, ref) < 1e-2, f"split {split}, position {p} is wrong"
 
 

@@ -147,7 +147,7 @@ def test_log_softmax_matches_float64_and_is_invariant(triton_ops) -> None:  # ty
     assert torch.equal(triton_ops.log_softmax(x[17:]), out[17:])
 
 
-def _attention_ref(q, k_seq, v_seq, pos, scale):  # type: ignore[no-untyped-def]
+def attention_reference(q, k_seq, v_seq, pos, scale):  # type: ignore[no-untyped-def]
     """float64 causal attention of one query [Hq, D] over keys 0..pos of [L, Hkv, D]."""
     group = q.shape[0] // k_seq.shape[1]
     k = k_seq[: pos + 1].double().repeat_interleave(group, dim=1)
@@ -198,7 +198,7 @@ def test_attention_matches_float64_and_does_not_depend_on_how_the_step_was_built
     prefill = run(_Cache(keys, values, page, seed=1), [(0, 0, 700), (1, 0, 37), (2, 0, 300), (3, 0, 1)])
     target = prefill[:700]
     for p in [0, 255, 256, 257, 699]:
-        ref = _attention_ref(queries[0][p], keys[0], values[0], p, scale)
+        ref = attention_reference(queries[0][p], keys[0], values[0], p, scale)
         assert _rel_err(target[p], ref) < 1e-2, f"position {p} is wrong"
 
     alone = run(_Cache(keys, values, page, seed=2), [(0, 0, 700)])

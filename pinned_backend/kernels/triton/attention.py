@@ -47,6 +47,8 @@ from ._compat import tl, triton
 
 _ROWS = 16  # rows of one program's query tile: the smallest tensor-core tile
 _BLOCK_N = 64  # keys per tile; divides every split size we accept
+# Every attention kernel launches with these: the shared tile loop must compile to the same instructions in each.
+_NUM_WARPS, _NUM_STAGES = 4, 2
 _WORKSPACE_LIMIT = 64 << 20  # bytes of chunk partials a decode step may take before it walks chunks serially
 
 AttentionPath = Literal["auto", "chunks", "serial"]
@@ -420,8 +422,8 @@ def _launch_serial(
         PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=_BLOCK_N,
-        num_warps=4,
-        num_stages=2,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )
 
 
@@ -444,7 +446,6 @@ def _launch_chunks(
     m_ws = torch.empty((t, hq, max_chunks), device=q.device, dtype=torch.float32)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((t, hq, max_chunks, d), device=q.device, dtype=torch.float32)
-    # Warps and stages are the serial kernel's: the shared tile loop must compile to the same instructions.
     _paged_attention_chunk_kernel[(t, hkv, max_chunks)](
         q,
         k_cache,
@@ -467,8 +468,8 @@ def _launch_chunks(
         PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=_BLOCK_N,
-        num_warps=4,
-        num_stages=2,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )
     _paged_attention_merge_kernel[(t, hkv)](
         m_ws,
@@ -482,6 +483,6 @@ def _launch_chunks(
         ROWS=_ROWS,
         HEAD_DIM=d,
         SPLIT=split,
-        num_warps=4,
-        num_stages=2,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )

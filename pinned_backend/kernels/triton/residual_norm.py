@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
+from .rms_norm import norm_warps
 
 
 @triton.jit
@@ -68,8 +69,7 @@ def add_rms_norm(
     if m == 0:
         return summed, normed
     block_d = triton.next_power_of_2(d)
-    # rms_norm.py's rule, so that one D gives one reduction tree in both kernels; never a function of M.
-    num_warps = max(1, min(8, block_d // 256))
+    num_warps = norm_warps(block_d)
     _add_rms_norm_kernel[(m,)](
         x,
         delta,

@@ -45,6 +45,13 @@ def _rms_norm_kernel(
     )
 
 
+def norm_warps(block_d: int) -> int:
+    """Warps for a norm over a row of `block_d` lanes. They change the reduction tree, so they follow D alone, never
+    M; every kernel that normalises a row (residual_norm.py, rope_cache.py) takes them from here, so that one D
+    gives one tree."""
+    return max(1, min(8, block_d // 256))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [M, D] or [M, H, D] (last dimension contiguous), weight [D] -> same shape as x, x's dtype."""
     d = x.shape[-1]
@@ -64,8 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows == 0:
         return out
     block_d = triton.next_power_of_2(d)
-    # Warps follow D alone; they change the reduction tree, so they must not follow M.
-    num_warps = max(1, min(8, block_d // 256))
+    num_warps = norm_warps(block_d)
     _rms_norm_kernel[(rows,)](
         x3,
         weight,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
+from .rms_norm import norm_warps
 
 
 @triton.jit
@@ -151,8 +152,7 @@ def qkv_rope_cache(
     if t == 0:
         return q
     block_d = triton.next_power_of_2(d)
-    # rms_norm.py's rule for one row of D, so a head's norm reduces in the tree that kernel uses.
-    num_warps = max(1, min(8, block_d // 256))
+    num_warps = norm_warps(block_d)
     _qkv_rope_cache_kernel[(t, hq + hkv)](
         qkv,
         qkv if q_norm is None else q_norm,  # never read without a norm: NORM_Q is then False
