@@ -39,8 +39,9 @@ SHAPES = {
     "lm_head": (151936, 2048),
 }
 # Reductions orders tried per weight. The down projection is held to two slices of K: with K whole it is faster
-# from M = 512 on, but end to end that lost more decode than it won prefill (bench/results/h200.md, run 16).
-SPLITS = {"down": [2], "o_proj": [1, 2], "qkv": [1], "gate_up": [1], "lm_head": [1]}
+# from M = 512 on, but end to end that lost more decode than it won prefill (bench/results/h200.md, run 16). Two
+# slices for o_proj never won (runs 11 to 13).
+SPLITS = {"down": [2], "o_proj": [1], "qkv": [1], "gate_up": [1], "lm_head": [1]}
 TIMED_M = [1, 8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512]
 BETWEEN_M = [3, 24, 48, 80, 112, 144, 224, 288, 352, 480]  # checked on the final plan only
 PREFILL_M = [2048, 8192]  # chooses the tile past 512; timed for the record, outside the 1..512 target
@@ -77,6 +78,23 @@ LARGE_TILES = [
     (256, 64, 64, 8, 4),
     (256, 128, 64, 8, 3),
 ]
+# Wide tiles also tried with operands copied by the tensor-memory engine (TMA): faster from M = 256 or so on.
+TMA_TILES = [
+    (64, 128, 64, 4, 4),
+    (64, 128, 64, 4, 6),
+    (64, 256, 64, 4, 4),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 5),
+    (128, 256, 64, 8, 3),
+    (256, 128, 64, 8, 3),
+]
+# A TMA launch encodes two descriptors on the host, some 20 us: the host is often the bottleneck of an eager step
+# at M <= 512 (a prefill of one 512-token prompt), so plans use TMA tiles only at the prefill sizes beyond that.
+TMA_MIN_M = 513
+# A slice per program costs a second launch: nothing inside a CUDA graph (decode), some 30 us of host time in an
+# eager step (prefill, mixed steps), where the host is often the bottleneck. So plans use such tiles up to here.
+SPLIT_PROGRAMS_MAX_M = 256
 SPLIT_PROGRAM_TILES = [
     (64, 16, 128, 4, 6),
     (64, 32, 128, 4, 6),
@@ -93,7 +111,9 @@ PREFILL_TILE_MIN_AREA = 128 * 128
 
 def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
     slice_k = k // split
-    tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES]
+    tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES] + [
+        MatmulTile(*t, tma=True) for t in TMA_TILES
+    ]
     if split > 1:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
     return [
@@ -167,7 +187,13 @@ def plan_from(rows: list[dict[str, Any]], split: int) -> tuple[MatmulPlan, dict[
     chosen: list[tuple[int, MatmulTile]] = []
     times: dict[int, float] = {}
     for m in TIMED_M + PREFILL_M:
-        best = min(rows, key=lambda r: r["us"][m])
+        allowed = [
+            r
+            for r in rows
+            if (m <= SPLIT_PROGRAMS_MAX_M or not r["tile"]["split_programs"])
+            and (m >= TMA_MIN_M or not r["tile"]["tma"])
+        ]
+        best = min(allowed, key=lambda r: r["us"][m])
         tile = MatmulTile(**best["tile"])
         times[m] = best["us"][m]
         if chosen and chosen[-1][1] == tile:
@@ -183,7 +209,7 @@ def plan_expression(plan: MatmulPlan) -> str:
     tiles = []
     for max_m, t in plan.tiles:
         bound = "_LARGE_M" if max_m == LARGE_M else str(max_m)
-        extra = ", split_programs=True" if t.split_programs else ""
+        extra = (", split_programs=True" if t.split_programs else "") + (", tma=True" if t.tma else "")
         tiles.append(
             f"({bound}, _tile({t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{extra}))"
         )

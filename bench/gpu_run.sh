@@ -17,6 +17,7 @@ for stage in $stages; do
     tests)
         python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_triton.py \
             tests/test_kernels_triton_fused.py tests/test_attention_triton_split.py tests/test_decode_graphs.py \
+            tests/test_dependent_launch.py \
             tests/test_backend_cuda.py >"$out/pytest.log" 2>&1
         ;;
     sweep) python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-240}" >"$out/kernels.log" 2>&1 ;;

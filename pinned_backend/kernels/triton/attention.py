@@ -44,6 +44,7 @@ from typing import Literal
 import torch
 
 from ._compat import tl, triton
+from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
 
 _ROWS = 16  # rows of one program's query tile: the smallest tensor-core tile
 _BLOCK_N = 64  # keys per tile; divides every split size we accept
@@ -178,7 +179,10 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, ROWS)
     tok = tl.program_id(0) * TOKENS + rows // GROUP
@@ -255,7 +259,10 @@ def _paged_attention_chunk_kernel(
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     tok = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -300,7 +307,10 @@ def _paged_attention_merge_kernel(
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     tok = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, ROWS)
@@ -400,6 +410,7 @@ def _launch_serial(
     # which rows sit side by side, never a row's reduction order: tile shapes, and so every instruction a row
     # meets, are the same either way (the tests compare the two).
     tokens = 1 if t <= block_tables.shape[0] else _ROWS // group
+    pdl = dependent_launch(q.device)
     _paged_attention_kernel[(-(-t // tokens), hkv)](
         q,
         k_cache,
@@ -422,8 +433,10 @@ def _launch_serial(
         PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=_BLOCK_N,
+        PDL=pdl,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
+        launch_pdl=pdl,
     )
 
 
@@ -446,6 +459,7 @@ def _launch_chunks(
     m_ws = torch.empty((t, hq, max_chunks), device=q.device, dtype=torch.float32)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((t, hq, max_chunks, d), device=q.device, dtype=torch.float32)
+    pdl = dependent_launch(q.device)
     _paged_attention_chunk_kernel[(t, hkv, max_chunks)](
         q,
         k_cache,
@@ -468,8 +482,10 @@ def _launch_chunks(
         PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=_BLOCK_N,
+        PDL=pdl,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
+        launch_pdl=pdl,
     )
     _paged_attention_merge_kernel[(t, hkv)](
         m_ws,
@@ -483,6 +499,8 @@ def _launch_chunks(
         ROWS=_ROWS,
         HEAD_DIM=d,
         SPLIT=split,
+        PDL=pdl,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
+        launch_pdl=pdl,
     )

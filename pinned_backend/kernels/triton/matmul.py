@@ -6,7 +6,8 @@ Two things are kept apart here, because only one of them decides a result's bits
   and the slices' fp32 sums are added in slice order 0, 1, 2, ... (the first slice's sum taken as it is).
 - The tiling, `MatmulTile`, which may follow M: the tile's rows and columns, how much of K one loop step loads,
   the warps and the pipeline depth, and whether a slice runs in its own program (fp32 partials, summed by a second
-  kernel) or after the previous slice inside one program. None of these changes the chain a row goes through:
+  kernel) or after the previous slice inside one program, and whether operands arrive through plain loads or the
+  tensor-memory engine (TMA, which pays at prefill sizes). None of these changes the chain a row goes through:
   every tile issues the same Hopper `wgmma` steps of K = 16 for the same operand values, a K step of 64 is four of
   them and of 128 eight, and slices meet in the same order either way. So small M gets narrow tiles (enough
   programs to keep weight bytes in flight) and large M wide ones, with one set of bits for every M.
@@ -27,7 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._compat import tl, triton
+from ._compat import HAVE_TRITON, tl, triton
+from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
+
+if HAVE_TRITON:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 # The tensor cores' K step for 16-bit operands; the reduction chain is made of these whatever the tile.
 INSTRUCTION_K = 16
@@ -50,6 +55,8 @@ class MatmulTile:
     num_stages: int
     # A slice of K per program (partials in fp32, then a summing kernel) rather than all slices in one program.
     split_programs: bool = False
+    # Operands copied by the tensor-memory engine (TMA) rather than by per-thread loads.
+    tma: bool = False
 
     def check(self) -> None:
         if self.block_m not in _WGMMA_ROWS or self.num_warps not in _WGMMA_WARPS:
@@ -82,43 +89,32 @@ class MatmulPlan:
             raise ValueError(f"{self}: every K step must divide each of the {self.split_k} slices of K = {k}")
 
 
-def _tile(bm: int, bn: int, bk: int, warps: int, stages: int, split_programs: bool = False) -> MatmulTile:
-    return MatmulTile(bm, bn, bk, warps, stages, split_programs)
+def _tile(
+    bm: int, bn: int, bk: int, warps: int, stages: int, split_programs: bool = False, tma: bool = False
+) -> MatmulTile:
+    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma)
 
 
 _LARGE_M = 1 << 62
 
 # (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
-# reduction order, the fastest proven tile at each timed M, up to that M. The down projection keeps two slices of K:
-# they make it 1.1x of cuBLAS at decode sizes instead of 1.3x, for 1.3x instead of 1.1x from M = 512 on; measured
-# end to end, K whole lost more decode (0.93-0.97 of default) than it won prefill (bench/results/h200.md).
+# reduction order, the fastest proven tile at each timed M, up to that M. Tiles that cost the host more per launch
+# (a slice per program: a second kernel; TMA: two descriptors encoded) are taken only where steps run as CUDA graphs
+# (M <= 256, decode) or where the product outweighs the launch (M > 512). The down projection keeps two slices of
+# K: they make it 1.0x of cuBLAS at decode sizes instead of 1.3x; measured end to end, K whole lost more decode
+# (0.93-0.97 of default) than it won prefill (bench/results/h200.md).
 TUNED: dict[tuple[int, int], MatmulPlan] = {
-    (4096, 2048): MatmulPlan(
-        1,
+    (2048, 6144): MatmulPlan(
+        2,
         (
-            (64, _tile(64, 32, 128, 4, 6)),
-            (128, _tile(64, 64, 128, 4, 4)),
-            (320, _tile(64, 128, 64, 4, 6)),
-            (384, _tile(128, 128, 64, 8, 5)),
-            (448, _tile(64, 128, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 5)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 3)),
+            (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
+            (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
+            (256, _tile(64, 128, 64, 4, 6, split_programs=True)),
+            (384, _tile(64, 64, 64, 4, 6)),
+            (512, _tile(64, 128, 64, 4, 6)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 5, tma=True)),
         ),
-    ),
-    (12288, 2048): MatmulPlan(
-        1,
-        (
-            (64, _tile(64, 128, 64, 4, 6)),
-            (128, _tile(128, 128, 64, 8, 5)),
-            (256, _tile(128, 128, 64, 8, 3)),
-            (320, _tile(64, 128, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 5)),
-            (448, _tile(128, 128, 64, 8, 3)),
-            (512, _tile(128, 128, 64, 8, 5)),
-            (2048, _tile(64, 256, 64, 4, 4)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 3)),
-        ),
-    ),
+    ),  # down
     (2048, 2048): MatmulPlan(
         1,
         (
@@ -126,32 +122,53 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (128, _tile(64, 32, 128, 4, 6)),
             (256, _tile(64, 64, 128, 4, 4)),
             (512, _tile(64, 128, 64, 4, 6)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 3)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
-    ),
-    (2048, 6144): MatmulPlan(
-        2,
+    ),  # o_proj
+    (4096, 2048): MatmulPlan(
+        1,
         (
-            (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
-            (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
-            (256, _tile(64, 128, 64, 4, 6, split_programs=True)),
-            (320, _tile(64, 64, 64, 4, 6, split_programs=True)),
-            (384, _tile(128, 64, 64, 8, 4, split_programs=True)),
-            (448, _tile(64, 128, 64, 4, 6, split_programs=True)),
-            (512, _tile(128, 64, 64, 8, 4, split_programs=True)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 4)),
+            (64, _tile(64, 32, 128, 4, 6)),
+            (128, _tile(64, 64, 128, 4, 4)),
+            (256, _tile(64, 128, 64, 4, 6)),
+            (320, _tile(64, 256, 64, 4, 4)),
+            (384, _tile(128, 128, 64, 8, 5)),
+            (448, _tile(64, 256, 64, 4, 4)),
+            (512, _tile(128, 128, 64, 8, 5)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
-    ),
+    ),  # qkv
+    (12288, 2048): MatmulPlan(
+        1,
+        (
+            (1, _tile(64, 64, 64, 4, 6)),
+            (8, _tile(64, 128, 64, 4, 6)),
+            (16, _tile(64, 64, 64, 4, 6)),
+            (64, _tile(64, 128, 64, 4, 6)),
+            (128, _tile(128, 128, 64, 8, 5)),
+            (256, _tile(128, 128, 64, 8, 3)),
+            (320, _tile(64, 256, 64, 4, 4)),
+            (384, _tile(128, 128, 64, 8, 5)),
+            (448, _tile(64, 256, 64, 4, 4)),
+            (512, _tile(128, 128, 64, 8, 5)),
+            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
+            (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
+        ),
+    ),  # gate_up
     (151936, 2048): MatmulPlan(
         1,
         (
-            (16, _tile(64, 128, 64, 4, 6)),
-            (64, _tile(64, 128, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 3)),
-            (512, _tile(256, 128, 64, 8, 3)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 3)),
+            (64, _tile(64, 64, 64, 4, 6)),
+            (96, _tile(128, 128, 64, 8, 5)),
+            (160, _tile(128, 128, 64, 8, 3)),
+            (192, _tile(64, 256, 64, 4, 4)),
+            (256, _tile(128, 128, 64, 8, 3)),
+            (320, _tile(64, 256, 64, 4, 4)),
+            (512, _tile(128, 128, 64, 8, 3)),
+            (2048, _tile(256, 128, 64, 8, 3, tma=True)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
-    ),
+    ),  # lm_head
 }
 
 
@@ -187,6 +204,8 @@ def matmul_plan(n: int, k: int) -> MatmulPlan:
 def _matmul_kernel(
     x_ptr,
     w_ptr,
+    x_desc,
+    w_desc,
     out_ptr,
     M,
     N,
@@ -203,6 +222,8 @@ def _matmul_kernel(
     EVEN_K: tl.constexpr,
     N_TILES: tl.constexpr,
     GROUP_M: tl.constexpr,
+    TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Programs walk bands of GROUP_M row tiles; inside a band, row tiles vary fastest. So the programs in flight
     # share one weight tile through L2, and a band's rows of x stay in L2 while the weight streams past them. With
@@ -228,14 +249,23 @@ def _matmul_kernel(
     row_ok = (offs_m < M)[:, None]
     cols = offs_n % N
     k_lo = pid_k * SLICES * K_PER_SPLIT
+
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
+
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-
     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(SLICES):
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
-            if EVEN_K:
+            if TMA:
+                # The tensor-memory engine copies the same operand values (rows and columns past the ends come
+                # back as zeros), so the dot chain, and every valid row's bits, are the pointer path's.
+                k_at = k_lo + s * K_PER_SPLIT + kk
+                x = x_desc.load([pid_m * BLOCK_M, k_at])
+                w = w_desc.load([pid_n * BLOCK_N, k_at])
+            elif EVEN_K:
                 x = tl.load(x_ptrs, mask=row_ok, other=0.0)
                 w = tl.load(w_ptrs)
             else:
@@ -257,7 +287,11 @@ def _matmul_kernel(
 
 
 @triton.jit(do_not_specialize=["numel"])
-def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(
+    part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -289,16 +323,27 @@ def matmul(
         plan = plan or matmul_plan(n, k)
         tile = tile or plan.tile_for(m)
         MatmulPlan(plan.split_k, ((_LARGE_M, tile),)).check(k)
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    device = x.device
+    out = torch.empty((m, n), device=device, dtype=x.dtype)
     if m == 0:
         return out
     split = plan.split_k
     programs_k = split if tile.split_programs and split > 1 else 1
-    target = out if programs_k == 1 else torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    target = out if programs_k == 1 else torch.empty((split, m, n), device=device, dtype=torch.float32)
     grid = (-(-m // tile.block_m) * -(-n // tile.block_n), programs_k)
+    pdl = dependent_launch(device)
+    # The copy engine needs 16-byte aligned rows; a view that has none takes the same tile with plain loads, which
+    # gives the same bits.
+    tma = tile.tma and _tma_ready(x) and _tma_ready(w)
+    x_desc = w_desc = None
+    if tma:
+        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+        w_desc = TensorDescriptor.from_tensor(w, [tile.block_n, tile.block_k])
     _matmul_kernel[grid](
         x,
         w,
+        x_desc,
+        w_desc,
         target,
         m,
         n,
@@ -315,12 +360,19 @@ def matmul(
         EVEN_K=k % tile.block_k == 0,
         N_TILES=-(-n // tile.block_n),
         GROUP_M=_GROUP_M,
+        TMA=tma,
+        PDL=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        launch_pdl=pdl,
     )
     if programs_k > 1:
         block = 1024
         _sum_splits_kernel[(-(-(m * n) // block),)](
-            target, out, m * n, SPLIT_K=split, BLOCK=block, num_warps=4
+            target, out, m * n, SPLIT_K=split, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl
         )
     return out
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0

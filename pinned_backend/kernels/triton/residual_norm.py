@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
+from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
 from .rms_norm import norm_warps
 
 
@@ -30,7 +31,10 @@ def _add_rms_norm_kernel(
     D,
     eps,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -70,6 +74,7 @@ def add_rms_norm(
         return summed, normed
     block_d = triton.next_power_of_2(d)
     num_warps = norm_warps(block_d)
+    pdl = dependent_launch(x.device)
     _add_rms_norm_kernel[(m,)](
         x,
         delta,
@@ -83,6 +88,8 @@ def add_rms_norm(
         d,
         eps,
         BLOCK_D=block_d,
+        PDL=pdl,
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
     return summed, normed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
+from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
 from .rms_norm import norm_warps
 
 
@@ -80,7 +81,10 @@ def _qkv_rope_cache_kernel(
     BLOCK_D: tl.constexpr,
     NORM_Q: tl.constexpr,
     NORM_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = D // 2
@@ -153,6 +157,7 @@ def qkv_rope_cache(
         return q
     block_d = triton.next_power_of_2(d)
     num_warps = norm_warps(block_d)
+    pdl = dependent_launch(qkv.device)
     _qkv_rope_cache_kernel[(t, hq + hkv)](
         qkv,
         qkv if q_norm is None else q_norm,  # never read without a norm: NORM_Q is then False
@@ -180,6 +185,8 @@ def qkv_rope_cache(
         BLOCK_D=block_d,
         NORM_Q=q_norm is not None,
         NORM_K=k_norm is not None,
+        PDL=pdl,
         num_warps=num_warps,
+        launch_pdl=pdl,
     )
     return q

@@ -12,13 +12,18 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
+from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
 
 _BLOCK = 1024
 _NUM_WARPS = 4
 
 
 @triton.jit
-def _silu_mul_kernel(gate_up_ptr, out_ptr, inner, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gate_up_ptr, out_ptr, inner, stride_in, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    launch_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -41,8 +46,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inner), device=gate_up.device, dtype=gate_up.dtype)
     if t == 0 or inner == 0:
         return out
+    pdl = dependent_launch(gate_up.device)
     grid = (t, -(-inner // _BLOCK))
     _silu_mul_kernel[grid](
-        gate_up, out, inner, gate_up.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=_NUM_WARPS
+        gate_up,
+        out,
+        inner,
+        gate_up.stride(0),
+        out.stride(0),
+        BLOCK=_BLOCK,
+        PDL=pdl,
+        num_warps=_NUM_WARPS,
+        launch_pdl=pdl,
     )
     return out

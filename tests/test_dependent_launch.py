@@ -1,0 +1,55 @@
+"""Specification of programmatic dependent launch (pinned_backend/kernels/triton/dependent_launch.py): kernels on a
+CUDA device of compute capability 9.0 or later may start while the kernel before them finishes, and that changes
+no request's bits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pinned_backend.kernels.triton import dependent_launch as launch
+from tests.backend_checkpoint import make_engine, write_random_checkpoint
+from tests.test_decode_graphs import _serve_all
+
+
+@pytest.fixture
+def restore_device_choice() -> Iterator[None]:
+    yield
+    launch.force_dependent_launch(None)
+
+
+def test_a_cpu_never_launches_dependents_and_the_choice_can_be_forced(restore_device_choice: None) -> None:
+    launch.force_dependent_launch(True)
+    assert launch.dependent_launch(torch.device("cpu")) is False
+    assert launch.dependent_launch(torch.device("cuda")) is True
+    launch.force_dependent_launch(False)
+    assert launch.dependent_launch(torch.device("cuda")) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_requests_get_the_same_bits_with_dependent_launch_as_without(
+    tmp_path: Path, restore_device_choice: None
+) -> None:
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    checkpoint = write_random_checkpoint(tmp_path / "random-qwen3")
+    sizes = {
+        "max_batch_size": 7,
+        "max_step_tokens": 12,
+        "num_blocks": 64,
+        "block_size": 16,
+        "kv_split_size": 64,
+    }
+    on_gpu = {"device": torch.device("cuda"), "dtype": torch.bfloat16}
+    launch.force_dependent_launch(False)
+    one_after_another = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=5)
+    launch.force_dependent_launch(True)
+    eager = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=5)
+    graphed = _serve_all(make_engine(checkpoint, **sizes, **on_gpu, decode_graphs=True), seed=5)
+    assert eager == one_after_another
+    assert graphed == one_after_another
