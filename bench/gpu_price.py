@@ -395,7 +395,7 @@ def main() -> None:
     import triton
 
     config = qwen3_1_7b()
-    modes = {"default": CublasKernels(), "batch_invariant": TritonKernels(kv_split_size=256)}
+    modes = {"default": CublasKernels(), "batch_invariant": TritonKernels()}
     weights = random_weights(config, seed=0, embed_std=args.embed_std)
     models = {
         name: Transformer(config, dict(weights), k, torch.device(DEVICE), torch.bfloat16)

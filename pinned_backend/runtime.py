@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pinned_backend.checkpoint import load_config, weights_sha256
 from pinned_backend.engine import Engine, EngineConfig, StepStats
-from pinned_backend.kernels import select_kernels
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
 from pinned_backend.runner import EngineRunner
@@ -41,7 +41,7 @@ class BackendSettings(BaseModel):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on a GPU, fp32 on the CPU
     kv_cache_mb: float = Field(default=64, gt=0)
     block_size: int = Field(default=16, ge=1)
-    kv_split_size: int = Field(default=256, ge=1)
+    kv_split_size: int = Field(default=DEFAULT_KV_SPLIT_SIZE, ge=1)
     max_batch_size: int = Field(default=16, ge=1)
     max_step_tokens: int = Field(default=256, ge=1)
     max_queue: int = Field(default=64, ge=0)

@@ -37,6 +37,10 @@ import torch
 
 KernelMode = Literal["default", "batch_invariant"]
 KERNEL_MODES: tuple[KernelMode, ...] = ("default", "batch_invariant")
+# Keys per chunk of the invariant attention's KV reduction, on every device. Part of the stack, since it fixes the
+# reduction order. 128 rather than 256: a batch-1 decode step at 512 tokens of context spreads over twice the
+# programs and takes 1.59 ms instead of 1.67 ms on an H200, for 1.3% of prefill (bench/results/h200.md).
+DEFAULT_KV_SPLIT_SIZE = 128
 
 
 class Kernels(Protocol):
@@ -80,7 +84,9 @@ class Kernels(Protocol):
     ) -> torch.Tensor: ...
 
 
-def select_kernels(mode: KernelMode, device: torch.device, *, kv_split_size: int = 256) -> Kernels:
+def select_kernels(
+    mode: KernelMode, device: torch.device, *, kv_split_size: int = DEFAULT_KV_SPLIT_SIZE
+) -> Kernels:
     """The kernels for `mode` on `device`; `kv_split_size` (tokens) is the invariant attention's KV split.
 
     On a GPU, `default` is what a fast ordinary server runs: cuBLAS matmuls, whose kernel and split of K follow the

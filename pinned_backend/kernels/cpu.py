@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from pinned_backend.kernels import KernelMode
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode
 from pinned_backend.kernels.composed import ComposedKernels
 
 DEFAULT_GEMM_ROWS = 16
 DEFAULT_ATTENTION_ROWS = 8
-DEFAULT_KV_SPLIT_SIZE = 256
 # Bounds the memory of one attention call; how tiles are grouped does not change any tile's result.
 _TILES_PER_CALL = 32
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import KernelMode
+from .. import DEFAULT_KV_SPLIT_SIZE, KernelMode
 from .attention import paged_attention
 from .matmul import matmul
 from .residual_norm import add_rms_norm
@@ -20,8 +20,6 @@ from .rms_norm import rms_norm
 from .rope_cache import qkv_rope_cache
 from .softmax import log_softmax
 from .swiglu import silu_mul
-
-DEFAULT_KV_SPLIT_SIZE = 256
 
 
 class TritonKernels:
