@@ -42,8 +42,8 @@ SHAPES = {
 # from M = 512 on, but end to end that lost more decode than it won prefill (bench/results/h200.md, run 16). Two
 # slices for o_proj never won (runs 11 to 13).
 SPLITS = {"down": [2], "o_proj": [1], "qkv": [1], "gate_up": [1], "lm_head": [1]}
-TIMED_M = [1, 8, 16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512]
-BETWEEN_M = [3, 24, 48, 80, 112, 144, 224, 288, 352, 480]  # checked on the final plan only
+TIMED_M = [1, 8, 16, 32, 64, 96, 128, 144, 160, 192, 256, 288, 320, 384, 448, 512]
+BETWEEN_M = [3, 24, 48, 80, 112, 136, 224, 272, 352, 480]  # checked on the final plan only
 PREFILL_M = [2048, 8192]  # chooses the tile past 512; timed for the record, outside the 1..512 target
 ROTATE_BYTES = 200 << 20  # weight copies cycled per timing: four times the H200's 50 MiB L2
 SMEM_BYTES = 220 * 1024
@@ -89,6 +89,20 @@ TMA_TILES = [
     (128, 256, 64, 8, 3),
     (256, 128, 64, 8, 3),
 ]
+# Swapped tiles (out.T = w @ x.T): 16 to 64 of x's rows against 64 to 256 weight rows, for M = 129..512, where
+# 64-row tiles leave part of the chip idle or waste rows, and the weight tile is shared through L2.
+SWAP_TILES = [
+    (16, 64, 128, 4, 6),
+    (16, 128, 128, 4, 4),
+    (16, 256, 64, 8, 4),
+    (32, 64, 128, 4, 6),
+    (32, 128, 64, 4, 6),
+    (32, 128, 128, 4, 4),
+    (32, 256, 64, 8, 4),
+    (64, 128, 64, 4, 6),
+    (64, 256, 64, 8, 3),
+]
+SWAP_SPLIT_PROGRAM_TILES = [(16, 64, 128, 4, 6), (32, 128, 64, 4, 6)]
 # A TMA launch encodes two descriptors on the host, some 20 us: the host is often the bottleneck of an eager step
 # at M <= 512 (a prefill of one 512-token prompt), so plans use TMA tiles only at the prefill sizes beyond that.
 TMA_MIN_M = 513
@@ -111,11 +125,11 @@ PREFILL_TILE_MIN_AREA = 128 * 128
 
 def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
     slice_k = k // split
-    tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES] + [
-        MatmulTile(*t, tma=True) for t in TMA_TILES
-    ]
+    tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES]
+    tiles += [MatmulTile(*t, tma=True) for t in TMA_TILES] + [MatmulTile(*t, swap=True) for t in SWAP_TILES]
     if split > 1:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
+        tiles += [MatmulTile(*t, split_programs=True, swap=True) for t in SWAP_SPLIT_PROGRAM_TILES]
     return [
         t
         for t in tiles
@@ -209,7 +223,7 @@ def plan_expression(plan: MatmulPlan) -> str:
     tiles = []
     for max_m, t in plan.tiles:
         bound = "_LARGE_M" if max_m == LARGE_M else str(max_m)
-        extra = (", split_programs=True" if t.split_programs else "") + (", tma=True" if t.tma else "")
+        extra = "".join(f", {flag}=True" for flag in ("split_programs", "tma", "swap") if getattr(t, flag))
         tiles.append(
             f"({bound}, _tile({t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{extra}))"
         )

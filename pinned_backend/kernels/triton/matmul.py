@@ -38,6 +38,7 @@ if HAVE_TRITON:
 INSTRUCTION_K = 16
 _WGMMA_ROWS = (64, 128, 256)
 _WGMMA_WARPS = (4, 8)
+_SWAP_MIN_COLS = 16
 # Row tiles per band of the launch order (see the kernel); 16 bands of 128 rows of a K = 6144 x take 24 MiB of L2.
 _GROUP_M = 16
 # Without a split, fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
@@ -57,10 +58,18 @@ class MatmulTile:
     split_programs: bool = False
     # Operands copied by the tensor-memory engine (TMA) rather than by per-thread loads.
     tma: bool = False
+    # The weight's rows as the tensor cores' rows and x's rows as their columns (out.T = w @ x.T): the columns of a
+    # wgmma step come in multiples of 8, so a tile may then hold 16 or 32 of x's rows, not 64 or more.
+    swap: bool = False
 
     def check(self) -> None:
-        if self.block_m not in _WGMMA_ROWS or self.num_warps not in _WGMMA_WARPS:
+        rows, cols = (self.block_n, self.block_m) if self.swap else (self.block_m, self.block_n)
+        if rows not in _WGMMA_ROWS or self.num_warps not in _WGMMA_WARPS:
             raise ValueError(f"{self}: tiles must have 64, 128 or 256 rows and 4 or 8 warps (wgmma shapes)")
+        if self.swap and (cols < _SWAP_MIN_COLS or self.tma):
+            raise ValueError(
+                f"{self}: a swapped tile takes {_SWAP_MIN_COLS} or more of x's rows, and plain loads"
+            )
         if self.block_k % INSTRUCTION_K:
             raise ValueError(f"{self}: the K step must be a multiple of {INSTRUCTION_K}")
 
@@ -90,9 +99,16 @@ class MatmulPlan:
 
 
 def _tile(
-    bm: int, bn: int, bk: int, warps: int, stages: int, split_programs: bool = False, tma: bool = False
+    bm: int,
+    bn: int,
+    bk: int,
+    warps: int,
+    stages: int,
+    split_programs: bool = False,
+    tma: bool = False,
+    swap: bool = False,
 ) -> MatmulTile:
-    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma)
+    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma, swap)
 
 
 _LARGE_M = 1 << 62
@@ -107,19 +123,22 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (2048, 6144): MatmulPlan(
         2,
         (
+            (32, _tile(16, 64, 128, 4, 6, split_programs=True, swap=True)),
             (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
-            (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
+            (128, _tile(64, 64, 64, 4, 6, split_programs=True)),
             (256, _tile(64, 128, 64, 4, 6, split_programs=True)),
+            (288, _tile(64, 128, 64, 4, 6)),
             (384, _tile(64, 64, 64, 4, 6)),
             (512, _tile(64, 128, 64, 4, 6)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 5, tma=True)),
+            (2048, _tile(128, 128, 64, 8, 5, tma=True)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)),
         ),
     ),  # down
     (2048, 2048): MatmulPlan(
         1,
         (
-            (64, _tile(64, 16, 128, 4, 6)),
-            (128, _tile(64, 32, 128, 4, 6)),
+            (64, _tile(16, 64, 128, 4, 6, swap=True)),
+            (128, _tile(32, 64, 128, 4, 6, swap=True)),
             (256, _tile(64, 64, 128, 4, 4)),
             (512, _tile(64, 128, 64, 4, 6)),
             (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
@@ -128,45 +147,47 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (4096, 2048): MatmulPlan(
         1,
         (
-            (64, _tile(64, 32, 128, 4, 6)),
+            (32, _tile(16, 64, 128, 4, 6, swap=True)),
+            (64, _tile(32, 64, 128, 4, 6, swap=True)),
             (128, _tile(64, 64, 128, 4, 4)),
             (256, _tile(64, 128, 64, 4, 6)),
             (320, _tile(64, 256, 64, 4, 4)),
             (384, _tile(128, 128, 64, 8, 5)),
             (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 5)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+            (512, _tile(128, 128, 64, 8, 4)),
+            (2048, _tile(128, 128, 64, 8, 3)),
+            (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
         ),
     ),  # qkv
     (12288, 2048): MatmulPlan(
         1,
         (
-            (1, _tile(64, 64, 64, 4, 6)),
-            (8, _tile(64, 128, 64, 4, 6)),
-            (16, _tile(64, 64, 64, 4, 6)),
-            (64, _tile(64, 128, 64, 4, 6)),
+            (8, _tile(16, 64, 128, 4, 6, swap=True)),
+            (16, _tile(64, 128, 64, 4, 6)),
+            (32, _tile(64, 128, 64, 4, 6, swap=True)),
+            (64, _tile(64, 128, 128, 4, 3)),
             (128, _tile(128, 128, 64, 8, 5)),
             (256, _tile(128, 128, 64, 8, 3)),
             (320, _tile(64, 256, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 5)),
-            (448, _tile(64, 256, 64, 4, 4)),
             (512, _tile(128, 128, 64, 8, 5)),
-            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
-            (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # gate_up
     (151936, 2048): MatmulPlan(
         1,
         (
-            (64, _tile(64, 64, 64, 4, 6)),
-            (96, _tile(128, 128, 64, 8, 5)),
-            (160, _tile(128, 128, 64, 8, 3)),
+            (1, _tile(16, 64, 128, 4, 6, swap=True)),
+            (16, _tile(16, 128, 128, 4, 4, swap=True)),
+            (32, _tile(32, 128, 128, 4, 4, swap=True)),
+            (64, _tile(64, 128, 64, 4, 6)),
+            (128, _tile(128, 128, 64, 8, 5)),
             (192, _tile(64, 256, 64, 4, 4)),
             (256, _tile(128, 128, 64, 8, 3)),
             (320, _tile(64, 256, 64, 4, 4)),
+            (384, _tile(128, 128, 64, 8, 3)),
+            (448, _tile(64, 256, 64, 4, 4)),
             (512, _tile(128, 128, 64, 8, 3)),
-            (2048, _tile(256, 128, 64, 8, 3, tma=True)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+            (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
         ),
     ),  # lm_head
 }
@@ -223,6 +244,7 @@ def _matmul_kernel(
     N_TILES: tl.constexpr,
     GROUP_M: tl.constexpr,
     TMA: tl.constexpr,
+    SWAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Programs walk bands of GROUP_M row tiles; inside a band, row tiles vary fastest. So the programs in flight
@@ -255,9 +277,12 @@ def _matmul_kernel(
 
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Swapped, the accumulator is out's tile transposed: [BLOCK_N, BLOCK_M].
+    ACC_ROWS: tl.constexpr = BLOCK_N if SWAP else BLOCK_M
+    ACC_COLS: tl.constexpr = BLOCK_M if SWAP else BLOCK_N
+    total = tl.zeros((ACC_ROWS, ACC_COLS), dtype=tl.float32)
     for s in tl.static_range(SLICES):
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((ACC_ROWS, ACC_COLS), dtype=tl.float32)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             if TMA:
                 # The tensor-memory engine copies the same operand values (rows and columns past the ends come
@@ -272,7 +297,10 @@ def _matmul_kernel(
                 k_ok = ((kk + offs_k) < K)[None, :]
                 x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+            if SWAP:  # noqa: SIM108  (a constexpr branch, as below)
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         # The first slice is taken as it is, as the summing kernel takes it: 0.0 + (-0.0) would flip a sign bit.
@@ -281,8 +309,13 @@ def _matmul_kernel(
         else:
             total = total + acc
 
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_tile = out_ptr + pid_k * stride_os
+    if SWAP:
+        out_ptrs = out_tile + offs_m[None, :] * stride_om + offs_n[:, None]
+        mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    else:
+        out_ptrs = out_tile + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -361,6 +394,7 @@ def matmul(
         N_TILES=-(-n // tile.block_n),
         GROUP_M=_GROUP_M,
         TMA=tma,
+        SWAP=tile.swap,
         PDL=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
