@@ -34,6 +34,7 @@ from gpu_kernels import time_rotating, weight_copies
 from pinned_backend.checkpoint import ModelConfig, expected_shapes
 from pinned_backend.engine import Engine, EngineConfig, EngineError, TokenOutput
 from pinned_backend.kernels.triton import CublasKernels, TritonKernels, matmul
+from pinned_backend.kernels.triton.dependent_launch import force_dependent_launch
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
 from pinned_backend.sampling import SamplingParams
@@ -448,6 +449,13 @@ def speed(models: dict[str, Transformer], config: ModelConfig) -> dict[str, Any]
             row["ratio"] = row["batch_invariant"]["tokens_per_s"] / row["default"]["tokens_per_s"]
             out[phase][str(batch)] = row
             print(phase, batch, json.dumps(row), flush=True)
+    # What dependent launch buys: the batch-1 step again with every kernel launched after the previous one ends.
+    force_dependent_launch(False)
+    out["decode_batch1_without_dependent_launch"] = {
+        name: decode_rate(model, cache, 1) for name, model in models.items()
+    }
+    force_dependent_launch(None)
+    print("without dependent launch", json.dumps(out["decode_batch1_without_dependent_launch"]), flush=True)
     del cache
     torch.cuda.empty_cache()
     return out
@@ -482,6 +490,9 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"decode step at batch 1: {step:.3f} ms, floor {r['bandwidth_floor_ms']:.3f} ms, x{step / r['bandwidth_floor_ms']:.2f}"
     )
+    plain = r.get("decode_batch1_without_dependent_launch", {}).get("batch_invariant")
+    if plain:
+        print(f"decode step at batch 1 without dependent launch: {plain['step_ms']:.3f} ms")
 
 
 if __name__ == "__main__":
