@@ -1,7 +1,7 @@
 """Batch-invariant residual add and RMSNorm in one pass on the GPU: `x + delta`, and that sum normalised.
 
 One program owns one row. It adds the row's update in fp32 and rounds the sum once to x's dtype (what torch's add
-gives), stores it, then normalises it with the statements of `rms_norm.py`, over the same block of
+gives), stores it, then normalises it with `rms_norm.py`'s jitted helpers, over the same block of
 next_power_of_two(D) lanes with the same warps for D: the same reduction tree, so the normalised bits are those of
 an add followed by `rms_norm` (tests/test_kernels_triton_fused.py holds them to that). The row count reaches the
 kernel only as the grid, never as an argument, so no binary is specialised on it. Rows are read through a row
@@ -14,7 +14,7 @@ import torch
 
 from ._compat import tl, triton
 from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
-from .rms_norm import norm_warps
+from .rms_norm import norm_warps, normalise_and_weigh, rms_inverse
 
 
 @triton.jit
@@ -42,13 +42,10 @@ def _add_rms_norm_kernel(
     delta = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0)
     summed = (x.to(tl.float32) + delta.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * stride_sum + cols, summed, mask=mask)
-    # From here on, rms_norm.py's kernel statement for statement.
     x = summed.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / D
-    normed = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = normalise_and_weigh(x, rms_inverse(x, D, eps), w, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
 
 
 def add_rms_norm(

@@ -15,6 +15,21 @@ from .dependent_launch import dependent_launch, launch_dependents, wait_for_inpu
 
 
 @triton.jit
+def rms_inverse(x, D, eps):
+    """1 / sqrt(mean(x^2) + eps) of an fp32 row held in one block: one `tl.sum`, whose tree the block fixes. Every
+    kernel that normalises a row calls this, so that one D gives one result however the row got there."""
+    var = tl.sum(x * x, axis=0) / D
+    return 1.0 / tl.sqrt(var + eps)
+
+
+@triton.jit
+def normalise_and_weigh(x, inv, w, DTYPE: tl.constexpr):
+    """The Hugging Face roundings: the fp32 row times `inv` rounded to DTYPE, times the weight in fp32, rounded."""
+    normed = (x * inv).to(DTYPE)
+    return (normed.to(tl.float32) * w.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,
@@ -38,15 +53,9 @@ def _rms_norm_kernel(
     mask = cols < D
     x = tl.load(x_ptr + outer * stride_x_outer + sub * stride_x_inner + cols, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    var = tl.sum(x * x, axis=0) / D
-    normed = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = normed.to(tl.float32) * w.to(tl.float32)
-    tl.store(
-        out_ptr + outer * stride_o_outer + sub * stride_o_inner + cols,
-        y.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    y = normalise_and_weigh(x, rms_inverse(x, D, eps), w, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + outer * stride_o_outer + sub * stride_o_inner + cols, y, mask=mask)
 
 
 def norm_warps(block_d: int) -> int:

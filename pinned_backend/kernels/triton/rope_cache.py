@@ -4,7 +4,7 @@ and the write of this step's keys and values into the paged cache.
 One program owns one (token, head) pair of the grid [T, Hq + Hkv]: a query head, or a KV head, whose program
 rotates the key and copies the value. Nothing crosses programs, and the block sizes and warps follow the head
 dimension alone, so a row's bits never depend on T or on its neighbours; T reaches the kernel only as the grid.
-The norm is `rms_norm.py`'s statements over the whole head row, the same tree for the same D; the rotation reads
+The norm is `rms_norm.py`'s jitted helpers over the whole head row, the same tree for the same D; the rotation reads
 the row again as two halves, since a register tensor cannot be permuted (rotate_half), and applies the norm's
 per-row scale to each half, which gives every element the bits the whole-row norm would. The roundings are the
 composed version's (`kernels.composed`): the norm rounds to the dtype, then the weight product; the rotation runs
@@ -18,7 +18,7 @@ import torch
 
 from ._compat import tl, triton
 from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
-from .rms_norm import norm_warps
+from .rms_norm import norm_warps, normalise_and_weigh, rms_inverse
 
 
 @triton.jit
@@ -42,12 +42,11 @@ def _normed_rotated(
     if NORM:
         cols = tl.arange(0, BLOCK_D)
         x = tl.load(row_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-        var = tl.sum(x * x, axis=0) / D
-        inv = 1.0 / tl.sqrt(var + eps)
-        w1 = tl.load(w_ptr + lanes, mask=in_half, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + half + lanes, mask=in_half, other=0.0).to(tl.float32)
-        x1 = ((x1.to(tl.float32) * inv).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype)
-        x2 = ((x2.to(tl.float32) * inv).to(x2.dtype).to(tl.float32) * w2).to(x2.dtype)
+        inv = rms_inverse(x, D, eps)
+        w1 = tl.load(w_ptr + lanes, mask=in_half, other=0.0)
+        w2 = tl.load(w_ptr + half + lanes, mask=in_half, other=0.0)
+        x1 = normalise_and_weigh(x1.to(tl.float32), inv, w1, x1.dtype)
+        x2 = normalise_and_weigh(x2.to(tl.float32), inv, w2, x2.dtype)
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
