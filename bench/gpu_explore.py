@@ -65,7 +65,12 @@ SHAPES = {
 
 def with_tma(plan: mm.MatmulPlan, min_m: int) -> mm.MatmulPlan:
     tiles = tuple(
-        (mx, mm.MatmulTile(**{**t.__dict__, "tma": True}) if mx >= min_m and not t.split_programs else t)
+        (
+            mx,
+            mm.MatmulTile(**{**t.__dict__, "tma": True})
+            if mx >= min_m and not (t.split_programs or t.swap)
+            else t,
+        )
         for mx, t in plan.tiles
     )
     return mm.MatmulPlan(plan.split_k, tiles)

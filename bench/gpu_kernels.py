@@ -264,8 +264,11 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
                 if reference is None:
                     reference = out
                 bad = mismatches(run, x, reference)
+                # A TMA tile is proven at M <= 512 like any other, but timed only where plans may use it.
                 us = {
-                    m: time_rotating(lambda a, b, p=plan, t=tile: matmul(a, b, p, t), x[:m], copies)
+                    m: math.inf
+                    if tile.tma and m < TMA_MIN_M
+                    else time_rotating(lambda a, b, p=plan, t=tile: matmul(a, b, p, t), x[:m], copies)
                     for m in TIMED_M
                 }
             except Exception as exc:  # a tile that does not fit is a result, not a crash
@@ -290,7 +293,7 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
         for row in group["tiles"]:
             tile = MatmulTile(**row["tile"])
             single = MatmulPlan(split, ((LARGE_M, tile),))
-            wide = tile.block_m * tile.block_n >= PREFILL_TILE_MIN_AREA
+            wide = tile.tma or tile.block_m * tile.block_n >= PREFILL_TILE_MIN_AREA
             for m in PREFILL_M:
                 row["us"][m] = (
                     time_rotating(lambda a, b, p=single, t=tile: matmul(a, b, p, t), x[:m], copies)
@@ -325,7 +328,10 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
     # The winner as serving runs it: the tile picked by M, checked bitwise and timed between the timed points,
     # each M next to cuBLAS.
     serve = lambda a, b=w, p=plan: matmul(a, b, p)  # noqa: E731
-    final_bad = mismatches(serve, x, serve(x[:512]))
+    reference = serve(x[:512])
+    final_bad = mismatches(serve, x, reference)
+    # Past M = 512 the plan's own tiles (TMA ones among them) must give those rows the same bits too.
+    final_bad += [m for m in PREFILL_M if not torch.equal(serve(x[:m])[:512], reference)]
     final_us: dict[int, float] = {}
     final_cublas: dict[int, float] = {}
     for m in sorted(TIMED_M + BETWEEN_M) + PREFILL_M:

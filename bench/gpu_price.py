@@ -451,10 +451,12 @@ def speed(models: dict[str, Transformer], config: ModelConfig) -> dict[str, Any]
             print(phase, batch, json.dumps(row), flush=True)
     # What dependent launch buys: the batch-1 step again with every kernel launched after the previous one ends.
     force_dependent_launch(False)
-    out["decode_batch1_without_dependent_launch"] = {
-        name: decode_rate(model, cache, 1) for name, model in models.items()
-    }
-    force_dependent_launch(None)
+    try:
+        out["decode_batch1_without_dependent_launch"] = {
+            name: decode_rate(model, cache, 1) for name, model in models.items()
+        }
+    finally:
+        force_dependent_launch(None)
     print("without dependent launch", json.dumps(out["decode_batch1_without_dependent_launch"]), flush=True)
     del cache
     torch.cuda.empty_cache()

@@ -101,7 +101,7 @@ def test_decode_steps_take_the_chunks_path_while_the_workspace_fits() -> None:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("split", [64, 256])
+@pytest.mark.parametrize("split", [64, 128, 256])
 def test_chunks_path_gives_the_serial_paths_bits(attention: Attention, split: int) -> None:
     data = _Sequences([2001, 37], seed=split)
     # A prefill step: more tokens than sequences, so one program serves several tokens and walks their chunks.
@@ -118,7 +118,7 @@ def test_chunks_path_gives_the_serial_paths_bits(attention: Attention, split: in
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("split", [64, 256])
+@pytest.mark.parametrize("split", [64, 128, 256])
 def test_chunks_path_matches_float64(attention: Attention, split: int) -> None:
     data = _Sequences([2001], seed=10 + split)
     for p in POSITIONS:
@@ -129,7 +129,7 @@ def test_chunks_path_matches_float64(attention: Attention, split: int) -> None:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("split", [64, 256])
+@pytest.mark.parametrize("split", [64, 128, 256])
 def test_a_decoded_query_does_not_depend_on_the_other_sequences_in_the_step(
     attention: Attention, split: int
 ) -> None:

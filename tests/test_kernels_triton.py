@@ -179,14 +179,17 @@ class _Cache:
 
 @gpu
 @needs_cuda
-def test_attention_matches_float64_and_does_not_depend_on_how_the_step_was_built(triton_ops) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("split", [128, 256])
+def test_attention_matches_float64_and_does_not_depend_on_how_the_step_was_built(
+    triton_ops, split: int
+) -> None:  # type: ignore[no-untyped-def]
     hq, hkv, d, page, scale = 16, 8, 128, 16, 128**-0.5
     lengths = [700, 37, 300, 1]
     gen = torch.Generator(device="cuda").manual_seed(0)
     keys = [torch.randn(n, hkv, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
     values = [torch.randn(n, hkv, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
     queries = [torch.randn(n, hq, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
-    kernels = triton_ops.TritonKernels(kv_split_size=256)
+    kernels = triton_ops.TritonKernels(kv_split_size=split)
 
     def run(cache: _Cache, parts: list[tuple[int, int, int]]) -> torch.Tensor:
         """One step made of (sequence, first position, count) parts, in that order."""

@@ -34,21 +34,22 @@ _forced: bool | None = None
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") == "1":
+    interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+    if not HAVE_TRITON or interpreted or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents (Hopper and later, unless switched off)."""
-    if _forced is not None:
-        return _forced and device.type == "cuda"
-    return device.type == "cuda" and _supported(device.index if device.index is not None else 0)
+    """Whether kernels on `device` launch as programmatic dependents: on Hopper and later, unless switched off."""
+    if device.type != "cuda" or _forced is False or not torch.cuda.is_available():
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def force_dependent_launch(enabled: bool | None) -> None:
-    """Turn dependent launch on or off for every kernel launched from now on (None: by the device again). For
-    benchmarks that price it; it never changes a result's bits."""
+    """Switch dependent launch off (False) for every kernel launched from now on, or back to what the device
+    supports (True or None). For benchmarks that price it; it never changes a result's bits."""
     global _forced
     _forced = enabled
 

@@ -409,4 +409,4 @@ def matmul(
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+    return t.numel() > 0 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
