@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from pinned_backend.checkpoint import CheckpointError
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE
 from pinned_backend.runtime import BackendSettings
 from pinned_backend.server import create_app
 
@@ -55,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-step-tokens", type=int, default=256)
     serve.add_argument("--max-queue", type=int, default=64)
     serve.add_argument(
+        "--kv-split-size",
+        type=int,
+        default=DEFAULT_KV_SPLIT_SIZE,
+        help="keys per chunk of the attention's KV reduction: part of the stack, so a stack served with another "
+        "split replays only with that split (a multiple of 16, and of 64 on cuda)",
+    )
+    serve.add_argument(
         "--threads", type=int, help="torch CPU threads (part of the stack; default: torch's choice)"
     )
     serve.add_argument("--ready-file", type=Path, help="write the base URL here once listening")
@@ -84,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_batch_size=args.max_batch_size,
             max_step_tokens=args.max_step_tokens,
             max_queue=args.max_queue,
+            kv_split_size=args.kv_split_size,
             threads=args.threads,
         )
     except ValidationError as exc:

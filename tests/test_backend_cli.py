@@ -42,6 +42,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (("serve", "--model", ".", "--port", "70000"), "--port"),
         (("serve", "--model", ".", "--max-batch-size", "64", "--max-step-tokens", "8"), "max_step_tokens"),
         (("serve", "--model", ".", "--device", "cuda", "--dtype", "fp32"), "choose --dtype bf16"),
+        (("serve", "--model", ".", "--kv-split-size", "100"), "multiple of block_size"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(

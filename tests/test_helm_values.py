@@ -54,6 +54,8 @@ TINY = {
         ({"stacks": [{**TINY, "gpus": 1, "kernelMode": "default"}]}, "the kernels on GPUs run bf16 or fp16"),
         ({"stacks": [TINY, TINY]}, "appears twice"),
         ({"stacks": [{**TINY, "maxBatchSize": 512}]}, "maxStepTokens must be at least maxBatchSize"),
+        ({"stacks": [{**TINY, "gpus": 1, "dtype": "bf16", "kvSplitSize": 96}]}, "a multiple of 64"),
+        ({"stacks": [{**TINY, "kvSplitSize": 100}]}, "kvSplitSize"),
         ({"stacks": [{**TINY, "name": "x" * 60}]}, "longer than 63"),
         (
             {"upstreams": [{"name": "tiny-cpu", "url": "https://api.example", "stack": {"model": "m"}}]},

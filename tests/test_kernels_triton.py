@@ -68,6 +68,14 @@ def test_a_ragged_k_is_allowed_to_a_plan_of_one_tile_and_one_slice() -> None:
     MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4)),)).check(2000)
 
 
+@pytest.mark.parametrize("split", [0, 16, 100])
+def test_a_kv_split_the_gpu_attention_cannot_walk_is_refused_when_the_kernels_are_made(split: int) -> None:
+    from pinned_backend.kernels.triton import TritonKernels
+
+    with pytest.raises(ValueError, match="positive multiple of 64"):
+        TritonKernels(kv_split_size=split)
+
+
 @pytest.fixture
 def triton_ops():  # type: ignore[no-untyped-def]
     pytest.importorskip("triton")

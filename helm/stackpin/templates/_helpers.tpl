@@ -249,6 +249,9 @@ ConfigMap includes it, so `helm template` and `helm install` fail before anythin
 {{- if and (gt (int (default 0 .gpus)) 0) (eq .dtype "fp32") }}
 {{- fail (printf "stack %q: the kernels on GPUs run bf16 or fp16 on the tensor cores; set dtype to bf16 (or fp16)" .name) }}
 {{- end }}
+{{- if and (gt (int (default 0 .gpus)) 0) (ne (mod (int (default 128 .kvSplitSize)) 64) 0) }}
+{{- fail (printf "stack %q: the GPU attention walks keys in tiles of 64; set kvSplitSize to a multiple of 64" .name) }}
+{{- end }}
 {{- if gt (int (default 32 .maxBatchSize)) (int (default 256 .maxStepTokens)) }}
 {{- fail (printf "stack %q: maxStepTokens must be at least maxBatchSize" .name) }}
 {{- end }}

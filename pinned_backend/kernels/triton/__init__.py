@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import DEFAULT_KV_SPLIT_SIZE, KernelMode
-from .attention import paged_attention
+from .attention import KV_TILE, paged_attention
 from .matmul import matmul
 from .residual_norm import add_rms_norm
 from .rms_norm import rms_norm
@@ -26,6 +26,11 @@ class TritonKernels:
     mode: KernelMode = "batch_invariant"
 
     def __init__(self, kv_split_size: int = DEFAULT_KV_SPLIT_SIZE) -> None:
+        if kv_split_size <= 0 or kv_split_size % KV_TILE:
+            raise ValueError(
+                f"kv_split_size {kv_split_size}: the GPU attention walks keys in tiles of {KV_TILE}, so the split "
+                f"must be a positive multiple of {KV_TILE}"
+            )
         self.kv_split_size = kv_split_size
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Batch-invariant causal attention over a paged KV cache on the GPU, for prefill, chunked prefill and decode alike.
 
 A query at position p attends to keys 0..p of its sequence, walked in chunks of `split` keys (the stack's
-`kv_split_size`) and, inside a chunk, in tiles of `_BLOCK_N` keys, always from the chunk's first key. Each chunk
+`kv_split_size`) and, inside a chunk, in tiles of `KV_TILE` keys, always from the chunk's first key. Each chunk
 gets its own online softmax, and chunk results are merged in chunk order 0, 1, 2, ... So the reduction order for
 a query depends on p and the split size alone: not on how the cache was filled (one prefill, chunks, decode
 steps), not on which other queries share the step, not on where the query sits in it, and not on which of the two
@@ -47,7 +47,7 @@ from ._compat import tl, triton
 from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
 
 _ROWS = 16  # rows of one program's query tile: the smallest tensor-core tile
-_BLOCK_N = 64  # keys per tile; divides every split size we accept
+KV_TILE = 64  # keys per tile; divides every split size we accept
 # Every attention kernel launches with these: the shared tile loop must compile to the same instructions in each.
 _NUM_WARPS, _NUM_STAGES = 4, 2
 _WORKSPACE_LIMIT = 64 << 20  # bytes of chunk partials a decode step may take before it walks chunks serially
@@ -374,8 +374,8 @@ def paged_attention(
         raise ValueError("attention: q, k_cache and v_cache disagree on shape")
     if hq % hkv != 0 or _ROWS % (hq // hkv) != 0:
         raise ValueError(f"attention: {hq} query heads over {hkv} KV heads is not a supported grouping")
-    if split % _BLOCK_N != 0:
-        raise ValueError(f"attention: kv split size {split} must be a multiple of {_BLOCK_N}")
+    if split % KV_TILE != 0:
+        raise ValueError(f"attention: kv split size {split} must be a multiple of {KV_TILE}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     max_chunks = max(1, -(-(block_tables.shape[1] * page) // split))
@@ -432,7 +432,7 @@ def _launch_serial(
         HEAD_DIM=d,
         PAGE=k_cache.shape[1],
         SPLIT=split,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=KV_TILE,
         PDL=pdl,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
@@ -481,7 +481,7 @@ def _launch_chunks(
         HEAD_DIM=d,
         PAGE=k_cache.shape[1],
         SPLIT=split,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=KV_TILE,
         PDL=pdl,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
