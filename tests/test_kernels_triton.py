@@ -35,6 +35,16 @@ def test_matmul_plan_depends_on_the_weight_shape_only(n: int, k: int) -> None:
     assert plan.tile_for(1) == plan.tiles[0][1] and plan.tile_for(10**9) == plan.tiles[-1][1]
 
 
+@pytest.mark.parametrize(("n", "k"), [*QWEN3_1_7B_WEIGHTS, (3072, 2048)])
+def test_a_gpu_whose_tiles_no_sweep_has_proven_gets_one_plain_tile_for_every_m(n: int, k: int) -> None:
+    proven, unproven = matmul_plan(n, k, (9, 0)), matmul_plan(n, k, (8, 0))
+    assert len(proven.tiles) > 1
+    assert len(unproven.tiles) == 1 and unproven.split_k == proven.split_k
+    tile = unproven.tiles[0][1]
+    assert not (tile.tma or tile.swap or tile.split_programs)
+    unproven.check(k)
+
+
 def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> None:
     narrow = rule_plan(2048, 2048)
     assert -(-2048 // narrow.tile_for(1).block_n) >= 128
@@ -108,7 +118,7 @@ def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
-    plan = matmul_plan(n, k)
+    plan = matmul_plan(n, k, torch.cuda.get_device_capability())
     full = triton_ops.matmul(x[:512], w)
     assert _rel_err(full, x[:512].double() @ w.double().T) < 1e-2
     for _, tile in plan.tiles:

@@ -15,7 +15,10 @@ Two things are kept apart here, because only one of them decides a result's bits
 That equivalence is a claim about the hardware and the compiler, so it is proven rather than assumed: on the GPU,
 every tile of a plan is checked bit-identical to every other at every M = 1..512 and at shifted row windows
 (`tests/test_kernels_triton.py`, `bench/gpu_kernels.py`). Tiles are kept to `wgmma`'s shapes (64, 128 or 256 rows,
-4 or 8 warps), so no tile falls back to the older `mma` instruction, whose internal sums could differ.
+4 or 8 warps), so no tile falls back to the older `mma` instruction, whose internal sums could differ. A swapped
+tile computes out.T = w @ x.T, the weight's rows in that role; the sweep proved that the tensor cores' sum of a
+16-wide step does not depend on which operand is which. All of this was proven on Hopper (an H200) only: an older
+GPU runs every tile on `mma`, where tiles may follow M only once a sweep there has proven them.
 
 `TUNED` holds the plans measured best for the weights of the models we serve; other shapes get `rule_plan`.
 This module knows nothing of models or of scheduling.
@@ -212,10 +215,20 @@ def rule_plan(n: int, k: int) -> MatmulPlan:
     )
 
 
+# Compute capabilities on which `bench/gpu_kernels.py` proved that tiles may follow M: Hopper (H100, H200).
+PROVEN_CAPABILITIES = frozenset({(9, 0)})
+
+
 @functools.cache
-def matmul_plan(n: int, k: int) -> MatmulPlan:
-    """The one plan used for a weight of shape (N, K), whatever the number of rows."""
+def matmul_plan(n: int, k: int, capability: tuple[int, int] = (9, 0)) -> MatmulPlan:
+    """The one plan used for a weight of shape (N, K) on a GPU of `capability`, whatever the number of rows.
+
+    Where no sweep has proven that tiles give the same bits (another instruction set may sum a step otherwise), the
+    plan is one plain tile for every M: invariant by construction, slower at decode sizes."""
     plan = TUNED.get((n, k)) or rule_plan(n, k)
+    if capability not in PROVEN_CAPABILITIES and len(plan.tiles) > 1:
+        block_k = plan.tiles[-1][1].block_k
+        plan = MatmulPlan(plan.split_k, ((_LARGE_M, _tile(128, 128, block_k, 8, 2)),))
     plan.check(k)
     return plan
 
@@ -350,10 +363,10 @@ def matmul(
     if w.stride(1) != 1:
         w = w.contiguous()
     if plan is None and tile is None:
-        plan = matmul_plan(n, k)
+        plan = matmul_plan(n, k, _capability(x.device))
         tile = plan.tile_for(m)
     else:
-        plan = plan or matmul_plan(n, k)
+        plan = plan or matmul_plan(n, k, _capability(x.device))
         tile = tile or plan.tile_for(m)
         MatmulPlan(plan.split_k, ((_LARGE_M, tile),)).check(k)
     device = x.device
@@ -410,3 +423,9 @@ def matmul(
 
 def _tma_ready(t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    # Tensors off the GPU only reach the kernels under Triton's interpreter, which follows the proven plans.
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)
