@@ -103,6 +103,21 @@ SWAP_TILES = [
     (64, 256, 64, 8, 3),
 ]
 SWAP_SPLIT_PROGRAM_TILES = [(16, 64, 128, 4, 6), (32, 128, 64, 4, 6)]
+# Swapped tiles for M = 129..512 whose programs take all of a step's rows, or a large block and a tail block of
+# them (128 + 16 for M = 144), so that the weight is read once and few rows idle: (rows, weight rows, K step,
+# warps, stages, tail).
+WIDE_SWAP_TILES = [
+    (128, 64, 64, 4, 4, 0),
+    (128, 64, 64, 4, 3, 16),
+    (128, 64, 64, 4, 3, 32),
+    (128, 64, 64, 4, 3, 64),
+    (128, 128, 64, 8, 3, 0),
+    (128, 128, 64, 8, 3, 16),
+    (128, 128, 64, 8, 3, 32),
+    (256, 64, 64, 8, 3, 0),
+    (256, 64, 64, 8, 3, 32),
+    (256, 64, 64, 8, 3, 64),
+]
 # A TMA launch encodes two descriptors on the host, some 20 us: the host is often the bottleneck of an eager step
 # at M <= 512 (a prefill of one 512-token prompt), so plans use TMA tiles only at the prefill sizes beyond that.
 TMA_MIN_M = 513
@@ -127,6 +142,7 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
     slice_k = k // split
     tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES]
     tiles += [MatmulTile(*t, tma=True) for t in TMA_TILES] + [MatmulTile(*t, swap=True) for t in SWAP_TILES]
+    tiles += [MatmulTile(*t[:5], swap=True, tail=t[5]) for t in WIDE_SWAP_TILES]
     if split > 1:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
         tiles += [MatmulTile(*t, split_programs=True, swap=True) for t in SWAP_SPLIT_PROGRAM_TILES]
@@ -135,7 +151,7 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
         for t in tiles
         if slice_k % t.block_k == 0
         and 8 <= n / t.block_n <= 2400
-        and (t.block_m + t.block_n) * t.block_k * 2 * t.num_stages <= SMEM_BYTES
+        and (t.block_m + t.tail + t.block_n) * t.block_k * 2 * t.num_stages <= SMEM_BYTES
     ]
 
 
@@ -224,6 +240,7 @@ def plan_expression(plan: MatmulPlan) -> str:
     for max_m, t in plan.tiles:
         bound = "_LARGE_M" if max_m == LARGE_M else str(max_m)
         extra = "".join(f", {flag}=True" for flag in ("split_programs", "tma", "swap") if getattr(t, flag))
+        extra += f", tail={t.tail}" if t.tail else ""
         tiles.append(
             f"({bound}, _tile({t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{extra}))"
         )

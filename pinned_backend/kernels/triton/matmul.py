@@ -64,6 +64,8 @@ class MatmulTile:
     # The weight's rows as the tensor cores' rows and x's rows as their columns (out.T = w @ x.T): the columns of a
     # wgmma step come in multiples of 8, so a tile may then hold 16 or 32 of x's rows, not 64 or more.
     swap: bool = False
+    # Swapped tiles only: a second block of this many of x's rows after the main one, against the same weight tile.
+    tail: int = 0
 
     def check(self) -> None:
         rows, cols = (self.block_n, self.block_m) if self.swap else (self.block_m, self.block_n)
@@ -72,6 +74,10 @@ class MatmulTile:
         if self.swap and (cols < _SWAP_MIN_COLS or self.tma):
             raise ValueError(
                 f"{self}: a swapped tile takes {_SWAP_MIN_COLS} or more of x's rows, and plain loads"
+            )
+        if self.tail and (not self.swap or self.tail < _SWAP_MIN_COLS or self.tail & (self.tail - 1)):
+            raise ValueError(
+                f"{self}: a tail is for swapped tiles, a power of two of {_SWAP_MIN_COLS} rows or more"
             )
         if self.block_k % INSTRUCTION_K:
             raise ValueError(f"{self}: the K step must be a multiple of {INSTRUCTION_K}")
@@ -110,8 +116,9 @@ def _tile(
     split_programs: bool = False,
     tma: bool = False,
     swap: bool = False,
+    tail: int = 0,
 ) -> MatmulTile:
-    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma, swap)
+    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma, swap, tail)
 
 
 _LARGE_M = 1 << 62
@@ -150,46 +157,55 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (4096, 2048): MatmulPlan(
         1,
         (
-            (32, _tile(16, 64, 128, 4, 6, swap=True)),
+            (16, _tile(16, 64, 128, 4, 6, swap=True)),
             (64, _tile(32, 64, 128, 4, 6, swap=True)),
             (128, _tile(64, 64, 128, 4, 4)),
             (256, _tile(64, 128, 64, 4, 6)),
             (320, _tile(64, 256, 64, 4, 4)),
             (384, _tile(128, 128, 64, 8, 5)),
             (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 4)),
-            (2048, _tile(128, 128, 64, 8, 3)),
-            (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
+            (512, _tile(128, 128, 64, 8, 5)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # qkv
     (12288, 2048): MatmulPlan(
         1,
         (
-            (8, _tile(16, 64, 128, 4, 6, swap=True)),
-            (16, _tile(64, 128, 64, 4, 6)),
+            (1, _tile(64, 64, 64, 4, 6)),
+            (8, _tile(64, 128, 64, 4, 6)),
+            (16, _tile(32, 128, 128, 4, 4, swap=True)),
             (32, _tile(64, 128, 64, 4, 6, swap=True)),
-            (64, _tile(64, 128, 128, 4, 3)),
+            (64, _tile(64, 128, 64, 4, 6)),
             (128, _tile(128, 128, 64, 8, 5)),
+            (160, _tile(128, 64, 64, 4, 3, swap=True, tail=32)),
+            (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
             (256, _tile(128, 128, 64, 8, 3)),
-            (320, _tile(64, 256, 64, 4, 4)),
+            (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
+            (384, _tile(128, 128, 64, 8, 5)),
+            (448, _tile(64, 256, 64, 4, 4)),
             (512, _tile(128, 128, 64, 8, 5)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+            (2048, _tile(128, 128, 64, 8, 3, swap=True)),
+            (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
         ),
     ),  # gate_up
     (151936, 2048): MatmulPlan(
         1,
         (
-            (1, _tile(16, 64, 128, 4, 6, swap=True)),
             (16, _tile(16, 128, 128, 4, 4, swap=True)),
             (32, _tile(32, 128, 128, 4, 4, swap=True)),
-            (64, _tile(64, 128, 64, 4, 6)),
+            (64, _tile(64, 64, 64, 4, 6)),
+            (96, _tile(128, 128, 64, 8, 3, swap=True)),
             (128, _tile(128, 128, 64, 8, 5)),
-            (192, _tile(64, 256, 64, 4, 4)),
-            (256, _tile(128, 128, 64, 8, 3)),
-            (320, _tile(64, 256, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 3)),
-            (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 3)),
+            (144, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (160, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
+            (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
+            (256, _tile(128, 128, 64, 8, 3, swap=True)),
+            (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
+            (384, _tile(128, 128, 64, 8, 3, swap=True)),
+            (448, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
+            (512, _tile(128, 128, 64, 8, 3, swap=True)),
             (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
         ),
     ),  # lm_head
@@ -258,6 +274,7 @@ def _matmul_kernel(
     GROUP_M: tl.constexpr,
     TMA: tl.constexpr,
     SWAP: tl.constexpr,
+    TAIL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Programs walk bands of GROUP_M row tiles; inside a band, row tiles vary fastest. So the programs in flight
@@ -265,7 +282,10 @@ def _matmul_kernel(
     # M of GROUP_M row tiles or fewer (every decode step) this is plain row-fastest order; at prefill sizes, where
     # x outgrows L2, it keeps x from being read once per weight tile. The order decides nothing but speed.
     pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
+    # A program's rows of x: a main block of BLOCK_M and, for a swapped tile with a tail, TAIL more right after it,
+    # both against the one weight tile it loads (so M = 144 is one block of 128 and one of 16, with no idle rows).
+    CHUNK: tl.constexpr = BLOCK_M + TAIL
+    num_m = tl.cdiv(M, CHUNK)
     band = pid // (GROUP_M * N_TILES)
     first_m = band * GROUP_M
     band_rows = tl.minimum(num_m - first_m, GROUP_M)
@@ -275,13 +295,16 @@ def _matmul_kernel(
     # This program reduces slices pid_k * SLICES .. pid_k * SLICES + SLICES - 1.
     pid_k = tl.program_id(1)
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * CHUNK + tl.arange(0, BLOCK_M)
+    TAIL_ROWS: tl.constexpr = TAIL if TAIL > 0 else 16  # a shape for the unused tail when there is none
+    offs_t = pid_m * CHUNK + BLOCK_M + tl.arange(0, TAIL_ROWS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     # Rows past M are masked, so they cost no memory traffic (re-reading a valid row instead made the 63 idle
     # rows of an M = 1 tile hit one address and ran 1.5x slower); columns past N re-read a valid column, and
     # the store drops them. Each row's result depends on its own inputs only, either way.
     row_ok = (offs_m < M)[:, None]
+    tail_ok = (offs_t < M)[:, None]
     cols = offs_n % N
     k_lo = pid_k * SLICES * K_PER_SPLIT
 
@@ -289,13 +312,16 @@ def _matmul_kernel(
     wait_for_inputs(PDL)
 
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    xt_ptrs = x_ptr + offs_t[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     # Swapped, the accumulator is out's tile transposed: [BLOCK_N, BLOCK_M].
     ACC_ROWS: tl.constexpr = BLOCK_N if SWAP else BLOCK_M
     ACC_COLS: tl.constexpr = BLOCK_M if SWAP else BLOCK_N
     total = tl.zeros((ACC_ROWS, ACC_COLS), dtype=tl.float32)
+    total_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
     for s in tl.static_range(SLICES):
         acc = tl.zeros((ACC_ROWS, ACC_COLS), dtype=tl.float32)
+        acc_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
         for kk in range(0, K_PER_SPLIT, BLOCK_K):
             if TMA:
                 # The tensor-memory engine copies the same operand values (rows and columns past the ends come
@@ -306,21 +332,30 @@ def _matmul_kernel(
             elif EVEN_K:
                 x = tl.load(x_ptrs, mask=row_ok, other=0.0)
                 w = tl.load(w_ptrs)
+                if TAIL > 0:
+                    xt = tl.load(xt_ptrs, mask=tail_ok, other=0.0)
             else:
                 k_ok = ((kk + offs_k) < K)[None, :]
                 x = tl.load(x_ptrs, mask=row_ok & k_ok, other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0)
+                if TAIL > 0:
+                    xt = tl.load(xt_ptrs, mask=tail_ok & k_ok, other=0.0)
             if SWAP:  # noqa: SIM108  (a constexpr branch, as below)
                 acc = tl.dot(w, tl.trans(x), acc)
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
+            if TAIL > 0:
+                acc_t = tl.dot(w, tl.trans(xt), acc_t)
+                xt_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         # The first slice is taken as it is, as the summing kernel takes it: 0.0 + (-0.0) would flip a sign bit.
-        if s == 0:  # noqa: SIM108  (a constexpr branch; Triton unrolls it)
+        if s == 0:
             total = acc
+            total_t = acc_t
         else:
             total = total + acc
+            total_t = total_t + acc_t
 
     out_tile = out_ptr + pid_k * stride_os
     if SWAP:
@@ -330,6 +365,10 @@ def _matmul_kernel(
         out_ptrs = out_tile + offs_m[:, None] * stride_om + offs_n[None, :]
         mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+    if TAIL > 0:
+        tail_ptrs = out_tile + offs_t[None, :] * stride_om + offs_n[:, None]
+        tail_mask = (offs_t[None, :] < M) & (offs_n[:, None] < N)
+        tl.store(tail_ptrs, total_t.to(out_ptr.dtype.element_ty), mask=tail_mask)
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -376,7 +415,7 @@ def matmul(
     split = plan.split_k
     programs_k = split if tile.split_programs and split > 1 else 1
     target = out if programs_k == 1 else torch.empty((split, m, n), device=device, dtype=torch.float32)
-    grid = (-(-m // tile.block_m) * -(-n // tile.block_n), programs_k)
+    grid = (-(-m // (tile.block_m + tile.tail)) * -(-n // tile.block_n), programs_k)
     pdl = dependent_launch(device)
     # The copy engine needs 16-byte aligned rows; a view that has none takes the same tile with plain loads, which
     # gives the same bits.
@@ -408,6 +447,7 @@ def matmul(
         GROUP_M=_GROUP_M,
         TMA=tma,
         SWAP=tile.swap,
+        TAIL=tile.tail,
         PDL=pdl,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
