@@ -59,6 +59,18 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
         (MatmulPlan(1, ((1 << 62, MatmulTile(32, 64, 64, 4, 4)),)), 2048, "64, 128 or 256 rows"),
         (MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 2, 4)),)), 2048, "4 or 8 warps"),
         (MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 24, 4, 4)),)), 2048, "multiple of 16"),
+        (MatmulPlan(1, ((1 << 62, MatmulTile(8, 64, 64, 4, 4, swap=True)),)), 2048, "16 or more of x's rows"),
+        (MatmulPlan(1, ((1 << 62, MatmulTile(16, 32, 64, 4, 4, swap=True)),)), 2048, "64, 128 or 256 rows"),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, tail=16)),)),
+            2048,
+            "a tail is for swapped tiles",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(128, 64, 64, 4, 4, swap=True, tail=24)),)),
+            2048,
+            "a power of two of 16 rows or more",
+        ),
         (MatmulPlan(2, ((1 << 62, MatmulTile(64, 64, 64, 4, 4)),)), 2000, "every K step must divide"),
         (
             MatmulPlan(1, ((8, MatmulTile(64, 16, 64, 4, 4)), (1 << 62, MatmulTile(128, 128, 64, 8, 3)))),
