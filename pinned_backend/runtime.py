@@ -62,8 +62,17 @@ class BackendSettings(BaseModel):
             )
         if self.kv_split_size % self.block_size:
             raise ValueError(
-                f"kv_split_size ({self.kv_split_size}) must be a multiple of block_size ({self.block_size})"
+                f"--kv-split-size {self.kv_split_size} must be a multiple of the KV cache's block size, "
+                f"{self.block_size}"
             )
+        if self.device == "cuda":
+            from pinned_backend.kernels.triton.attention import KV_TILE
+
+            if self.kv_split_size % KV_TILE:
+                raise ValueError(
+                    f"--kv-split-size {self.kv_split_size}: the GPU attention walks keys in tiles of {KV_TILE}; "
+                    f"choose a multiple of {KV_TILE}"
+                )
         return self
 
     @property

@@ -42,7 +42,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (("serve", "--model", ".", "--port", "70000"), "--port"),
         (("serve", "--model", ".", "--max-batch-size", "64", "--max-step-tokens", "8"), "max_step_tokens"),
         (("serve", "--model", ".", "--device", "cuda", "--dtype", "fp32"), "choose --dtype bf16"),
-        (("serve", "--model", ".", "--kv-split-size", "100"), "multiple of block_size"),
+        (("serve", "--model", ".", "--kv-split-size", "100"), "--kv-split-size 100 must be a multiple of"),
+        (("serve", "--model", ".", "--device", "cuda", "--kv-split-size", "96"), "choose a multiple of 64"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(

@@ -23,7 +23,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_settings_refuse_inconsistent_batching() -> None:
     with pytest.raises(ValidationError, match="max_step_tokens"):
         BackendSettings(model=Path("."), max_batch_size=32, max_step_tokens=16)
-    with pytest.raises(ValidationError, match="multiple of block_size"):
+    with pytest.raises(ValidationError, match="multiple of the KV cache's block size"):
         BackendSettings(model=Path("."), block_size=16, kv_split_size=24)
     with pytest.raises(ValidationError, match="kernel_mode"):
         BackendSettings(model=Path("."), kernel_mode="fast")  # type: ignore[arg-type]
