@@ -128,7 +128,7 @@ def part_matmul(ms: list[int], tiles: list[tuple[int, ...]], label: str) -> None
         x = torch.randn(max(ms_here), k, device="cuda", dtype=torch.bfloat16, generator=gen)
         w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
         copies = weight_copies(w)
-        plan = mm.matmul_plan(n, k)
+        plan = mm.matmul_plan(n, k, (9, 0))
         splits = [plan.split_k] + ([1] if name == "down" else [])
         for m in ms_here:
             row: dict[str, Any] = {"cublas": time_rotating(lambda a, b: F.linear(a, b), x[:m], copies)}

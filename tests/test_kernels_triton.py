@@ -5,7 +5,9 @@ plain Python and are checked everywhere.
 
 from __future__ import annotations
 
+import importlib
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -26,8 +28,11 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize(
     ("n", "k"), [*QWEN3_1_7B_WEIGHTS, (3072, 2048), (2048, 8192), (128256, 2048), (96, 200)]
 )
-def test_matmul_plan_depends_on_the_weight_shape_only(n: int, k: int) -> None:
-    plan = matmul_plan(n, k)
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)])
+def test_matmul_plan_depends_on_the_weight_shape_and_the_gpu_only(
+    n: int, k: int, capability: tuple[int, int]
+) -> None:
+    plan = matmul_plan(n, k, capability)
     assert isinstance(plan, MatmulPlan)
     plan.check(k)  # every tile reduces K in the plan's one order
     bounds = [max_m for max_m, _ in plan.tiles]
@@ -121,17 +126,35 @@ def test_default_mode_on_cuda_is_cublas_over_the_same_triton_kernels(triton_ops)
     assert torch.equal(kernels.matmul(x, w), torch.nn.functional.linear(x, w))
 
 
+class _NanTorch:
+    """torch, except that `empty` hands out memory filled with NaN, so that an element no program writes shows (the
+    caching allocator would otherwise hand back the previous call's block, holding the very bits expected)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+
+@pytest.fixture
+def unwritten_elements_show(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.import_module("pinned_backend.kernels.triton.matmul"), "torch", _NanTorch())
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
 def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
-    triton_ops, n: int, k: int
+    triton_ops, unwritten_elements_show: None, n: int, k: int
 ) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
     plan = matmul_plan(n, k, torch.cuda.get_device_capability())
     full = triton_ops.matmul(x[:512], w)
+    assert not full.isnan().any(), "the plan left elements unwritten"
     assert _rel_err(full, x[:512].double() @ w.double().T) < 1e-2
     for _, tile in plan.tiles:
         assert torch.equal(matmul_with_plan(x[:512], w, plan, tile), full), (
@@ -147,7 +170,9 @@ def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
         assert torch.equal(triton_ops.matmul(x[j : j + 512], w)[: 512 - j], full[j:]), f"rows shifted by {j}"
     # Past 16 row tiles the launch walks bands of row tiles (prefill sizes); a row's bits stay its own.
     for m in (1100, 2200):
-        assert torch.equal(triton_ops.matmul(x[:m], w)[:512], full), f"rows changed at M = {m}"
+        out = triton_ops.matmul(x[:m], w)
+        assert torch.equal(out[:512], full), f"rows changed at M = {m}"
+        assert not out.isnan().any(), f"elements left unwritten at M = {m}"
 
 
 @gpu

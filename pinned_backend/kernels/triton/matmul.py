@@ -236,14 +236,15 @@ PROVEN_CAPABILITIES = frozenset({(9, 0)})
 
 
 @functools.cache
-def matmul_plan(n: int, k: int, capability: tuple[int, int] = (9, 0)) -> MatmulPlan:
+def matmul_plan(n: int, k: int, capability: tuple[int, int]) -> MatmulPlan:
     """The one plan used for a weight of shape (N, K) on a GPU of `capability`, whatever the number of rows.
 
     Where no sweep has proven that tiles give the same bits (another instruction set may sum a step otherwise), the
     plan is one plain tile for every M: invariant by construction, slower at decode sizes."""
     plan = TUNED.get((n, k)) or rule_plan(n, k)
-    if capability not in PROVEN_CAPABILITIES and len(plan.tiles) > 1:
-        block_k = plan.tiles[-1][1].block_k
+    last = plan.tiles[-1][1]
+    if capability not in PROVEN_CAPABILITIES and (len(plan.tiles) > 1 or last.tma or last.swap):
+        block_k = last.block_k
         plan = MatmulPlan(plan.split_k, ((_LARGE_M, _tile(128, 128, block_k, 8, 2)),))
     plan.check(k)
     return plan
@@ -390,7 +391,7 @@ def matmul(
     x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = None, tile: MatmulTile | None = None
 ) -> torch.Tensor:
     """x [M, K] @ w[N, K].T -> [M, N] in x's dtype. `plan` and `tile` are for benchmarks and tests that compare
-    plans and tiles; serving takes `matmul_plan(N, K)` and its tile for M."""
+    plans and tiles; serving takes `matmul_plan(N, K, the device's capability)` and its tile for M."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         raise TypeError(f"matmul takes bf16 or fp16 operands of one dtype, got {x.dtype} and {w.dtype}")
     m, k = x.shape
