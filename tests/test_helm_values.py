@@ -115,6 +115,20 @@ def test_weights_may_come_from_a_host_path(tmp_path: Path) -> None:
     assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
 
 
+def test_the_kv_split_reaches_the_backend_only_when_a_stack_names_it(tmp_path: Path) -> None:
+    # Without the key the backend's own default applies, and an image from before the flag existed still starts.
+    path = tmp_path / "values.yaml"
+    older, pinned = {**TINY, "name": "older"}, {**TINY, "name": "pinned", "kvSplitSize": 256}
+    path.write_text(yaml.safe_dump({"stacks": [older, pinned]}))
+    manifests = render(path)
+    args = {
+        s["name"]: container(one(manifests, "Deployment", backend_name(s)), "backend")["args"]
+        for s in (older, pinned)
+    }
+    assert "--kv-split-size" not in args["older"]
+    assert flags(args["pinned"])["--kv-split-size"] == "256"
+
+
 def test_a_stack_can_be_scaled_to_zero_and_stays_listed(tmp_path: Path) -> None:
     path = tmp_path / "values.yaml"
     stack = {**TINY, "name": "parked", "replicas": 0}
