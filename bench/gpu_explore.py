@@ -90,22 +90,23 @@ def part_decode(config: Any, weights: dict[str, torch.Tensor]) -> None:
     cache = PagedKVCache(config, 128 * 37 + 16, PAGE, torch.device(DEVICE), torch.bfloat16)
     res: dict[str, Any] = {"floor_ms": weight_bytes(models["default"]) / copy_bandwidth() / 1e9}
     report["decode"] = res
+    # (kernels, dependent launch, batch sizes)
     variants = [
-        ("default", True, 0, [1, 8, 32, 128]),
-        ("inv256", True, 0, [1, 8, 32, 128]),
-        ("inv128", True, 0, [1, 8, 32, 128]),
-        ("inv64", True, 0, [1, 8, 32, 128]),
-        ("inv64", False, 0, [1]),
+        ("default", True, [1, 8, 32, 128]),
+        ("inv256", True, [1, 8, 32, 128]),
+        ("inv128", True, [1, 8, 32, 128]),
+        ("inv64", True, [1, 8, 32, 128]),
+        ("inv64", False, [1]),
     ]
     for name in ("inv256", "inv128", "inv64"):
         for b in (1, 8):
             r = prefill_rate(models[name], cache, b)
             res[f"prefill {name} b={b}"] = r
             log("prefill", name, b, f"{r['tokens_per_s']:.0f} tok/s")
-    for name, pdl, prefetch, batches in variants:
+    for name, pdl, batches in variants:
         force_dependent_launch(pdl)
         for b in batches:
-            key = f"{name} pdl={int(pdl)} prefetch={prefetch >> 20}MiB b={b}"
+            key = f"{name} pdl={int(pdl)} b={b}"
             try:
                 r = decode_rate(models[name], cache, b)
                 res[key] = r
@@ -189,11 +190,9 @@ def part_pdl_matmul() -> None:
         copies = weight_copies(w)
         for m in (1, 64, 128, 256, 512):
             row = {"cublas": time_rotating(lambda a, b: F.linear(a, b), x[:m], copies)}
-            for pdl, pf in ((False, 0), (True, 0)):
+            for pdl in (False, True):
                 force_dependent_launch(pdl)
-                row[f"pdl={int(pdl)} pf={pf >> 20}"] = time_rotating(
-                    lambda a, b: mm.matmul(a, b), x[:m], copies
-                )
+                row[f"pdl={int(pdl)}"] = time_rotating(lambda a, b: mm.matmul(a, b), x[:m], copies)
             res[f"{name} M={m}"] = row
             log("pdl_matmul", name, m, json.dumps({kk: round(v, 1) for kk, v in row.items()}))
         force_dependent_launch(None)
