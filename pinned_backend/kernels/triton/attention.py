@@ -44,7 +44,7 @@ from typing import Literal
 import torch
 
 from ._compat import tl, triton
-from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
+from .dependent_launch import launch_options, start_as_dependent
 
 _ROWS = 16  # rows of one program's query tile: the smallest tensor-core tile
 KV_TILE = 64  # keys per tile; divides every split size we accept
@@ -181,8 +181,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, ROWS)
     tok = tl.program_id(0) * TOKENS + rows // GROUP
@@ -261,8 +260,7 @@ def _paged_attention_chunk_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     tok = tl.program_id(0)
     kv_head = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -309,8 +307,7 @@ def _paged_attention_merge_kernel(
     SPLIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     tok = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, ROWS)
@@ -410,7 +407,7 @@ def _launch_serial(
     # which rows sit side by side, never a row's reduction order: tile shapes, and so every instruction a row
     # meets, are the same either way (the tests compare the two).
     tokens = 1 if t <= block_tables.shape[0] else _ROWS // group
-    pdl = dependent_launch(q.device)
+    dependent = launch_options(q.device)
     _paged_attention_kernel[(-(-t // tokens), hkv)](
         q,
         k_cache,
@@ -433,10 +430,9 @@ def _launch_serial(
         PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=KV_TILE,
-        PDL=pdl,
+        **dependent,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
-        launch_pdl=pdl,
     )
 
 
@@ -459,7 +455,7 @@ def _launch_chunks(
     m_ws = torch.empty((t, hq, max_chunks), device=q.device, dtype=torch.float32)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((t, hq, max_chunks, d), device=q.device, dtype=torch.float32)
-    pdl = dependent_launch(q.device)
+    dependent = launch_options(q.device)
     _paged_attention_chunk_kernel[(t, hkv, max_chunks)](
         q,
         k_cache,
@@ -482,10 +478,9 @@ def _launch_chunks(
         PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=KV_TILE,
-        PDL=pdl,
+        **dependent,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
-        launch_pdl=pdl,
     )
     _paged_attention_merge_kernel[(t, hkv)](
         m_ws,
@@ -499,8 +494,7 @@ def _launch_chunks(
         ROWS=_ROWS,
         HEAD_DIM=d,
         SPLIT=split,
-        PDL=pdl,
+        **dependent,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
-        launch_pdl=pdl,
     )

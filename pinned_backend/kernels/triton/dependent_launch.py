@@ -2,15 +2,16 @@
 
 A decode step is a chain of some 300 short kernels, and each one used to pay its launch, its programs' start and
 its first memory round trips after the last program of the one before had finished, while most of the chip sat
-idle in that one's tail. With programmatic dependent launch, every kernel here first lets the next one launch
-(`launch_dependents`), then waits (`wait_for_inputs`) until the kernel before it has finished and its writes are
-visible, and only then reads anything that an earlier kernel wrote. So the next kernel's launch and the start of
+idle in that one's tail. With programmatic dependent launch, every kernel here starts with `start_as_dependent`:
+it lets the next one launch, then waits until the kernel before it has finished and its writes are visible, and
+only then reads anything that an earlier kernel wrote. So the next kernel's launch and the start of
 its programs overlap the previous kernel's tail. (Pulling the matmul's weight into L2 before the wait was tried as
 well and made a batch-1 decode step slower, 1.58 -> 1.66 ms on an H200: the prefetch competes with the tail it is
 meant to hide.)
 
-The rule that keeps this correct: every kernel launched with `launch_pdl` calls `wait_for_inputs` in every program
-before its first read of activations, caches, positions or tables, and before its first write. A kernel's wait
+The rule that keeps this correct: every kernel launched with `launch_pdl` calls `start_as_dependent` in every
+program before its first read of activations, caches, positions or tables, and before its first write; and the
+kernel is compiled to wait exactly when it is launched as a dependent, which `launch_options` gives as one pair. A kernel's wait
 returns only once its predecessor has completed, and that one completed only after its own wait, so the order
 holds along the whole chain; kernels launched without the attribute (torch's, cuBLAS's) wait as always. None of this
 touches arithmetic: the bits of every output are those of launching one kernel after the other, which the GPU tests
@@ -54,15 +55,17 @@ def force_dependent_launch(enabled: bool | None) -> None:
     _forced = enabled
 
 
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """A kernel's launch arguments for dependent launch on `device`: its PDL constexpr (whether it waits) and
+    Triton's `launch_pdl` (whether it is launched as a dependent), which must agree or the kernel races."""
+    enabled = dependent_launch(device)
+    return {"PDL": enabled, "launch_pdl": enabled}
+
+
 @triton.jit
-def launch_dependents(PDL: tl.constexpr):
-    """Let the next kernel of the stream launch now; it will wait for this one where it reads its inputs."""
+def start_as_dependent(PDL: tl.constexpr):
+    """Let the next kernel of the stream launch now, then block until the kernel before this one has finished and
+    its writes are visible."""
     if PDL:
         gdc_launch_dependents()
-
-
-@triton.jit
-def wait_for_inputs(PDL: tl.constexpr):
-    """Block until the kernel before this one has finished and its writes are visible."""
-    if PDL:
         gdc_wait()

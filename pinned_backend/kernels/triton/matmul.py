@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ._compat import HAVE_TRITON, tl, triton
-from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
+from .dependent_launch import launch_options, start_as_dependent
 
 if HAVE_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -309,8 +309,7 @@ def _matmul_kernel(
     cols = offs_n % N
     k_lo = pid_k * SLICES * K_PER_SPLIT
 
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
 
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     xt_ptrs = x_ptr + offs_t[:, None] * stride_xm + (k_lo + offs_k)[None, :]
@@ -376,8 +375,7 @@ def _matmul_kernel(
 def _sum_splits_kernel(
     part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
@@ -417,7 +415,7 @@ def matmul(
     programs_k = split if tile.split_programs and split > 1 else 1
     target = out if programs_k == 1 else torch.empty((split, m, n), device=device, dtype=torch.float32)
     grid = (-(-m // (tile.block_m + tile.tail)) * -(-n // tile.block_n), programs_k)
-    pdl = dependent_launch(device)
+    dependent = launch_options(device)
     # The copy engine needs 16-byte aligned rows; a view that has none takes the same tile with plain loads, which
     # gives the same bits.
     tma = tile.tma and _tma_ready(x) and _tma_ready(w)
@@ -449,15 +447,14 @@ def matmul(
         TMA=tma,
         SWAP=tile.swap,
         TAIL=tile.tail,
-        PDL=pdl,
+        **dependent,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        launch_pdl=pdl,
     )
     if programs_k > 1:
         block = 1024
         _sum_splits_kernel[(-(-(m * n) // block),)](
-            target, out, m * n, SPLIT_K=split, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl
+            target, out, m * n, SPLIT_K=split, BLOCK=block, num_warps=4, **dependent
         )
     return out
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
-from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
+from .dependent_launch import launch_options, start_as_dependent
 from .rms_norm import norm_warps, normalise_and_weigh, rms_inverse
 
 
@@ -33,8 +33,7 @@ def _add_rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
@@ -71,7 +70,7 @@ def add_rms_norm(
         return summed, normed
     block_d = triton.next_power_of_2(d)
     num_warps = norm_warps(block_d)
-    pdl = dependent_launch(x.device)
+    dependent = launch_options(x.device)
     _add_rms_norm_kernel[(m,)](
         x,
         delta,
@@ -85,8 +84,7 @@ def add_rms_norm(
         d,
         eps,
         BLOCK_D=block_d,
-        PDL=pdl,
+        **dependent,
         num_warps=num_warps,
-        launch_pdl=pdl,
     )
     return summed, normed

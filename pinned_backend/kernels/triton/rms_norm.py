@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
-from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
+from .dependent_launch import launch_options, start_as_dependent
 
 
 @triton.jit
@@ -44,8 +44,7 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     row = tl.program_id(0)
     outer = row // inner
     sub = row % inner
@@ -85,7 +84,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block_d = triton.next_power_of_2(d)
     num_warps = norm_warps(block_d)
-    pdl = dependent_launch(x.device)
+    dependent = launch_options(x.device)
     _rms_norm_kernel[(rows,)](
         x3,
         weight,
@@ -98,8 +97,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         d,
         eps,
         BLOCK_D=block_d,
-        PDL=pdl,
+        **dependent,
         num_warps=num_warps,
-        launch_pdl=pdl,
     )
     return out

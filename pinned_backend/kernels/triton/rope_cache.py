@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
-from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
+from .dependent_launch import launch_options, start_as_dependent
 from .rms_norm import norm_warps, normalise_and_weigh, rms_inverse
 
 
@@ -82,8 +82,7 @@ def _qkv_rope_cache_kernel(
     NORM_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = D // 2
@@ -156,7 +155,7 @@ def qkv_rope_cache(
         return q
     block_d = triton.next_power_of_2(d)
     num_warps = norm_warps(block_d)
-    pdl = dependent_launch(qkv.device)
+    dependent = launch_options(qkv.device)
     _qkv_rope_cache_kernel[(t, hq + hkv)](
         qkv,
         qkv if q_norm is None else q_norm,  # never read without a norm: NORM_Q is then False
@@ -184,8 +183,7 @@ def qkv_rope_cache(
         BLOCK_D=block_d,
         NORM_Q=q_norm is not None,
         NORM_K=k_norm is not None,
-        PDL=pdl,
+        **dependent,
         num_warps=num_warps,
-        launch_pdl=pdl,
     )
     return q

@@ -11,15 +11,14 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
-from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
+from .dependent_launch import launch_options, start_as_dependent
 
 _BLOCK = 4096
 
 
 @triton.jit
 def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_x
     o_row = out_ptr + row * stride_o
@@ -53,8 +52,6 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((m, v), device=x.device, dtype=torch.float32)
     if m == 0:
         return out
-    pdl = dependent_launch(x.device)
-    _log_softmax_kernel[(m,)](
-        x, out, v, x.stride(0), out.stride(0), BLOCK=_BLOCK, PDL=pdl, num_warps=8, launch_pdl=pdl
-    )
+    dependent = launch_options(x.device)
+    _log_softmax_kernel[(m,)](x, out, v, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=8, **dependent)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._compat import tl, triton
-from .dependent_launch import dependent_launch, launch_dependents, wait_for_inputs
+from .dependent_launch import launch_options, start_as_dependent
 
 _BLOCK = 1024
 _NUM_WARPS = 4
@@ -22,8 +22,7 @@ _NUM_WARPS = 4
 def _silu_mul_kernel(
     gate_up_ptr, out_ptr, inner, stride_in, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
-    launch_dependents(PDL)
-    wait_for_inputs(PDL)
+    start_as_dependent(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner
@@ -46,7 +45,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inner), device=gate_up.device, dtype=gate_up.dtype)
     if t == 0 or inner == 0:
         return out
-    pdl = dependent_launch(gate_up.device)
+    dependent = launch_options(gate_up.device)
     grid = (t, -(-inner // _BLOCK))
     _silu_mul_kernel[grid](
         gate_up,
@@ -55,8 +54,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.stride(0),
         out.stride(0),
         BLOCK=_BLOCK,
-        PDL=pdl,
+        **dependent,
         num_warps=_NUM_WARPS,
-        launch_pdl=pdl,
     )
     return out
