@@ -38,9 +38,11 @@ SHAPES = {
     "gate_up": (12288, 2048),
     "lm_head": (151936, 2048),
 }
-# Reductions orders tried per weight. The down projection is held to two slices of K: with K whole it is faster
-# from M = 512 on, but end to end that lost more decode than it won prefill (bench/results/h200.md, run 16). Two
-# slices for o_proj never won (runs 11 to 13).
+# Reduction orders tried per weight: the winners of run 30, which tried more. Two or four slices of K for the
+# 2048-wide weights, and four for the down projection, lost at every M, also at M = 129..512 where their programs
+# could fill the chip (1.1-5x slower than one slice: slices inside one program keep two accumulators and restart
+# the pipeline; in programs of their own they add a partials round trip). The down projection keeps two slices:
+# with K whole it lost more decode than it won prefill (bench/results/h200.md, run 16).
 SPLITS = {"down": [2], "o_proj": [1], "qkv": [1], "gate_up": [1], "lm_head": [1]}
 TIMED_M = [1, 8, 16, 32, 64, 96, 128, 144, 160, 192, 256, 288, 320, 384, 448, 512]
 BETWEEN_M = [3, 24, 48, 80, 112, 136, 224, 272, 352, 480]  # checked on the final plan only
@@ -51,58 +53,41 @@ LARGE_M = 1 << 62
 
 
 # (block_m, block_n, block_k, warps, stages): narrow tiles with deep pipelines for small M (enough programs and
-# weight bytes in flight), wide tiles for large M (arithmetic); all of them wgmma's shapes.
+# weight bytes in flight), wide tiles for large M (arithmetic); all of them wgmma's shapes. The lists hold the tiles
+# that won some M in runs 11 to 29, and their neighbours.
 SMALL_TILES = [
-    (64, 16, 256, 4, 4),
     (64, 16, 128, 4, 6),
     (64, 32, 128, 4, 6),
-    (64, 32, 256, 4, 4),
     (64, 64, 64, 4, 6),
     (64, 64, 128, 4, 4),
-    (64, 128, 64, 4, 4),
     (64, 128, 64, 4, 6),
     (64, 256, 64, 4, 4),
 ]
 LARGE_TILES = [
     (64, 128, 128, 4, 3),
     (128, 64, 64, 8, 4),
-    (128, 64, 128, 8, 3),
     (128, 128, 64, 8, 3),
     (128, 128, 64, 8, 4),
     (128, 128, 64, 8, 5),
     (128, 256, 64, 8, 3),
-    (128, 256, 64, 8, 4),
-    (128, 32, 128, 8, 4),
-    (256, 32, 128, 8, 3),
-    (256, 64, 64, 8, 3),
-    (256, 64, 64, 8, 4),
-    (256, 128, 64, 8, 3),
 ]
 # Wide tiles also tried with operands copied by the tensor-memory engine (TMA): faster from M = 256 or so on.
 TMA_TILES = [
-    (64, 128, 64, 4, 4),
     (64, 128, 64, 4, 6),
-    (64, 256, 64, 4, 4),
     (128, 128, 64, 8, 3),
     (128, 128, 64, 8, 4),
     (128, 128, 64, 8, 5),
     (128, 256, 64, 8, 3),
     (256, 128, 64, 8, 3),
 ]
-# Swapped tiles (out.T = w @ x.T): 16 to 64 of x's rows against 64 to 256 weight rows, for M = 129..512, where
-# 64-row tiles leave part of the chip idle or waste rows, and the weight tile is shared through L2.
+# Swapped tiles (out.T = w @ x.T): 16 to 64 of x's rows against 64 or 128 weight rows, for decode sizes.
 SWAP_TILES = [
     (16, 64, 128, 4, 6),
     (16, 128, 128, 4, 4),
-    (16, 256, 64, 8, 4),
     (32, 64, 128, 4, 6),
-    (32, 128, 64, 4, 6),
     (32, 128, 128, 4, 4),
-    (32, 256, 64, 8, 4),
     (64, 128, 64, 4, 6),
-    (64, 256, 64, 8, 3),
 ]
-SWAP_SPLIT_PROGRAM_TILES = [(16, 64, 128, 4, 6), (32, 128, 64, 4, 6)]
 # Swapped tiles for M = 129..512 whose programs take all of a step's rows, or a large block and a tail block of
 # them (128 + 16 for M = 144), so that the weight is read once and few rows idle: (rows, weight rows, K step,
 # warps, stages, tail).
@@ -118,12 +103,12 @@ WIDE_SWAP_TILES = [
     (256, 64, 64, 8, 3, 32),
     (256, 64, 64, 8, 3, 64),
 ]
-# A TMA launch encodes two descriptors on the host, some 20 us: the host is often the bottleneck of an eager step
-# at M <= 512 (a prefill of one 512-token prompt), so plans use TMA tiles only at the prefill sizes beyond that.
-TMA_MIN_M = 513
-# A slice per program costs a second launch: nothing inside a CUDA graph (decode), some 30 us of host time in an
-# eager step (prefill, mixed steps), where the host is often the bottleneck. So plans use such tiles up to here.
-SPLIT_PROGRAMS_MAX_M = 256
+# A TMA launch encodes two descriptors on the host: 59 to 150 us a call against 36 to 81 for plain loads, by host
+# (runs 32 to 35, `h200_run3*_host.json`). Where the product takes less GPU time than that, an eager step of such
+# launches (a prefill of one 512-token prompt) would wait on the host. So a TMA tile is timed, and may serve, at
+# M <= 512 only where cuBLAS takes at least this long; past 512 always.
+TMA_HOST_US = 85.0
+# A slice per program: the tile's last program adds the slices, so it costs no second launch and may serve any M.
 SPLIT_PROGRAM_TILES = [
     (64, 16, 128, 4, 6),
     (64, 32, 128, 4, 6),
@@ -131,8 +116,13 @@ SPLIT_PROGRAM_TILES = [
     (64, 64, 128, 4, 4),
     (64, 128, 64, 4, 6),
     (128, 64, 64, 8, 4),
+    (128, 128, 64, 8, 3),
     (128, 128, 64, 8, 4),
     (256, 64, 64, 8, 3),
+]
+# Swapped tiles with a slice per program: two for decode sizes, and the 128-row wide ones with and without a tail.
+SWAP_SPLIT_PROGRAM_TILES = [(16, 64, 128, 4, 6, 0), (32, 128, 64, 4, 6, 0), (128, 64, 64, 4, 3, 0)] + [
+    t for t in WIDE_SWAP_TILES if t[:5] == (128, 64, 64, 4, 3)
 ]
 # Tiles timed at the prefill sizes: those wide enough to be arithmetic-bound there.
 PREFILL_TILE_MIN_AREA = 128 * 128
@@ -145,7 +135,9 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
     tiles += [MatmulTile(*t[:5], swap=True, tail=t[5]) for t in WIDE_SWAP_TILES]
     if split > 1:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
-        tiles += [MatmulTile(*t, split_programs=True, swap=True) for t in SWAP_SPLIT_PROGRAM_TILES]
+        tiles += [
+            MatmulTile(*t[:5], split_programs=True, swap=True, tail=t[5]) for t in SWAP_SPLIT_PROGRAM_TILES
+        ]
     return [
         t
         for t in tiles
@@ -217,13 +209,8 @@ def plan_from(rows: list[dict[str, Any]], split: int) -> tuple[MatmulPlan, dict[
     chosen: list[tuple[int, MatmulTile]] = []
     times: dict[int, float] = {}
     for m in TIMED_M + PREFILL_M:
-        allowed = [
-            r
-            for r in rows
-            if (m <= SPLIT_PROGRAMS_MAX_M or not r["tile"]["split_programs"])
-            and (m >= TMA_MIN_M or not r["tile"]["tma"])
-        ]
-        best = min(allowed, key=lambda r: r["us"][m])
+        # Tiles not timed at an M (TMA where the host would cost more than the product) have an infinite time.
+        best = min(rows, key=lambda r: r["us"][m])
         tile = MatmulTile(**best["tile"])
         times[m] = best["us"][m]
         if chosen and chosen[-1][1] == tile:
@@ -284,7 +271,7 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
                 # A TMA tile is proven at M <= 512 like any other, but timed only where plans may use it.
                 us = {
                     m: math.inf
-                    if tile.tma and m < TMA_MIN_M
+                    if tile.tma and cublas_us[m] < TMA_HOST_US
                     else time_rotating(lambda a, b, p=plan, t=tile: matmul(a, b, p, t), x[:m], copies)
                     for m in TIMED_M
                 }
@@ -414,10 +401,14 @@ def main() -> None:
     }
     print(json.dumps(report["ceilings"]), flush=True)
     names = [s for s in SHAPES if s in only]
+    tiles = {
+        name: sum(len(candidate_tiles(*SHAPES[name], split)) for split in SPLITS[name]) for name in names
+    }
     for i, name in enumerate(names):
         n, k = SHAPES[name]
-        # Each shape gets an equal share of what is left of the budget.
-        deadline = time.time() + (start + budget - time.time()) / (len(names) - i)
+        # Each shape gets a share of what is left of the budget in proportion to its candidate tiles.
+        share = tiles[name] / sum(tiles[later] for later in names[i:])
+        deadline = time.time() + (start + budget - time.time()) * share
         report["shapes"][name] = tune_shape(name, n, k, deadline)
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)

@@ -227,7 +227,7 @@ def step_profile(model: Transformer, cache: PagedKVCache) -> dict[str, Any]:
 
 
 _FAMILIES = {
-    "matmul (Triton)": ("_matmul_kernel", "_sum_splits"),
+    "matmul (Triton)": ("_matmul_kernel",),
     "matmul (cuBLAS)": ("gemm", "gemv", "nvjet", "cutlass", "splitk"),
     "attention": ("_paged_attention",),
     "rms_norm and residual add": ("_rms_norm", "_add_rms_norm"),

@@ -175,6 +175,59 @@ def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
         assert not out.isnan().any(), f"elements left unwritten at M = {m}"
 
 
+_SLICE_PER_PROGRAM_TILES = [
+    MatmulTile(64, 128, 64, 4, 4, split_programs=True),
+    MatmulTile(16, 64, 128, 4, 4, split_programs=True, swap=True),
+    MatmulTile(128, 64, 64, 4, 3, split_programs=True, swap=True, tail=32),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("split", [2, 4])
+def test_slices_in_programs_of_their_own_meet_in_slice_order_and_leave_the_counters_at_zero(
+    triton_ops, unwritten_elements_show: None, split: int
+) -> None:  # type: ignore[no-untyped-def]
+    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    x = torch.randn(700, 2048, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(1024, 2048, device="cuda") / 45).to(torch.bfloat16)
+    in_one_program = MatmulTile(64, 128, 64, 4, 4)
+    for m in (1, 33, 160, 333, 700):
+        plan = MatmulPlan(split, ((1 << 62, in_one_program),))
+        expected = matmul_with_plan(x[:m], w, plan, in_one_program)
+        for tile in _SLICE_PER_PROGRAM_TILES:
+            out = matmul_with_plan(x[:m], w, plan, tile)
+            assert torch.equal(out, expected), f"{tile} at M = {m} gives other bits than one program per tile"
+    counters = matmul_module._ARRIVALS[x.device]
+    assert int(counters.count_nonzero()) == 0, "a tile's last program left its counter set"
+
+
+@gpu
+@needs_cuda
+def test_a_slice_per_program_captured_in_a_graph_before_any_eager_launch_replays_right() -> None:
+    pytest.importorskip("triton")
+    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    matmul_module._ARRIVALS.clear()  # as in a fresh process whose first such product is captured
+    x = torch.randn(200, 2048, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(2048, 2048, device="cuda") / 45).to(torch.bfloat16)
+    tile = MatmulTile(64, 128, 64, 4, 4, split_programs=True)
+    plan = MatmulPlan(4, ((1 << 62, tile),))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = matmul_with_plan(x, w, plan, tile)
+    assert x.device not in matmul_module._ARRIVALS, (
+        "counters made during a capture must not serve other launches"
+    )
+    one_program = MatmulTile(64, 128, 64, 4, 4)
+    expected = matmul_with_plan(x, w, MatmulPlan(4, ((1 << 62, one_program),)), one_program)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, expected)
+    eager = matmul_with_plan(x, w, plan, tile)  # and afterwards, eager launches get counters of their own
+    assert torch.equal(eager, expected) and int(matmul_module._ARRIVALS[x.device].count_nonzero()) == 0
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("shape", [(300, 2048), (300, 16, 128)])
@@ -272,3 +325,27 @@ def test_attention_matches_float64_and_does_not_depend_on_how_the_step_was_built
     for p in [0, 1, 63, 64, 255, 256, 511, 699]:
         step = run(decode_cache, [(1, 36, 1), (0, p, 1), (2, 299, 1)])
         assert torch.equal(step[1], target[p]), f"a decode step at position {p} changed the attention output"
+
+
+@gpu
+@needs_cuda
+def test_a_reused_launch_gives_triton_launchs_bits_and_keeps_specialisations_apart(triton_ops) -> None:  # type: ignore[no-untyped-def]
+    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    reused_launch = importlib.import_module("pinned_backend.kernels.triton.reused_launch")
+    storage = torch.randn(300 * 512 + 1, device="cuda", dtype=torch.bfloat16)
+    aligned = storage[: 300 * 512].view(300, 512)
+    shifted = storage[1:].view(300, 512)  # 2 bytes past a 16-byte boundary: Triton compiles it apart
+    w = (torch.randn(200, 512, device="cuda") / 23).to(torch.bfloat16)  # N = 200: not divisible by 16
+    cases = [(x[:m], wt) for x in (aligned, shifted) for m in (1, 7, 300) for wt in (w, w[:192])]
+    expected = []
+    reused_launch.reuse_launches(False)
+    try:
+        for x, wt in cases:
+            expected.append(matmul_module.matmul(x, wt))
+    finally:
+        reused_launch.reuse_launches(True)
+    for _ in range(2):  # the first round compiles through Triton, the second reuses
+        for (x, wt), want in zip(cases, expected, strict=True):
+            assert torch.equal(matmul_module.matmul(x, wt), want)
+    alignments = {key[1][0][2] for key in matmul_module._LAUNCH.compiled}
+    assert alignments == {True, False}, "an unaligned x must not reuse a kernel compiled for an aligned one"

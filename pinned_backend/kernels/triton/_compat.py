@@ -8,6 +8,7 @@ evaluated on such a machine.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -37,4 +38,10 @@ except ModuleNotFoundError:
     triton = SimpleNamespace(jit=_jit)  # type: ignore[assignment]
     tl = SimpleNamespace()  # type: ignore[assignment]
 
-__all__ = ["HAVE_TRITON", "tl", "triton"]
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter, on the CPU (TRITON_INTERPRET)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
+__all__ = ["HAVE_TRITON", "interpreted", "tl", "triton"]

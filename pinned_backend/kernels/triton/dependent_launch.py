@@ -21,11 +21,10 @@ check (graph replays against eager steps, and every kernel against itself across
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from ._compat import HAVE_TRITON, tl, triton
+from ._compat import HAVE_TRITON, interpreted, tl, triton
 
 if HAVE_TRITON:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -35,8 +34,7 @@ _forced: bool | None = None
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    interpreted = os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
-    if not HAVE_TRITON or interpreted or not torch.cuda.is_available():
+    if not HAVE_TRITON or interpreted() or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 

@@ -5,9 +5,9 @@ Two things are kept apart here, because only one of them decides a result's bits
   equal slices; each slice is reduced from zero by one chain of tensor-core steps of 16 elements of K, in K order,
   and the slices' fp32 sums are added in slice order 0, 1, 2, ... (the first slice's sum taken as it is).
 - The tiling, `MatmulTile`, which may follow M: the tile's rows and columns, how much of K one loop step loads,
-  the warps and the pipeline depth, and whether a slice runs in its own program (fp32 partials, summed by a second
-  kernel) or after the previous slice inside one program, and whether operands arrive through plain loads or the
-  tensor-memory engine (TMA, which pays at prefill sizes). None of these changes the chain a row goes through:
+  the warps and the pipeline depth, and whether a slice runs in its own program (fp32 partials, added in slice
+  order by the last of the tile's programs to finish) or after the previous slice inside one program, and whether
+  operands arrive through plain loads or the tensor-memory engine (TMA, which pays at prefill sizes). None of these changes the chain a row goes through:
   every tile issues the same Hopper `wgmma` steps of K = 16 for the same operand values, a K step of 64 is four of
   them and of 128 eight, and slices meet in the same order either way. So small M gets narrow tiles (enough
   programs to keep weight bytes in flight) and large M wide ones, with one set of bits for every M.
@@ -33,6 +33,7 @@ import torch
 
 from ._compat import HAVE_TRITON, tl, triton
 from .dependent_launch import launch_options, start_as_dependent
+from .reused_launch import ReusedLaunch
 
 if HAVE_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -57,7 +58,8 @@ class MatmulTile:
     block_k: int
     num_warps: int
     num_stages: int
-    # A slice of K per program (partials in fp32, then a summing kernel) rather than all slices in one program.
+    # A slice of K per program (fp32 partials, added in slice order by the tile's last program to finish) rather than
+    # all slices in one program.
     split_programs: bool = False
     # Operands copied by the tensor-memory engine (TMA) rather than by per-thread loads.
     tma: bool = False
@@ -124,24 +126,21 @@ def _tile(
 _LARGE_M = 1 << 62
 
 # (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
-# reduction order, the fastest proven tile at each timed M, up to that M. Tiles that cost the host more per launch
-# (a slice per program: a second kernel; TMA: two descriptors encoded) are taken only where steps run as CUDA graphs
-# (M <= 256, decode) or where the product outweighs the launch (M > 512). The down projection keeps two slices of
-# K: they make it 1.0x of cuBLAS at decode sizes instead of 1.3x; measured end to end, K whole lost more decode
-# (0.93-0.97 of default) than it won prefill (bench/results/h200.md).
+# reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS
+# is smallest. A TMA tile costs the host two descriptors per launch, so it is taken only where the product takes
+# longer on the GPU than that (past M = 512, or lm_head). The down projection keeps at least two slices of K: with
+# K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode (0.93-0.97 of
+# default) than it won prefill (bench/results/h200.md).
 TUNED: dict[tuple[int, int], MatmulPlan] = {
     (2048, 6144): MatmulPlan(
         2,
         (
             (32, _tile(16, 64, 128, 4, 6, split_programs=True, swap=True)),
             (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
-            (128, _tile(64, 64, 64, 4, 6, split_programs=True)),
+            (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
             (256, _tile(64, 128, 64, 4, 6, split_programs=True)),
-            (288, _tile(64, 128, 64, 4, 6)),
-            (384, _tile(64, 64, 64, 4, 6)),
-            (512, _tile(64, 128, 64, 4, 6)),
-            (2048, _tile(128, 128, 64, 8, 5, tma=True)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)),
+            (512, _tile(128, 128, 64, 8, 4, split_programs=True)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 5, tma=True)),
         ),
     ),  # down
     (2048, 2048): MatmulPlan(
@@ -157,36 +156,32 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (4096, 2048): MatmulPlan(
         1,
         (
-            (16, _tile(16, 64, 128, 4, 6, swap=True)),
+            (32, _tile(16, 64, 128, 4, 6, swap=True)),
             (64, _tile(32, 64, 128, 4, 6, swap=True)),
             (128, _tile(64, 64, 128, 4, 4)),
             (256, _tile(64, 128, 64, 4, 6)),
             (320, _tile(64, 256, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 5)),
+            (384, _tile(128, 128, 64, 8, 4)),
             (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 5)),
+            (512, _tile(128, 128, 64, 8, 4)),
             (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # qkv
     (12288, 2048): MatmulPlan(
         1,
         (
-            (1, _tile(64, 64, 64, 4, 6)),
-            (8, _tile(64, 128, 64, 4, 6)),
-            (16, _tile(32, 128, 128, 4, 4, swap=True)),
-            (32, _tile(64, 128, 64, 4, 6, swap=True)),
-            (64, _tile(64, 128, 64, 4, 6)),
+            (8, _tile(16, 64, 128, 4, 6, swap=True)),
+            (16, _tile(64, 128, 64, 4, 6)),
+            (64, _tile(64, 128, 64, 4, 6, swap=True)),
             (128, _tile(128, 128, 64, 8, 5)),
             (160, _tile(128, 64, 64, 4, 3, swap=True, tail=32)),
             (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
-            (256, _tile(128, 128, 64, 8, 3)),
-            (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
-            (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
+            (256, _tile(128, 128, 64, 8, 3, swap=True)),
+            (320, _tile(64, 256, 64, 4, 4)),
             (384, _tile(128, 128, 64, 8, 5)),
             (448, _tile(64, 256, 64, 4, 4)),
             (512, _tile(128, 128, 64, 8, 5)),
-            (2048, _tile(128, 128, 64, 8, 3, swap=True)),
-            (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # gate_up
     (151936, 2048): MatmulPlan(
@@ -195,17 +190,17 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (16, _tile(16, 128, 128, 4, 4, swap=True)),
             (32, _tile(32, 128, 128, 4, 4, swap=True)),
             (64, _tile(64, 64, 64, 4, 6)),
-            (96, _tile(128, 128, 64, 8, 3, swap=True)),
-            (128, _tile(128, 128, 64, 8, 5)),
+            (96, _tile(128, 128, 64, 8, 5)),
+            (128, _tile(128, 128, 64, 8, 3, tma=True)),
             (144, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (160, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
             (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
-            (256, _tile(128, 128, 64, 8, 3, swap=True)),
+            (256, _tile(128, 128, 64, 8, 3, tma=True)),
             (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
-            (384, _tile(128, 128, 64, 8, 3, swap=True)),
-            (448, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
-            (512, _tile(128, 128, 64, 8, 3, swap=True)),
+            (384, _tile(128, 128, 64, 8, 3, tma=True)),
+            (448, _tile(128, 128, 64, 8, 3, swap=True)),
+            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
             (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
         ),
     ),  # lm_head
@@ -213,7 +208,7 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
 
 
 def rule_plan(n: int, k: int) -> MatmulPlan:
-    """A plan for any (N, K): no split of K (so no second kernel), narrow tiles while M is small so that N alone
+    """A plan for any (N, K): no split of K, narrow tiles while M is small so that N alone
     gives the chip enough programs, wide tiles once M is large enough to be bound by arithmetic."""
     block_k = 64 if k % 64 == 0 else INSTRUCTION_K if k % INSTRUCTION_K == 0 else 0
     if block_k == 0:
@@ -258,6 +253,8 @@ def _matmul_kernel(
     x_desc,
     w_desc,
     out_ptr,
+    part_ptr,
+    arrivals_ptr,
     M,
     N,
     K,
@@ -267,6 +264,7 @@ def _matmul_kernel(
     stride_om,
     stride_os,
     SLICES: tl.constexpr,
+    PROGRAMS_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -349,7 +347,8 @@ def _matmul_kernel(
                 xt_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        # The first slice is taken as it is, as the summing kernel takes it: 0.0 + (-0.0) would flip a sign bit.
+        # The first slice is taken as it is, as the sum of separate programs' slices takes it: 0.0 + (-0.0) would
+        # flip a sign bit.
         if s == 0:
             total = acc
             total_t = acc_t
@@ -357,32 +356,56 @@ def _matmul_kernel(
             total = total + acc
             total_t = total_t + acc_t
 
-    out_tile = out_ptr + pid_k * stride_os
-    if SWAP:
-        out_ptrs = out_tile + offs_m[None, :] * stride_om + offs_n[:, None]
-        mask = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    if PROGRAMS_K == 1:
+        _store_tile(out_ptr, total, offs_m, offs_n, M, N, stride_om, SWAP)
+        if TAIL > 0:
+            _store_tile(out_ptr, total_t, offs_t, offs_n, M, N, stride_om, True)
     else:
-        out_ptrs = out_tile + offs_m[:, None] * stride_om + offs_n[None, :]
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-    if TAIL > 0:
-        tail_ptrs = out_tile + offs_t[None, :] * stride_om + offs_n[:, None]
-        tail_mask = (offs_t[None, :] < M) & (offs_n[:, None] < N)
-        tl.store(tail_ptrs, total_t.to(out_ptr.dtype.element_ty), mask=tail_mask)
+        # Slices in programs of their own: each leaves its fp32 partial, and the tile's last program to arrive adds
+        # them in slice order 0, 1, 2, ... and writes the output, so which program arrives last never shows in the
+        # bits. The barrier orders every thread's partial before the arrival, which releases them to the
+        # program that acquires the last arrival; that one resets the counter for the next launch.
+        _store_tile(part_ptr + pid_k * stride_os, total, offs_m, offs_n, M, N, stride_om, SWAP)
+        if TAIL > 0:
+            _store_tile(part_ptr + pid_k * stride_os, total_t, offs_t, offs_n, M, N, stride_om, True)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == PROGRAMS_K - 1:
+            total = _load_tile(part_ptr, offs_m, offs_n, M, N, stride_om, SWAP)
+            for s in tl.static_range(1, PROGRAMS_K):
+                total += _load_tile(part_ptr + s * stride_os, offs_m, offs_n, M, N, stride_om, SWAP)
+            _store_tile(out_ptr, total, offs_m, offs_n, M, N, stride_om, SWAP)
+            if TAIL > 0:
+                total_t = _load_tile(part_ptr, offs_t, offs_n, M, N, stride_om, True)
+                for s in tl.static_range(1, PROGRAMS_K):
+                    total_t += _load_tile(part_ptr + s * stride_os, offs_t, offs_n, M, N, stride_om, True)
+                _store_tile(out_ptr, total_t, offs_t, offs_n, M, N, stride_om, True)
+            tl.store(arrivals_ptr + pid, 0)
 
 
-@triton.jit(do_not_specialize=["numel"])
-def _sum_splits_kernel(
-    part_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
-    start_as_dependent(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    # Slice order 0, 1, 2, ...: the order the in-program path adds its slices in.
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+@triton.jit
+def _tile_offsets(offs_m, offs_n, M, N, stride_om, SWAP: tl.constexpr):
+    # Swapped, a tile is out's tile transposed: [columns, rows].
+    if SWAP:
+        return offs_m[None, :] * stride_om + offs_n[:, None], (offs_m[None, :] < M) & (offs_n[:, None] < N)
+    else:
+        return offs_m[:, None] * stride_om + offs_n[None, :], (offs_m[:, None] < M) & (offs_n[None, :] < N)
+
+
+@triton.jit
+def _store_tile(ptr, tile, offs_m, offs_n, M, N, stride_om, SWAP: tl.constexpr):
+    offsets, mask = _tile_offsets(offs_m, offs_n, M, N, stride_om, SWAP)
+    tl.store(ptr + offsets, tile.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_tile(ptr, offs_m, offs_n, M, N, stride_om, SWAP: tl.constexpr):
+    # Other programs' partials, written on other multiprocessors: read past L1, which is not kept coherent.
+    offsets, mask = _tile_offsets(offs_m, offs_n, M, N, stride_om, SWAP)
+    return tl.load(ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+
+
+_LAUNCH = ReusedLaunch(_matmul_kernel)
 
 
 def matmul(
@@ -413,8 +436,11 @@ def matmul(
         return out
     split = plan.split_k
     programs_k = split if tile.split_programs and split > 1 else 1
-    target = out if programs_k == 1 else torch.empty((split, m, n), device=device, dtype=torch.float32)
     grid = (-(-m // (tile.block_m + tile.tail)) * -(-n // tile.block_n), programs_k)
+    partials = arrivals = out
+    if programs_k > 1:
+        partials = torch.empty((split, m, n), device=device, dtype=torch.float32)
+        arrivals = _arrival_counters(device, grid[0])
     dependent = launch_options(device)
     # The copy engine needs 16-byte aligned rows; a view that has none takes the same tile with plain loads, which
     # gives the same bits.
@@ -423,40 +449,64 @@ def matmul(
     if tma:
         x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
         w_desc = TensorDescriptor.from_tensor(w, [tile.block_n, tile.block_k])
-    _matmul_kernel[grid](
-        x,
-        w,
-        x_desc,
-        w_desc,
-        target,
-        m,
-        n,
-        k,
-        k // split,
-        x.stride(0),
-        w.stride(0),
-        n,
-        m * n,
-        SLICES=split // programs_k,
-        BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k,
-        EVEN_K=k % tile.block_k == 0,
-        N_TILES=-(-n // tile.block_n),
-        GROUP_M=_GROUP_M,
-        TMA=tma,
-        SWAP=tile.swap,
-        TAIL=tile.tail,
-        **dependent,
+    _LAUNCH(
+        grid,
+        (
+            x,
+            w,
+            x_desc,
+            w_desc,
+            out,
+            partials,
+            arrivals,
+            m,
+            n,
+            k,
+            k // split,
+            x.stride(0),
+            w.stride(0),
+            n,
+            m * n,
+        ),
+        {
+            "SLICES": split // programs_k,
+            "PROGRAMS_K": programs_k,
+            "BLOCK_M": tile.block_m,
+            "BLOCK_N": tile.block_n,
+            "BLOCK_K": tile.block_k,
+            "EVEN_K": k % tile.block_k == 0,
+            "N_TILES": -(-n // tile.block_n),
+            "GROUP_M": _GROUP_M,
+            "TMA": tma,
+            "SWAP": tile.swap,
+            "TAIL": tile.tail,
+            "PDL": dependent["PDL"],
+        },
+        launch_pdl=dependent["launch_pdl"],
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
-    if programs_k > 1:
-        block = 1024
-        _sum_splits_kernel[(-(-(m * n) // block),)](
-            target, out, m * n, SPLIT_K=split, BLOCK=block, num_warps=4, **dependent
-        )
     return out
+
+
+# Arrival counters per device, all zero between launches (a tile's last program resets its own). One set serves
+# every launch on the device, because the launches that use them run one after another: the backend issues a
+# device's kernels from one stream, and a graph's kernels run in stream order too.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_MIN_ARRIVALS = 1 << 14
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    counters = _ARRIVALS.get(device)
+    if counters is not None and counters.numel() >= tiles:
+        return counters
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Memory allocated while a graph is captured is the graph's, and zeroed only when it replays: counters
+        # made here are this launch's own (the graph zeroes them at each replay), never kept for other launches.
+        return torch.zeros(tiles, device=device, dtype=torch.int32)
+    counters = torch.zeros(max(tiles, _MIN_ARRIVALS), device=device, dtype=torch.int32)
+    _ARRIVALS[device] = counters
+    return counters
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
