@@ -15,7 +15,7 @@ interpreter.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,6 +63,8 @@ class ReusedLaunch:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.compiled: dict[tuple[object, ...], Any] = {}
+        # Triton reads TRITON_INTERPRET when a kernel is decorated: an interpreted kernel stays interpreted.
+        self.interpreted = interpreted()
         params = getattr(kernel, "params", [])
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
         kinds = [p.is_constexpr for p in params]
@@ -76,9 +78,8 @@ class ReusedLaunch:
         constexprs: dict[str, object],
         **options: Any,
     ) -> None:
-        launch: Callable[..., Any] = self.kernel[tuple(grid)]
-        if not _enabled or interpreted() or _hooked():
-            launch(*args, **constexprs, **options)
+        if not _enabled or self.interpreted or _hooked():
+            self._through_triton(grid, args, constexprs, options)
             return
         device = driver.active.get_current_device()
         try:
@@ -86,10 +87,10 @@ class ReusedLaunch:
                 device,
                 tuple(_specialisation(a) for a in args),
                 tuple(constexprs.values()),
-                tuple(sorted(options.items())),
+                tuple(options.items()),
             )
         except _Unkeyed:
-            launch(*args, **constexprs, **options)
+            self._through_triton(grid, args, constexprs, options)
             return
         compiled = self.compiled.get(key)
         if compiled is None:
@@ -97,8 +98,8 @@ class ReusedLaunch:
                 raise ValueError(
                     f"constexprs {list(constexprs)}: {self.kernel} declares {self.constexpr_names}"
                 )
-            # Triton's own path: it compiles (or loads) the kernel for this specialisation, and launches it.
-            compiled = launch(*args, **constexprs, **options)
+            # Triton's own path compiles (or loads) the kernel for this specialisation, and launches it.
+            compiled = self._through_triton(grid, args, constexprs, options)
             if hasattr(compiled, "packed_metadata"):
                 self.compiled[key] = compiled
             return
@@ -117,3 +118,12 @@ class ReusedLaunch:
             *args,
             *constexprs.values(),
         )
+
+    def _through_triton(
+        self,
+        grid: Sequence[int],
+        args: Sequence[object],
+        constexprs: dict[str, object],
+        options: dict[str, Any],
+    ) -> Any:
+        return self.kernel[tuple(grid)](*args, **constexprs, **options)
