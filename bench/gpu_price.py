@@ -12,7 +12,7 @@ numbers are about speed and bit-reproducibility, never about answer quality. The
   make `default` look slower than it is on a GPU.
 
 Measured: matmul TFLOP/s against cuBLAS at the model's shapes for M = 1..512; decode throughput (CUDA graph per
-step) and prefill throughput at batch 1, 8, 32, 128; decode step time against the bandwidth floor (weight bytes
+step) and prefill throughput (one CUDA graph per step, and eager) at batch 1, 8, 32, 128; decode step time against the bandwidth floor (weight bytes
 over the measured copy bandwidth); and the divergence experiment: one prompt sent 1000 times at temperature 0
 through the engine amid random concurrent requests, in each mode. Usage: python bench/gpu_price.py OUT.json [--parts speed,divergence]
 """
@@ -157,12 +157,7 @@ def decode_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[str
         tokens.copy_(logits.argmax(-1))
         pos.add_(1)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
+    _warm_up(step)
     eager_start, eager_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     pos.fill_(CONTEXT)
     eager_start.record()
@@ -237,8 +232,9 @@ _FAMILIES = {
 }
 
 
-def prefill_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[str, float]:
-    """One step that prefills `batch` prompts of CONTEXT tokens each."""
+def prefill_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[str, Any]:
+    """One step that prefills `batch` prompts of CONTEXT tokens each: replayed from a CUDA graph, as the backend
+    serves `batch_invariant` steps (step_graphs.py), and launched eagerly, where the host's launch path shows."""
     gen = torch.Generator(device=DEVICE).manual_seed(1000 + batch)
     blocks = -(-CONTEXT // PAGE)
     tables = torch.arange(batch * blocks, dtype=torch.int32, device=DEVICE).view(batch, blocks)
@@ -246,20 +242,52 @@ def prefill_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[st
     pos = torch.arange(CONTEXT, dtype=torch.int32, device=DEVICE).repeat(batch)
     tokens = torch.randint(model.config.vocab_size, (len(seq),), device=DEVICE, generator=gen)
     last = torch.arange(1, batch + 1, device=DEVICE) * CONTEXT - 1
-    # Two runs first: the first compiles, and cuBLAS loads kernels lazily on first use of a shape (one warm-up run
-    # measured a default-mode step of 512 tokens at 13.3 ms in run 24, against 10.2 ms in run 17).
-    for _ in range(2):
-        model.forward(tokens, seq, pos, tables, cache, last)
+
+    def step() -> torch.Tensor:
+        return model.forward(tokens, seq, pos, tables, cache, last)
+
+    _warm_up(step)
+    eager_ms = _median_ms(step)
+    eager_logits = step().clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_logits = step()
+    graph.replay()
+    # The graph must replay the eager step's arithmetic, TMA descriptors and slice counters included.
+    same_bits = torch.equal(graph_logits, eager_logits)
+    graph_ms = _median_ms(graph.replay)
+    del graph, graph_logits
+    return {
+        "graph_bits_equal_eager": same_bits,
+        "step_ms": graph_ms,
+        "tokens_per_s": batch * CONTEXT / graph_ms * 1e3,
+        "eager_step_ms": eager_ms,
+        "eager_tokens_per_s": batch * CONTEXT / eager_ms * 1e3,
+    }
+
+
+def _warm_up(step: Any) -> None:
+    """Two runs on a side stream, as graph capture wants: the first compiles, and cuBLAS loads kernels lazily on
+    first use of a shape (one warm-up run measured a default-mode step of 512 tokens at 13.3 ms in run 24, against
+    10.2 ms in run 17)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def _median_ms(fn: Any, runs: int = 5) -> float:
     times = []
-    for _ in range(5):
+    for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        model.forward(tokens, seq, pos, tables, cache, last)
+        fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    ms = sorted(times)[2]
-    return {"step_ms": ms, "tokens_per_s": batch * CONTEXT / ms * 1e3}
+    return sorted(times)[runs // 2]
 
 
 def weight_bytes(model: Transformer) -> int:
@@ -286,7 +314,7 @@ def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int, on_step
         max_batch_size=64,
         max_step_tokens=STEP_TOKENS,
         max_queue=100000,
-        decode_graphs=kernels.mode == "batch_invariant",
+        step_graphs=kernels.mode == "batch_invariant",
     )
     allocator = BlockAllocator(num_blocks)
     return Engine(model, cache, allocator, kernels, config, lambda ids: "", device=DEVICE, on_step=on_step)
@@ -351,6 +379,7 @@ def divergence(
                 engine.submit(rid, ids, params, sink_for(rid))
         engine.step()
         steps += 1
+    graphs = engine._graphs
     completions = [tuple(v) for k, v in outputs.items() if k.startswith("t")]
     ref = tuple(reference)
     firsts = [
@@ -371,6 +400,14 @@ def divergence(
         "median_divergent_position": sorted(diverged)[len(diverged) // 2] if diverged else None,
         "batch_sizes_seen": [min(s[0] for s in sizes), max(s[1] for s in sizes)] if sizes else None,
         "steps": steps,
+        "step_graphs": None
+        if graphs is None
+        else {
+            "captures": graphs.captures,
+            "shapes": len(graphs.shapes),
+            "padded_tokens": graphs.padded_tokens,
+            "steps": graphs.steps,
+        },
         "step_tokens_median_max": [sorted(step_tokens)[len(step_tokens) // 2], max(step_tokens)]
         if step_tokens
         else None,
@@ -447,6 +484,10 @@ def speed(models: dict[str, Transformer], config: ModelConfig) -> dict[str, Any]
         for batch in BATCHES:
             row = {name: fn(model, cache, batch) for name, model in models.items()}
             row["ratio"] = row["batch_invariant"]["tokens_per_s"] / row["default"]["tokens_per_s"]
+            if phase == "prefill":
+                row["eager_ratio"] = (
+                    row["batch_invariant"]["eager_tokens_per_s"] / row["default"]["eager_tokens_per_s"]
+                )
             out[phase][str(batch)] = row
             print(phase, batch, json.dumps(row), flush=True)
     # What dependent launch buys: the batch-1 step again with every kernel launched after the previous one ends.
@@ -480,13 +521,19 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         "matmul worst ratio to cuBLAS over M=1..512: " + ", ".join(f"{k} {v:.2f}" for k, v in worst.items())
     )
-    print("batch  decode tok/s default  invariant  ratio | prefill tok/s default  invariant  ratio")
+    print(
+        "graphs: every step one CUDA graph replay; eager: prefill launched from Python (default, invariant)"
+    )
+    print(
+        "batch  decode tok/s default  invariant  ratio | prefill tok/s default  invariant  ratio | eager ratio"
+    )
     for b in BATCHES:
         d, p = r["decode"][str(b)], r["prefill"][str(b)]
         print(
             f"{b:5d}  {d['default']['tokens_per_s']:12.0f}  {d['batch_invariant']['tokens_per_s']:9.0f}  "
             f"{d['ratio']:5.2f} | {p['default']['tokens_per_s']:13.0f}  {p['batch_invariant']['tokens_per_s']:9.0f}"
-            f"  {p['ratio']:5.2f}"
+            f"  {p['ratio']:5.2f} | {p.get('eager_ratio', float('nan')):5.2f} ("
+            f"{p['default'].get('eager_tokens_per_s', 0):.0f}, {p['batch_invariant'].get('eager_tokens_per_s', 0):.0f})"
         )
     step = r["decode"]["1"]["batch_invariant"]["step_ms"]
     print(

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from pinned_backend.decode_graphs import DecodeGraphs
 from pinned_backend.sampling import SamplingParams, sample_token, top_logprobs_rows
+from pinned_backend.step_graphs import StepGraphs
 from pinned_backend.textstream import StopTextStream
 
 
@@ -74,9 +74,9 @@ class EngineConfig:
     max_step_tokens: int = 256
     max_queue: int = 64
     eos_token_ids: frozenset[int] = frozenset()
-    # Run decode-only steps padded to a few batch sizes, as CUDA graphs on a GPU (decode_graphs.py). Only sound
-    # under batch-invariant kernels; it reserves one cache block for the padding rows.
-    decode_graphs: bool = False
+    # Run every step padded to a few captured shapes, as CUDA graphs on a GPU (step_graphs.py). Only sound under
+    # batch-invariant kernels; it reserves one cache block for the padding tokens.
+    step_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_queue < 0 or self.num_blocks < 1 or self.block_size < 1:
@@ -179,15 +179,16 @@ class Engine:
         self._cancelled: set[str] = set()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
-        self._graphs: DecodeGraphs | None = None
-        if config.decode_graphs:
+        self._graphs: StepGraphs | None = None
+        if config.step_graphs:
             if getattr(kernels, "mode", None) != "batch_invariant":
-                raise ValueError("decode graphs pad steps, which only batch-invariant kernels allow")
-            self._graphs = DecodeGraphs(
+                raise ValueError("step graphs pad steps, which only batch-invariant kernels allow")
+            self._graphs = StepGraphs(
                 model,
                 cache,
                 scratch_block=allocator.allocate(1)[0],
                 max_batch=config.max_batch_size,
+                max_tokens=config.max_step_tokens,
                 table_width=-(-config.max_model_len // config.block_size),
                 device=self.device,
                 capture=self.device.type == "cuda",
@@ -205,7 +206,7 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {self.config.max_model_len} tokens"
             )
-        usable = self.config.num_blocks - (self._graphs is not None)  # less the padding rows' block
+        usable = self.config.num_blocks - (self._graphs is not None)  # less the padding tokens' block
         if self.blocks_needed(len(prompt_ids), params.max_tokens) > usable:
             raise RequestTooLarge(
                 f"prompt plus max_tokens needs more KV cache than this server has "
@@ -320,17 +321,6 @@ class Engine:
 
     def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, _Drawn]:
         """Feed the plan's tokens; returns what each plan row that samples a token drew."""
-        if self._graphs is not None and all(
-            n == 1 and seq.computed >= len(seq.prompt_ids) for seq, n in plan
-        ):
-            logits = self._graphs.forward(
-                [seq.token(seq.computed) for seq, _ in plan],
-                [seq.computed for seq, _ in plan],
-                [seq.blocks for seq, _ in plan],
-            )
-            for seq, _ in plan:
-                seq.computed += 1
-            return self._sample(logits, [seq for seq, _ in plan], list(range(len(plan))))
         token_ids: list[int] = []
         query_seq: list[int] = []
         query_pos: list[int] = []
@@ -344,12 +334,30 @@ class Engine:
             if seq.computed + n == seq.length:
                 logits_rows.append(len(token_ids) - 1)
                 sampling_rows.append(row)
-        width = max(len(seq.blocks) for seq, _ in plan)
-        tables = torch.zeros((len(plan), width), dtype=torch.int32)
-        for row, (seq, _) in enumerate(plan):
-            tables[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        blocks = [seq.blocks for seq, _ in plan]
+        if self._graphs is not None:
+            logits = self._graphs.forward(token_ids, query_seq, query_pos, blocks, logits_rows)
+        else:
+            logits = self._eager_forward(token_ids, query_seq, query_pos, blocks, logits_rows)
+        for seq, n in plan:
+            seq.computed += n
+        if not sampling_rows:
+            return {}
+        return self._sample(logits, [plan[row][0] for row in sampling_rows], sampling_rows)
+
+    def _eager_forward(
+        self,
+        token_ids: list[int],
+        query_seq: list[int],
+        query_pos: list[int],
+        blocks: list[list[int]],
+        logits_rows: list[int],
+    ) -> torch.Tensor:
+        tables = torch.zeros((len(blocks), max(len(owned) for owned in blocks)), dtype=torch.int32)
+        for row, owned in enumerate(blocks):
+            tables[row, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
         dev = self.device
-        logits = self.model.forward(
+        return self.model.forward(
             torch.tensor(token_ids, dtype=torch.int64, device=dev),
             torch.tensor(query_seq, dtype=torch.int32, device=dev),
             torch.tensor(query_pos, dtype=torch.int32, device=dev),
@@ -357,11 +365,6 @@ class Engine:
             self.cache,
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
-        for seq, n in plan:
-            seq.computed += n
-        if not sampling_rows:
-            return {}
-        return self._sample(logits, [plan[row][0] for row in sampling_rows], sampling_rows)
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], plan_rows: list[int]) -> dict[int, _Drawn]:
         """Each sampling row's token, its log-probability and the top log-probabilities asked for.

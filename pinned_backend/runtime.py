@@ -124,8 +124,8 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         max_step_tokens=settings.max_step_tokens,
         max_queue=settings.max_queue,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
-        # Decode steps as CUDA graphs: padding them to captured sizes leaves invariant kernels' bits alone.
-        decode_graphs=device.type == "cuda" and kernels.mode == "batch_invariant",
+        # Steps as CUDA graphs: padding them to captured shapes leaves invariant kernels' bits alone.
+        step_graphs=device.type == "cuda" and kernels.mode == "batch_invariant",
     )
     engine = Engine(
         model, cache, BlockAllocator(num_blocks), kernels, engine_config, tokenizer.decode, device, on_step

@@ -96,7 +96,7 @@ def make_engine(
     max_queue: int = 8,
     eos_token_ids: frozenset[int] = frozenset(),
     on_step: Callable[[StepStats], None] | None = None,
-    decode_graphs: bool = False,
+    step_graphs: bool = False,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Engine:
@@ -112,7 +112,7 @@ def make_engine(
         max_step_tokens=max_step_tokens,
         max_queue=max_queue,
         eos_token_ids=eos_token_ids,
-        decode_graphs=decode_graphs,
+        step_graphs=step_graphs,
     )
     return Engine(model, cache, BlockAllocator(num_blocks), kernels, config, letters, device, on_step)
 
