@@ -44,8 +44,11 @@ SHAPES = {
 # the pipeline; in programs of their own they add a partials round trip). The down projection keeps two slices:
 # with K whole it lost more decode than it won prefill (bench/results/h200.md, run 16).
 SPLITS = {"down": [2], "o_proj": [1], "qkv": [1], "gate_up": [1], "lm_head": [1]}
-TIMED_M = [1, 8, 16, 32, 64, 96, 128, 144, 160, 192, 256, 288, 320, 384, 448, 512]
-BETWEEN_M = [3, 24, 48, 80, 112, 136, 224, 272, 352, 480]  # checked on the final plan only
+# Past M = 128 a tile's rows either fill its blocks or idle in the last one, so plans change tile often there.
+MID_M = [144, 160, 176, 192, 224, 256, 272, 288, 320, 352, 384, 416, 448, 480, 512]
+TIMED_M = [1, 8, 16, 32, 64, 96, 128, *MID_M]
+# Sizes between the timed ones, checked on the final plan only.
+BETWEEN_M = [3, 24, 48, 80, 112, 136, 200, 240, 264, 304, 336, 400, 464, 496]
 PREFILL_M = [2048, 8192]  # chooses the tile past 512; timed for the record, outside the 1..512 target
 ROTATE_BYTES = 200 << 20  # weight copies cycled per timing: four times the H200's 50 MiB L2
 SMEM_BYTES = 220 * 1024
@@ -103,11 +106,10 @@ WIDE_SWAP_TILES = [
     (256, 64, 64, 8, 3, 32),
     (256, 64, 64, 8, 3, 64),
 ]
-# A TMA launch encodes two descriptors on the host: 59 to 150 us a call against 36 to 81 for plain loads, by host
-# (runs 32 to 35, `h200_run3*_host.json`). Where the product takes less GPU time than that, an eager step of such
-# launches (a prefill of one 512-token prompt) would wait on the host. So a TMA tile is timed, and may serve, at
-# M <= 512 only where cuBLAS takes at least this long; past 512 always.
-TMA_HOST_US = 85.0
+# A TMA launch encodes two descriptors on the host (59 to 150 us a call against 36 to 81 for plain loads, runs 32 to
+# 35), which used to keep TMA tiles from M <= 512 unless the product outlasted that. Served steps now replay from
+# CUDA graphs (pinned_backend/step_graphs.py), where no launch costs the host anything, so TMA tiles compete at
+# every M on their GPU time alone.
 # A slice per program: the tile's last program adds the slices, so it costs no second launch and may serve any M.
 SPLIT_PROGRAM_TILES = [
     (64, 16, 128, 4, 6),
@@ -209,7 +211,7 @@ def plan_from(rows: list[dict[str, Any]], split: int) -> tuple[MatmulPlan, dict[
     chosen: list[tuple[int, MatmulTile]] = []
     times: dict[int, float] = {}
     for m in TIMED_M + PREFILL_M:
-        # Tiles not timed at an M (TMA where the host would cost more than the product) have an infinite time.
+        # Tiles not timed at an M (narrow ones at the prefill sizes) have an infinite time.
         best = min(rows, key=lambda r: r["us"][m])
         tile = MatmulTile(**best["tile"])
         times[m] = best["us"][m]
@@ -268,11 +270,8 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
                 if reference is None:
                     reference = out
                 bad = mismatches(run, x, reference)
-                # A TMA tile is proven at M <= 512 like any other, but timed only where plans may use it.
                 us = {
-                    m: math.inf
-                    if tile.tma and cublas_us[m] < TMA_HOST_US
-                    else time_rotating(lambda a, b, p=plan, t=tile: matmul(a, b, p, t), x[:m], copies)
+                    m: time_rotating(lambda a, b, p=plan, t=tile: matmul(a, b, p, t), x[:m], copies)
                     for m in TIMED_M
                 }
             except Exception as exc:  # a tile that does not fit is a result, not a crash

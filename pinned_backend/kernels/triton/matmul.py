@@ -7,10 +7,11 @@ Two things are kept apart here, because only one of them decides a result's bits
 - The tiling, `MatmulTile`, which may follow M: the tile's rows and columns, how much of K one loop step loads,
   the warps and the pipeline depth, and whether a slice runs in its own program (fp32 partials, added in slice
   order by the last of the tile's programs to finish) or after the previous slice inside one program, and whether
-  operands arrive through plain loads or the tensor-memory engine (TMA, which pays at prefill sizes). None of these changes the chain a row goes through:
-  every tile issues the same Hopper `wgmma` steps of K = 16 for the same operand values, a K step of 64 is four of
-  them and of 128 eight, and slices meet in the same order either way. So small M gets narrow tiles (enough
-  programs to keep weight bytes in flight) and large M wide ones, with one set of bits for every M.
+  operands arrive through plain loads or the tensor-memory engine (TMA, which pays from a few hundred rows on).
+  None of these changes the chain a row goes through: every tile issues the same Hopper `wgmma` steps of K = 16
+  for the same operand values, a K step of 64 is four of them and of 128 eight, and slices meet in the same order
+  either way. So small M gets narrow tiles (enough programs to keep weight bytes in flight) and large M wide ones,
+  with one set of bits for every M.
 
 That equivalence is a claim about the hardware and the compiler, so it is proven rather than assumed: on the GPU,
 every tile of a plan is checked bit-identical to every other at every M = 1..512 and at shifted row windows
@@ -125,12 +126,13 @@ def _tile(
 
 _LARGE_M = 1 << 62
 
-# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
-# reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS
-# is smallest. A TMA tile costs the host two descriptors per launch, so it is taken only where the product takes
-# longer on the GPU than that (past M = 512, or lm_head). The down projection keeps at least two slices of K: with
-# K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode (0.93-0.97 of
-# default) than it won prefill (bench/results/h200.md).
+# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, run 38):
+# for each reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio
+# to cuBLAS is smallest. Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
+# (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches a served
+# step, though it makes an eager step of one prompt wait on the host. The down projection keeps at least two
+# slices of K: with K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode
+# (0.93-0.97 of default) than it won prefill (bench/results/h200.md).
 TUNED: dict[tuple[int, int], MatmulPlan] = {
     (2048, 6144): MatmulPlan(
         2,
@@ -139,8 +141,9 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
             (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
             (256, _tile(64, 128, 64, 4, 6, split_programs=True)),
-            (512, _tile(128, 128, 64, 8, 4, split_programs=True)),
-            (_LARGE_M, _tile(128, 128, 64, 8, 5, tma=True)),
+            (512, _tile(64, 128, 64, 4, 6, tma=True)),
+            (2048, _tile(128, 128, 64, 8, 5, tma=True)),
+            (_LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)),
         ),
     ),  # down
     (2048, 2048): MatmulPlan(
@@ -149,7 +152,7 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (64, _tile(16, 64, 128, 4, 6, swap=True)),
             (128, _tile(32, 64, 128, 4, 6, swap=True)),
             (256, _tile(64, 64, 128, 4, 4)),
-            (512, _tile(64, 128, 64, 4, 6)),
+            (512, _tile(64, 128, 64, 4, 6, tma=True)),
             (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # o_proj
@@ -159,48 +162,59 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (32, _tile(16, 64, 128, 4, 6, swap=True)),
             (64, _tile(32, 64, 128, 4, 6, swap=True)),
             (128, _tile(64, 64, 128, 4, 4)),
-            (256, _tile(64, 128, 64, 4, 6)),
+            (176, _tile(64, 128, 64, 4, 6)),
+            (192, _tile(64, 128, 64, 4, 6, tma=True)),
+            (224, _tile(64, 128, 64, 4, 6)),
+            (256, _tile(64, 128, 64, 4, 6, tma=True)),
             (320, _tile(64, 256, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 4)),
+            (384, _tile(128, 128, 64, 8, 5, tma=True)),
             (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 4)),
+            (512, _tile(128, 128, 64, 8, 5, tma=True)),
             (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # qkv
     (12288, 2048): MatmulPlan(
         1,
         (
-            (8, _tile(16, 64, 128, 4, 6, swap=True)),
-            (16, _tile(64, 128, 64, 4, 6)),
-            (64, _tile(64, 128, 64, 4, 6, swap=True)),
+            (1, _tile(16, 64, 128, 4, 6, swap=True)),
+            (8, _tile(16, 128, 128, 4, 4, swap=True)),
+            (16, _tile(64, 64, 64, 4, 6)),
+            (32, _tile(64, 128, 64, 4, 6, swap=True)),
+            (64, _tile(64, 128, 64, 4, 6, tma=True)),
             (128, _tile(128, 128, 64, 8, 5)),
             (160, _tile(128, 64, 64, 4, 3, swap=True, tail=32)),
             (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
-            (256, _tile(128, 128, 64, 8, 3, swap=True)),
+            (224, _tile(128, 128, 64, 8, 3, swap=True)),
+            (256, _tile(128, 128, 64, 8, 3)),
+            (272, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (320, _tile(64, 256, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 5)),
+            (384, _tile(128, 128, 64, 8, 5, tma=True)),
             (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 5)),
+            (512, _tile(128, 128, 64, 8, 5, tma=True)),
+            (2048, _tile(128, 128, 64, 8, 3)),
             (_LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # gate_up
     (151936, 2048): MatmulPlan(
         1,
         (
+            (1, _tile(16, 64, 128, 4, 6, swap=True)),
             (16, _tile(16, 128, 128, 4, 4, swap=True)),
-            (32, _tile(32, 128, 128, 4, 4, swap=True)),
+            (32, _tile(32, 64, 128, 4, 6, swap=True)),
             (64, _tile(64, 64, 64, 4, 6)),
-            (96, _tile(128, 128, 64, 8, 5)),
-            (128, _tile(128, 128, 64, 8, 3, tma=True)),
+            (96, _tile(128, 128, 64, 8, 3, swap=True)),
+            (128, _tile(128, 128, 64, 8, 5, tma=True)),
             (144, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (160, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
             (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
+            (224, _tile(128, 128, 64, 8, 3, swap=True)),
             (256, _tile(128, 128, 64, 8, 3, tma=True)),
             (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
             (384, _tile(128, 128, 64, 8, 3, tma=True)),
-            (448, _tile(128, 128, 64, 8, 3, swap=True)),
-            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
+            (416, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (448, _tile(64, 256, 64, 4, 4)),
+            (512, _tile(128, 128, 64, 8, 3, tma=True)),
             (_LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
         ),
     ),  # lm_head
