@@ -135,6 +135,9 @@ class StepStats:
     running: int
     waiting: int
     kv_used_ratio: float
+    # How the step's forward pass ran (step_graphs.StepLaunch) and the tokens it computed only as padding.
+    launch: str = "eager"
+    padded_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -261,6 +264,8 @@ class Engine:
                 running=len(self._running),
                 waiting=self.queue_depth,
                 kv_used_ratio=self._kv_used(),
+                launch=self._graphs.last_launch if self._graphs is not None else "eager",
+                padded_tokens=self._graphs.last_padding if self._graphs is not None else 0,
             )
         )
         return sequences

@@ -48,6 +48,17 @@ class BackendMetrics:
         self.tokens = Counter(
             "stackpin_backend_tokens_total", "Tokens processed.", ["phase"], registry=registry
         )
+        self.steps = Counter(
+            "stackpin_backend_steps_total",
+            "Engine steps by how they ran: replayed from a CUDA graph, captured into one first, or eagerly.",
+            ["launch"],
+            registry=registry,
+        )
+        self.padding_tokens = Counter(
+            "stackpin_backend_padding_tokens_total",
+            "Tokens computed only to fill a step to a captured shape.",
+            registry=registry,
+        )
         self.running = Gauge(
             "stackpin_backend_running_sequences", "Sequences in the running batch.", registry=registry
         )
@@ -73,6 +84,8 @@ class BackendMetrics:
         if stats.sequences:  # an idle step computed nothing, so it is not a step worth timing
             self.step_seconds.observe(stats.seconds)
             self.batch_size.observe(stats.sequences)
+            self.steps.labels(launch=stats.launch).inc()
+            self.padding_tokens.inc(stats.padded_tokens)
         self.tokens.labels(phase="prefill").inc(stats.prefill_tokens)
         self.tokens.labels(phase="decode").inc(stats.decode_tokens)
         self.running.set(stats.running)

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,6 +40,9 @@ MIN_TABLE_WIDTH = 16
 # Each kept graph costs its kernels' parameters and a capture (about one eager step) when first needed; the
 # activations of all of them share one pool.
 DEFAULT_MAX_GRAPHS = 64
+
+# How a step ran: replayed from a graph, captured into one first, or (without capture, on the CPU) eagerly.
+StepLaunch = Literal["graph", "capture", "eager"]
 
 
 def token_sizes(limit: int) -> list[int]:
@@ -103,6 +106,9 @@ class StepGraphs:
         self.padded_sequences = 0
         self.shapes: set[StepShape] = set()
         self.captures = 0
+        # The last step's launch and padding tokens, for the engine's step statistics.
+        self.last_launch: StepLaunch = "eager"
+        self.last_padding = 0
 
     def shape_for(self, tokens: int, sequences: int, blocks: int) -> StepShape:
         """The captured shape of a step of `tokens` tokens over `sequences` sequences, the longest holding
@@ -137,16 +143,20 @@ class StepGraphs:
             raise ValueError(f"{len(logits_rows)} logits rows for {n_seqs} sequences; at most one each")
         shape = self.shape_for(n_tokens, n_seqs, max(len(owned) for owned in blocks))
         self.steps += 1
-        self.padded_tokens += shape.tokens - n_tokens
+        self.last_padding = shape.tokens - n_tokens
+        self.padded_tokens += self.last_padding
         self.padded_sequences += shape.sequences - n_seqs
         self.shapes.add(shape)
         self._copy_in(shape, token_ids, query_seq, query_pos, blocks, logits_rows)
         if not self.capture:
+            self.last_launch = "eager"
             return self._run(shape)[: len(logits_rows)]
         graph = self._graphs.get(shape)
         if graph is None:
+            self.last_launch = "capture"
             graph = self._capture(shape)
         else:
+            self.last_launch = "graph"
             self._graphs.move_to_end(shape)
         graph.replay()
         assert self.logits is not None

@@ -21,9 +21,21 @@ def test_a_step_updates_every_engine_metric() -> None:
     registry = CollectorRegistry()
     metrics = BackendMetrics(registry)
     metrics.observe_step(
-        StepStats(0.02, 3, prefill_tokens=10, decode_tokens=2, running=3, waiting=4, kv_used_ratio=0.5)
+        StepStats(
+            0.02,
+            3,
+            prefill_tokens=10,
+            decode_tokens=2,
+            running=3,
+            waiting=4,
+            kv_used_ratio=0.5,
+            launch="graph",
+            padded_tokens=6,
+        )
     )
     value = registry.get_sample_value
+    assert value("stackpin_backend_steps_total", {"launch": "graph"}) == 1
+    assert value("stackpin_backend_padding_tokens_total") == 6
     assert value("stackpin_backend_tokens_total", {"phase": "prefill"}) == 10
     assert value("stackpin_backend_tokens_total", {"phase": "decode"}) == 2
     assert value("stackpin_backend_running_sequences") == 3
@@ -51,3 +63,4 @@ def test_an_idle_step_updates_gauges_but_not_step_histograms() -> None:
     BackendMetrics(registry).observe_step(StepStats(0.0, 0, 0, 0, running=0, waiting=2, kv_used_ratio=0.0))
     assert registry.get_sample_value("stackpin_backend_queue_depth") == 2
     assert registry.get_sample_value("stackpin_backend_step_seconds_count") == 0
+    assert registry.get_sample_value("stackpin_backend_steps_total", {"launch": "eager"}) is None

@@ -7,12 +7,13 @@ bits with padded steps as without. On the CPU the padded steps run eagerly; on a
 from __future__ import annotations
 
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from pinned_backend.engine import Engine, RequestTooLarge
+from pinned_backend.engine import Engine, RequestTooLarge, StepStats
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.step_graphs import StepGraphs, StepShape, token_sizes
 from tests.backend_checkpoint import Collector, make_engine, write_random_checkpoint
@@ -58,14 +59,15 @@ SIZES = {"max_batch_size": 7, "max_step_tokens": 40, "num_blocks": 64, "block_si
 
 def test_padded_steps_give_every_request_the_same_bits_as_unpadded_ones(checkpoint: Path) -> None:
     plain = _serve_all(make_engine(checkpoint, **SIZES), seed=3)
-    padded_engine = make_engine(checkpoint, **SIZES, step_graphs=True)
+    stats: list[StepStats] = []
+    padded_engine = make_engine(checkpoint, **SIZES, step_graphs=True, on_step=stats.append)
     padded = _serve_all(padded_engine, seed=3)
     assert padded == plain
     graphs = padded_engine._graphs
     assert graphs is not None and graphs.sequence_sizes == [1, 2, 4, 7]
-    assert graphs.padded_tokens > 0 and graphs.padded_sequences > 0, (
-        "nothing was padded: the test proves nothing"
-    )
+    assert graphs.padded_tokens > 0 and graphs.padded_sequences > 0, "nothing was padded: it proves nothing"
+    assert sum(s.padded_tokens for s in stats) == graphs.padded_tokens
+    assert {s.launch for s in stats if s.sequences} == {"eager"}, "without capture, padded steps run eagerly"
     decode = {s for s in graphs.shapes if s.tokens == s.sequences}
     assert decode and len(graphs.shapes - decode) >= 3, "decode-only and several other shapes should have run"
     assert {shape.width for shape in graphs.shapes} == {16, 32}, "steps should have run at two table widths"
@@ -134,7 +136,11 @@ def test_cuda_graph_steps_give_the_same_bits_as_eager_ones(checkpoint: Path) -> 
     graphs = graphed_engine._graphs
     assert graphs is not None
     graphs.max_graphs = 2  # so that graphs are dropped and captured again along the way
+    stats: list[StepStats] = []
+    graphed_engine.on_step = stats.append
     graphed = _serve_all(graphed_engine, seed=4)
     assert graphed == plain
     assert graphs.padded_tokens > 0 and len(graphs.shapes) > graphs.max_graphs
     assert graphs.captures > len(graphs.shapes), "no dropped graph was captured again"
+    launches = Counter(s.launch for s in stats if s.sequences)
+    assert launches == {"capture": graphs.captures, "graph": graphs.steps - graphs.captures}
