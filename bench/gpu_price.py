@@ -38,6 +38,7 @@ from pinned_backend.kernels.triton.dependent_launch import force_dependent_launc
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
 from pinned_backend.sampling import SamplingParams
+from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 
 BATCHES = [1, 8, 32, 128]
 MATMUL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -314,7 +315,7 @@ def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int, on_step
         max_batch_size=64,
         max_step_tokens=STEP_TOKENS,
         max_queue=100000,
-        step_graphs=kernels.mode == "batch_invariant",
+        step_graphs=DEFAULT_MAX_GRAPHS if kernels.mode == "batch_invariant" else 0,
     )
     allocator = BlockAllocator(num_blocks)
     return Engine(model, cache, allocator, kernels, config, lambda ids: "", device=DEVICE, on_step=on_step)

@@ -27,6 +27,7 @@ from pinned_backend.checkpoint import CheckpointError
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE
 from pinned_backend.runtime import BackendSettings
 from pinned_backend.server import create_app
+from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--threads", type=int, help="torch CPU threads (part of the stack; default: torch's choice)"
     )
+    serve.add_argument(
+        "--max-step-graphs",
+        type=int,
+        default=DEFAULT_MAX_GRAPHS,
+        help="CUDA graphs kept for batch_invariant steps on cuda, each step padded to a captured shape (the "
+        "bits stay the same); 0 runs every step eagerly",
+    )
     serve.add_argument("--ready-file", type=Path, help="write the base URL here once listening")
     tiny = commands.add_parser("make-tiny", help="train and write the tiny model")
     tiny.add_argument("directory", type=Path)
@@ -94,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_queue=args.max_queue,
             kv_split_size=args.kv_split_size,
             threads=args.threads,
+            max_step_graphs=args.max_step_graphs,
         )
     except ValidationError as exc:
         error = exc.errors()[0]

@@ -74,13 +74,16 @@ class EngineConfig:
     max_step_tokens: int = 256
     max_queue: int = 64
     eos_token_ids: frozenset[int] = frozenset()
-    # Run every step padded to a few captured shapes, as CUDA graphs on a GPU (step_graphs.py). Only sound under
-    # batch-invariant kernels; it reserves one cache block for the padding tokens.
-    step_graphs: bool = False
+    # Above 0: run every step padded to a few captured shapes, as CUDA graphs on a GPU (step_graphs.py), keeping
+    # this many graphs at most (the least recently used dropped first). Only sound under batch-invariant kernels;
+    # it reserves one cache block for the padding tokens. 0: run each step as it comes.
+    step_graphs: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_queue < 0 or self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("max_batch_size, num_blocks and block_size must be >= 1 and max_queue >= 0")
+        if isinstance(self.step_graphs, bool) or self.step_graphs < 0:
+            raise ValueError(f"step_graphs is how many graphs to keep, 0 or more, not {self.step_graphs!r}")
         if self.max_step_tokens < self.max_batch_size:
             # Every running request decodes one token per step, so the budget must cover a full batch.
             raise ValueError(
@@ -195,6 +198,7 @@ class Engine:
                 table_width=-(-config.max_model_len // config.block_size),
                 device=self.device,
                 capture=self.device.type == "cuda",
+                max_graphs=config.step_graphs,
             )
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:

@@ -23,6 +23,7 @@ from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
 from pinned_backend.runner import EngineRunner
 from pinned_backend.stack import DTYPE_NAMES, batching_policy, build_stack, detect_hardware, detect_software
+from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 from pinned_backend.tokenizer import Tokenizer
 from pinned_backend.tokenpieces import TokenPieces
 
@@ -47,6 +48,9 @@ class BackendSettings(BaseModel):
     max_queue: int = Field(default=64, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)
     threads: int | None = Field(default=None, ge=1)  # torch's CPU threads; None keeps torch's choice
+    # CUDA graphs kept for batch_invariant steps on a GPU; 0 runs every step eagerly. Not part of the stack:
+    # padding a step to a captured shape leaves every answer's bits as they are.
+    max_step_graphs: int = Field(default=DEFAULT_MAX_GRAPHS, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> BackendSettings:
@@ -116,6 +120,7 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         config, int(settings.kv_cache_mb * 2**20), settings.block_size, dtype
     )
     cache = PagedKVCache(config, num_blocks, settings.block_size, device, dtype)
+    graphed = device.type == "cuda" and kernels.mode == "batch_invariant"
     engine_config = EngineConfig(
         max_model_len=config.max_position_embeddings,
         num_blocks=num_blocks,
@@ -125,7 +130,7 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         max_queue=settings.max_queue,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         # Steps as CUDA graphs: padding them to captured shapes leaves invariant kernels' bits alone.
-        step_graphs=device.type == "cuda" and kernels.mode == "batch_invariant",
+        step_graphs=settings.max_step_graphs if graphed else 0,
     )
     engine = Engine(
         model, cache, BlockAllocator(num_blocks), kernels, engine_config, tokenizer.decode, device, on_step

@@ -96,7 +96,7 @@ def make_engine(
     max_queue: int = 8,
     eos_token_ids: frozenset[int] = frozenset(),
     on_step: Callable[[StepStats], None] | None = None,
-    step_graphs: bool = False,
+    step_graphs: int = 0,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Engine:

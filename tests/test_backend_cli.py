@@ -44,6 +44,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (("serve", "--model", ".", "--device", "cuda", "--dtype", "fp32"), "choose --dtype bf16"),
         (("serve", "--model", ".", "--kv-split-size", "100"), "--kv-split-size 100 must be a multiple of"),
         (("serve", "--model", ".", "--device", "cuda", "--kv-split-size", "96"), "choose a multiple of 64"),
+        (("serve", "--model", ".", "--max-step-graphs", "-1"), "--max-step-graphs: Input should be greater"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(

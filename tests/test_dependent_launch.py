@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pinned_backend.kernels.triton import dependent_launch as launch
+from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 from tests.backend_checkpoint import make_engine, write_random_checkpoint
 from tests.test_step_graphs import _serve_all
 
@@ -54,6 +55,6 @@ def test_requests_get_the_same_bits_with_dependent_launch_as_without(
     one_after_another = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=5)
     launch.force_dependent_launch(True)
     eager = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=5)
-    graphed = _serve_all(make_engine(checkpoint, **sizes, **on_gpu, step_graphs=True), seed=5)
+    graphed = _serve_all(make_engine(checkpoint, **sizes, **on_gpu, step_graphs=DEFAULT_MAX_GRAPHS), seed=5)
     assert eager == one_after_another
     assert graphed == one_after_another

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pinned_backend.engine import Engine, RequestTooLarge, StepStats
+from pinned_backend.engine import Engine, EngineConfig, RequestTooLarge, StepStats
 from pinned_backend.sampling import SamplingParams
-from pinned_backend.step_graphs import StepGraphs, StepShape, token_sizes
+from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS, StepGraphs, StepShape, token_sizes
 from tests.backend_checkpoint import Collector, make_engine, write_random_checkpoint
 
 
@@ -60,7 +60,7 @@ SIZES = {"max_batch_size": 7, "max_step_tokens": 40, "num_blocks": 64, "block_si
 def test_padded_steps_give_every_request_the_same_bits_as_unpadded_ones(checkpoint: Path) -> None:
     plain = _serve_all(make_engine(checkpoint, **SIZES), seed=3)
     stats: list[StepStats] = []
-    padded_engine = make_engine(checkpoint, **SIZES, step_graphs=True, on_step=stats.append)
+    padded_engine = make_engine(checkpoint, **SIZES, step_graphs=DEFAULT_MAX_GRAPHS, on_step=stats.append)
     padded = _serve_all(padded_engine, seed=3)
     assert padded == plain
     graphs = padded_engine._graphs
@@ -75,11 +75,11 @@ def test_padded_steps_give_every_request_the_same_bits_as_unpadded_ones(checkpoi
 
 def test_step_graphs_are_refused_under_kernels_that_are_not_batch_invariant(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="only batch-invariant kernels"):
-        make_engine(checkpoint, "default", step_graphs=True)
+        make_engine(checkpoint, "default", step_graphs=DEFAULT_MAX_GRAPHS)
 
 
 def test_the_padding_block_is_not_offered_to_requests(checkpoint: Path) -> None:
-    engine = make_engine(checkpoint, num_blocks=8, block_size=4, step_graphs=True)
+    engine = make_engine(checkpoint, num_blocks=8, block_size=4, step_graphs=DEFAULT_MAX_GRAPHS)
     with pytest.raises(RequestTooLarge, match="28 tokens"):
         engine.submit("big", [1] * 20, SamplingParams(temperature=0, max_tokens=12), Collector())
     engine.submit("fits", [1] * 20, SamplingParams(temperature=0, max_tokens=8), Collector())
@@ -132,10 +132,10 @@ def test_cuda_graph_steps_give_the_same_bits_as_eager_ones(checkpoint: Path) -> 
     sizes = {**SIZES, "block_size": 16, "kv_split_size": 64}
     on_gpu = {"device": torch.device("cuda"), "dtype": torch.bfloat16}
     plain = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=4)
-    graphed_engine = make_engine(checkpoint, **sizes, **on_gpu, step_graphs=True)
+    # Two graphs at most, so that graphs are dropped and captured again along the way.
+    graphed_engine = make_engine(checkpoint, **sizes, **on_gpu, step_graphs=2)
     graphs = graphed_engine._graphs
-    assert graphs is not None
-    graphs.max_graphs = 2  # so that graphs are dropped and captured again along the way
+    assert graphs is not None and graphs.max_graphs == 2
     stats: list[StepStats] = []
     graphed_engine.on_step = stats.append
     graphed = _serve_all(graphed_engine, seed=4)
@@ -144,3 +144,10 @@ def test_cuda_graph_steps_give_the_same_bits_as_eager_ones(checkpoint: Path) -> 
     assert graphs.captures > len(graphs.shapes), "no dropped graph was captured again"
     launches = Counter(s.launch for s in stats if s.sequences)
     assert launches == {"capture": graphs.captures, "graph": graphs.steps - graphs.captures}
+
+
+def test_step_graphs_are_a_count_of_graphs_to_keep_not_a_switch() -> None:
+    with pytest.raises(ValueError, match="how many graphs to keep"):
+        EngineConfig(max_model_len=8, num_blocks=4, block_size=4, step_graphs=True)
+    with pytest.raises(ValueError, match="how many graphs to keep"):
+        EngineConfig(max_model_len=8, num_blocks=4, block_size=4, step_graphs=-1)
