@@ -126,6 +126,15 @@ SPLIT_PROGRAM_TILES = [
 SWAP_SPLIT_PROGRAM_TILES = [(16, 64, 128, 4, 6, 0), (32, 128, 64, 4, 6, 0), (128, 64, 64, 4, 3, 0)] + [
     t for t in WIDE_SWAP_TILES if t[:5] == (128, 64, 64, 4, 3)
 ]
+# Streamed tiles: one program per multiprocessor, each an equal run of (tile, K step) units, for the sizes where a
+# last round of tiles would leave most multiprocessors idle.
+STREAM_TILES = [
+    (64, 128, 64, 4, 4),
+    (64, 128, 64, 4, 6),
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 256, 64, 8, 3),
+]
 # Tiles timed at the prefill sizes: those wide enough to be arithmetic-bound there.
 PREFILL_TILE_MIN_AREA = 128 * 128
 
@@ -135,6 +144,7 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
     tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES]
     tiles += [MatmulTile(*t, tma=True) for t in TMA_TILES] + [MatmulTile(*t, swap=True) for t in SWAP_TILES]
     tiles += [MatmulTile(*t[:5], swap=True, tail=t[5]) for t in WIDE_SWAP_TILES]
+    tiles += [MatmulTile(*t, stream=True) for t in STREAM_TILES]
     if split > 1:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
         tiles += [
@@ -228,7 +238,8 @@ def plan_expression(plan: MatmulPlan) -> str:
     tiles = []
     for max_m, t in plan.tiles:
         bound = "_LARGE_M" if max_m == LARGE_M else str(max_m)
-        extra = "".join(f", {flag}=True" for flag in ("split_programs", "tma", "swap") if getattr(t, flag))
+        flags = ("split_programs", "tma", "swap", "stream")
+        extra = "".join(f", {flag}=True" for flag in flags if getattr(t, flag))
         extra += f", tail={t.tail}" if t.tail else ""
         tiles.append(
             f"({bound}, _tile({t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{extra}))"

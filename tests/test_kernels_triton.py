@@ -5,6 +5,7 @@ plain Python and are checked everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from typing import Any
@@ -77,6 +78,16 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
             "a power of two of 16 rows or more",
         ),
         (MatmulPlan(2, ((1 << 62, MatmulTile(64, 64, 64, 4, 4)),)), 2000, "every K step must divide"),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, stream=True)),)),
+            2000,
+            "every K step must divide",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, swap=True, stream=True)),)),
+            2048,
+            "a streamed tile is a plain one",
+        ),
         (
             MatmulPlan(1, ((8, MatmulTile(64, 16, 64, 4, 4)), (1 << 62, MatmulTile(128, 128, 64, 8, 3)))),
             2000,
@@ -200,6 +211,36 @@ def test_slices_in_programs_of_their_own_meet_in_slice_order_and_leave_the_count
             assert torch.equal(out, expected), f"{tile} at M = {m} gives other bits than one program per tile"
     counters = matmul_module._ARRIVALS[x.device]
     assert int(counters.count_nonzero()) == 0, "a tile's last program left its counter set"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("n", "k", "split"), [(2048, 6144, 2), (12288, 2048, 1), (2048, 2048, 1)])
+def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_program(
+    triton_ops, unwritten_elements_show: None, n: int, k: int, split: int
+) -> None:  # type: ignore[no-untyped-def]
+    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    x = torch.randn(700, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+    for plain in (MatmulTile(128, 128, 64, 8, 4), MatmulTile(64, 128, 64, 4, 6)):
+        streamed = dataclasses.replace(plain, stream=True)
+        plan = MatmulPlan(split, ((1 << 62, plain),))
+        # Sizes that leave a last round of tiles part full, and so cut chains between programs.
+        for m in (1, 64, 130, 264, 336, 512, 700):
+            expected = matmul_with_plan(x[:m], w, plan, plain)
+            out = matmul_with_plan(x[:m], w, plan, streamed)
+            assert torch.equal(out, expected), (
+                f"{streamed} at M = {m} gives other bits than one program a chain"
+            )
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = matmul_with_plan(x[:336], w, plan, streamed)
+        for _ in range(2):
+            replayed.zero_()
+            graph.replay()
+            assert torch.equal(replayed, matmul_with_plan(x[:336], w, plan, plain))
+    counters = matmul_module._ARRIVALS[x.device]
+    assert int(counters.count_nonzero()) == 0, "a carry flag or a slice counter was left set"
 
 
 @gpu

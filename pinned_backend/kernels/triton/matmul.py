@@ -69,6 +69,9 @@ class MatmulTile:
     swap: bool = False
     # Swapped tiles only: a second block of this many of x's rows after the main one, against the same weight tile.
     tail: int = 0
+    # One program per multiprocessor, each taking an equal run of the (tile, slice, K step) units, a chain cut
+    # between two programs carrying its fp32 accumulator from one to the next (`_matmul_stream_kernel`).
+    stream: bool = False
 
     def check(self) -> None:
         rows, cols = (self.block_n, self.block_m) if self.swap else (self.block_m, self.block_n)
@@ -84,6 +87,8 @@ class MatmulTile:
             )
         if self.block_k % INSTRUCTION_K:
             raise ValueError(f"{self}: the K step must be a multiple of {INSTRUCTION_K}")
+        if self.stream and (self.swap or self.tma or self.split_programs):
+            raise ValueError(f"{self}: a streamed tile is a plain one, its programs already cut K")
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ class MatmulPlan:
         for _, tile in self.tiles:
             tile.check()
         ragged = any(k % (self.split_k * tile.block_k) for _, tile in self.tiles)
-        if ragged and (self.split_k > 1 or len(self.tiles) > 1):
+        if ragged and (self.split_k > 1 or len(self.tiles) > 1 or self.tiles[0][1].stream):
             raise ValueError(f"{self}: every K step must divide each of the {self.split_k} slices of K = {k}")
 
 
@@ -120,8 +125,9 @@ def _tile(
     tma: bool = False,
     swap: bool = False,
     tail: int = 0,
+    stream: bool = False,
 ) -> MatmulTile:
-    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma, swap, tail)
+    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma, swap, tail, stream)
 
 
 _LARGE_M = 1 << 62
@@ -385,16 +391,175 @@ def _matmul_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == PROGRAMS_K - 1:
-            total = _load_tile(part_ptr, offs_m, offs_n, M, N, stride_om, SWAP)
-            for s in tl.static_range(1, PROGRAMS_K):
-                total += _load_tile(part_ptr + s * stride_os, offs_m, offs_n, M, N, stride_om, SWAP)
-            _store_tile(out_ptr, total, offs_m, offs_n, M, N, stride_om, SWAP)
+            _add_partials(out_ptr, part_ptr, offs_m, offs_n, M, N, stride_om, stride_os, PROGRAMS_K, SWAP)
             if TAIL > 0:
-                total_t = _load_tile(part_ptr, offs_t, offs_n, M, N, stride_om, True)
-                for s in tl.static_range(1, PROGRAMS_K):
-                    total_t += _load_tile(part_ptr + s * stride_os, offs_t, offs_n, M, N, stride_om, True)
-                _store_tile(out_ptr, total_t, offs_t, offs_n, M, N, stride_om, True)
+                _add_partials(out_ptr, part_ptr, offs_t, offs_n, M, N, stride_om, stride_os, PROGRAMS_K, True)
             tl.store(arrivals_ptr + pid, 0)
+
+
+# One binary per tile, as above.
+@triton.jit(do_not_specialize=["M", "UNITS"])
+def _matmul_stream_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    part_ptr,
+    carry_ptr,
+    flags_ptr,
+    arrivals_ptr,
+    M,
+    N,
+    K_PER_SPLIT,
+    UNITS,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,
+    SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Every (tile, slice of K) is a chain of K steps, and the chains, laid end to end, are cut into runs of UNITS
+    # steps, one run per program: each multiprocessor gets the same work, however many tiles M leaves for a last
+    # round. A chain cut between two programs passes its fp32 accumulator on, an exact value, so it goes through
+    # the very steps, in the very order, that one program would take it through. A run is never shorter than a
+    # chain (the launcher sees to it), so a program continues at most one chain from the program before, and leaves
+    # at most one to the program after. It starts that one first and leaves its accumulator in its carry slot;
+    # it continues the other one last, so it seldom waits.
+    #
+    # A first version, which chose between a zero and a carried accumulator inside its loop over chains, gave one
+    # program's bits on an H200 but ran 1.5 to 2 times slower than the plain tiles (runs 41 and 42 in
+    # bench/results/h200.md): ptxas serialized its tensor-core steps (warning C7515). Here only zeros start a chain
+    # inside that loop, and the carried chain has a loop of its own, so ptxas keeps the steps overlapped as in the
+    # plain kernel. This version has been checked by Triton's interpreter and by ptxas, not yet on a GPU; no plan
+    # takes it until a sweep has proven and timed it.
+    pid = tl.program_id(0)
+    steps = K_PER_SPLIT // BLOCK_K
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    units = m_tiles * tl.cdiv(N, BLOCK_N) * SLICES * steps
+    lo = pid * UNITS
+    hi = tl.minimum(lo + UNITS, units)
+    carried_hi = tl.cdiv(lo, steps) * steps  # [lo, carried_hi): the chain continued from the program before
+    last_lo = (hi - 1) // steps * steps
+    leaves = (hi - last_lo < steps) & (last_lo >= carried_hi)
+    lead_lo = tl.where(leaves, last_lo, hi)  # [lead_lo, hi): the chain left to the program after
+    lead = hi - lead_lo
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    carry_offsets = rows[:, None] * BLOCK_N + cols[None, :]
+
+    start_as_dependent(PDL)
+
+    # The chain left unfinished, then the whole ones, each from a zeroed accumulator as in every other tile; inside
+    # a chain only the tensor cores write it, so that their steps overlap.
+    chains = tl.cdiv(hi - carried_hi, steps)
+    for r in range(0, chains):
+        leaving = (r == 0) & (lead > 0)
+        chain = tl.where(leaving, lead_lo, carried_hi + (r - (lead > 0).to(tl.int32)) * steps) // steps
+        offs_m, offs_n, x_ptrs, w_ptrs = _chain_at(
+            chain,
+            0,
+            x_ptr,
+            w_ptr,
+            N,
+            K_PER_SPLIT,
+            stride_xm,
+            stride_wn,
+            m_tiles,
+            SLICES,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _k_steps(acc, x_ptrs, w_ptrs, (offs_m < M)[:, None], tl.where(leaving, lead, steps), BLOCK_K)
+        if leaving:
+            tl.store(carry_ptr + pid * BLOCK_M * BLOCK_N + carry_offsets, acc)
+            tl.debug_barrier()
+            tl.atomic_xchg(flags_ptr + pid, 1, sem="release", scope="gpu")
+        else:
+            _finish_chain(acc, out_ptr, part_ptr, arrivals_ptr, chain, offs_m, offs_n, M, N, stride_om, stride_os, SLICES)  # fmt: skip
+
+    if carried_hi > lo:
+        chain = lo // steps
+        offs_m, offs_n, x_ptrs, w_ptrs = _chain_at(
+            chain, lo - chain * steps, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn, m_tiles, SLICES,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        ready = tl.atomic_add(flags_ptr + pid - 1, 0, sem="acquire", scope="gpu")
+        while ready == 0:
+            ready = tl.atomic_add(flags_ptr + pid - 1, 0, sem="acquire", scope="gpu")
+        carried = tl.load(carry_ptr + (pid - 1) * BLOCK_M * BLOCK_N + carry_offsets, cache_modifier=".cg")
+        tl.atomic_xchg(flags_ptr + pid - 1, 0, sem="relaxed", scope="gpu")
+        carried = _k_steps(carried, x_ptrs, w_ptrs, (offs_m < M)[:, None], carried_hi - lo, BLOCK_K)
+        _finish_chain(carried, out_ptr, part_ptr, arrivals_ptr, chain, offs_m, offs_n, M, N, stride_om, stride_os, SLICES)  # fmt: skip
+
+
+@triton.jit
+def _chain_at(
+    chain, step, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn, m_tiles,
+    SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """A chain's rows, columns and first operand addresses, `step` K steps in. A tile's chains are its slices of
+    K, and a tile's row tiles come one after another, sharing a weight tile."""
+    tile = chain // SLICES
+    offs_m = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_at = (chain % SLICES) * K_PER_SPLIT + step * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_at[None, :]
+    w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + k_at[None, :]
+    return offs_m, offs_n, x_ptrs, w_ptrs
+
+
+@triton.jit
+def _k_steps(acc, x_ptrs, w_ptrs, row_ok, n, BLOCK_K: tl.constexpr):
+    for _ in range(0, n):
+        x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+        w = tl.load(w_ptrs)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _finish_chain(
+    acc,
+    out_ptr,
+    part_ptr,
+    arrivals_ptr,
+    chain,
+    offs_m,
+    offs_n,
+    M,
+    N,
+    stride_om,
+    stride_os,
+    SLICES: tl.constexpr,
+):
+    if SLICES == 1:
+        _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, False)
+    else:
+        # As slices in programs of their own meet (above): the tile's last slice to finish adds them in order.
+        tile = chain // SLICES
+        _store_tile(part_ptr + (chain % SLICES) * stride_os, acc, offs_m, offs_n, M, N, stride_om, False)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SLICES - 1:
+            _add_partials(out_ptr, part_ptr, offs_m, offs_n, M, N, stride_om, stride_os, SLICES, False)
+            tl.store(arrivals_ptr + tile, 0)
+
+
+@triton.jit
+def _add_partials(
+    out_ptr, part_ptr, offs_m, offs_n, M, N, stride_om, stride_os, SLICES: tl.constexpr, SWAP: tl.constexpr
+):
+    total = _load_tile(part_ptr, offs_m, offs_n, M, N, stride_om, SWAP)
+    for s in tl.static_range(1, SLICES):
+        total += _load_tile(part_ptr + s * stride_os, offs_m, offs_n, M, N, stride_om, SWAP)
+    _store_tile(out_ptr, total, offs_m, offs_n, M, N, stride_om, SWAP)
 
 
 @triton.jit
@@ -447,6 +612,9 @@ def matmul(
     device = x.device
     out = torch.empty((m, n), device=device, dtype=x.dtype)
     if m == 0:
+        return out
+    if tile.stream:
+        _launch_stream(x, w, out, plan.split_k, tile)
         return out
     split = plan.split_k
     programs_k = split if tile.split_programs and split > 1 else 1
@@ -501,6 +669,60 @@ def matmul(
         num_stages=tile.num_stages,
     )
     return out
+
+
+_STREAM_LAUNCH = ReusedLaunch(_matmul_stream_kernel)
+
+
+def _launch_stream(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: int, tile: MatmulTile) -> None:
+    (m, k), n, device = x.shape, w.shape[0], x.device
+    steps = k // split // tile.block_k
+    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
+    units = tiles * split * steps
+    # Never a run shorter than a chain: chains cut finer would wait on each other and add no parallel work.
+    run = max(-(-units // _multiprocessors(device)), steps)
+    programs = -(-units // run)
+    partials = out if split == 1 else torch.empty((split, m, n), device=device, dtype=torch.float32)
+    # Each slice's arrival per tile, then each program's carry flag: all zero between launches.
+    counters = _arrival_counters(device, tiles + programs)
+    carry = torch.empty((programs, tile.block_m * tile.block_n), device=device, dtype=torch.float32)
+    dependent = launch_options(device)
+    _STREAM_LAUNCH(
+        (programs,),
+        (
+            x,
+            w,
+            out,
+            partials,
+            carry,
+            counters[tiles:],
+            counters,
+            m,
+            n,
+            k // split,
+            run,
+            x.stride(0),
+            w.stride(0),
+            n,
+            m * n,
+        ),
+        {
+            "SLICES": split,
+            "BLOCK_M": tile.block_m,
+            "BLOCK_N": tile.block_n,
+            "BLOCK_K": tile.block_k,
+            "PDL": dependent["PDL"],
+        },
+        launch_pdl=dependent["launch_pdl"],
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    # Under Triton's interpreter (tensors on the CPU), a few programs, so that chains are cut there too.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 6
 
 
 # Arrival counters per device, all zero between launches (a tile's last program resets its own). One set serves
