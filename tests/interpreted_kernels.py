@@ -1,0 +1,53 @@
+"""Checks of the matmul's bookkeeping run under Triton's interpreter, on the CPU: `python -m tests.interpreted_kernels`
+with TRITON_INTERPRET=1 (tests/test_kernels_interpreted.py starts it so, since Triton reads the variable when a
+kernel is defined). Exits non-zero, naming the case, where a way of cutting the work gives other bits than one
+program per tile.
+
+The interpreter computes a dot through numpy, not the tensor cores, and gets bf16 wrong, so these checks use fp16
+and compare tiles of one shape only: they prove which program takes which chain, K step, slice and carry, not the
+GPU's sums, which tests/test_kernels_triton.py proves on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import sys
+
+import torch
+
+from pinned_backend.kernels.triton.matmul import MatmulPlan, MatmulTile, matmul
+
+ONE_PROGRAM_PER_TILE = MatmulTile(64, 64, 32, 4, 2)
+
+
+def main() -> int:
+    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    gen = torch.Generator().manual_seed(0)
+    k = 320
+    x = torch.randn(300, k, generator=gen).to(torch.float16)
+    w = (torch.randn(160, k, generator=gen) / 18).to(torch.float16)
+    failures = []
+    ways = {
+        "streamed": dataclasses.replace(ONE_PROGRAM_PER_TILE, stream=True),
+        "a slice per program": dataclasses.replace(ONE_PROGRAM_PER_TILE, split_programs=True),
+    }
+    # Program counts and sizes that cut chains between programs at many places, with one and two slices of K.
+    for programs, split, m in itertools.product([4, 7], [1, 2], [1, 65, 130, 257]):
+        matmul_module._multiprocessors = lambda device, n=programs: n
+        plan = MatmulPlan(split, ((1 << 62, ONE_PROGRAM_PER_TILE),))
+        expected = matmul(x[:m], w, plan, ONE_PROGRAM_PER_TILE)
+        for name, tile in ways.items():
+            if not torch.equal(matmul(x[:m], w, plan, tile), expected):
+                failures.append(f"{name}: M = {m}, {split} slices, {programs} programs")
+    counters = matmul_module._ARRIVALS[torch.device("cpu")]
+    if counters.count_nonzero():
+        failures.append("a carry flag or a slice counter was left set")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

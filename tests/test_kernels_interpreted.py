@@ -1,0 +1,30 @@
+"""Specification of the GPU matmul's bookkeeping, checked on the CPU under Triton's interpreter: however a launch
+cuts the work between programs (a slice of K per program, or equal runs of K steps with chains carried from one
+program to the next), every element gets the bits of one program per tile. Skipped where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_way_of_cutting_a_matmul_between_programs_gives_one_programs_bits() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.interpreted_kernels"],
+        cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,  # a carry never passed on would leave a program waiting for it
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
