@@ -2,7 +2,8 @@
 
     stackpin-backend serve --model DIR [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
                            [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
-                           [--max-step-tokens N] [--max-queue N] [--ready-file PATH]
+                           [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
+                           [--max-step-graphs N] [--ready-file PATH]
     stackpin-backend make-tiny DIR
 
 `serve` writes its base URL (`http://HOST:PORT`) to the ready file once it listens, so a parent process can wait

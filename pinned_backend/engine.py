@@ -138,7 +138,8 @@ class StepStats:
     running: int
     waiting: int
     kv_used_ratio: float
-    # How the step's forward pass ran (step_graphs.StepLaunch) and the tokens it computed only as padding.
+    # How the step's forward pass ran (step_graphs.StepLaunch) and the tokens it computed only as padding (padding
+    # sequences and their logits rows are not counted).
     launch: str = "eager"
     padded_tokens: int = 0
 
@@ -213,7 +214,7 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {self.config.max_model_len} tokens"
             )
-        usable = self.config.num_blocks - (self._graphs is not None)  # less the padding tokens' block
+        usable = self._usable_blocks
         if self.blocks_needed(len(prompt_ids), params.max_tokens) > usable:
             raise RequestTooLarge(
                 f"prompt plus max_tokens needs more KV cache than this server has "
@@ -279,7 +280,12 @@ class Engine:
             self.on_step(stats)
 
     def _kv_used(self) -> float:
-        return 1 - self.allocator.free_blocks / self.config.num_blocks
+        # Of the blocks requests may hold: the padding tokens' block is never theirs.
+        return 1 - self.allocator.free_blocks / self._usable_blocks
+
+    @property
+    def _usable_blocks(self) -> int:
+        return self.config.num_blocks - (self._graphs is not None)
 
     def abort_all(self, error: EngineError) -> None:
         """Fail every request the engine holds; used when a step raised or the engine stops."""

@@ -7,8 +7,8 @@ has fixed shapes, so a step runs in the graph of the next captured shape up:
 - sequences: the next of `SEQUENCE_SIZES` (padding decode rows costs little: a decode step reads the weights once
   whatever its rows);
 - tokens: a decode-only step (one token per sequence) has as many as its sequences; any other step takes the next
-  of `token_sizes`, a quarter of an octave apart from 16 on, so that padding a step bound by arithmetic adds at
-  most a quarter of its rows;
+  of `token_sizes`, a quarter of an octave apart from 16 on, so that padding a step of more than 12 tokens (one
+  that may be bound by arithmetic) adds at most a quarter of its rows;
 - block-table width: the next power of two from `MIN_TABLE_WIDTH`, up to the model's whole context (attention
   sizes its work by the table's width, so a short step should not carry a 40,960-token table).
 
@@ -215,14 +215,15 @@ class StepGraphs:
                 (self.rows.shape[0], logits.shape[1]), dtype=logits.dtype, device=self.device
             )
         del logits
-        if len(self._graphs) >= self.max_graphs:
-            self._graphs.popitem(last=False)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             # The step's own logits are scratch of the pool; the rows copied out are what outlives the replay.
             self.logits[: shape.sequences].copy_(self._run(shape))
         self._graphs[shape] = graph
         self.captures += 1
+        # Dropped only now, so that the pool always has a graph using it (a capture joins a pool in use).
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
         return graph
 
 

@@ -102,6 +102,20 @@ def test_a_plan_whose_tiles_could_reduce_in_different_orders_is_refused(
         plan.check(k)
 
 
+def test_counters_outgrown_by_a_larger_launch_stay_allocated_for_the_graphs_that_captured_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    monkeypatch.setattr(matmul_module, "_ARRIVALS", {})
+    monkeypatch.setattr(matmul_module, "_OUTGROWN", [])
+    cpu = torch.device("cpu")
+    first = matmul_module._arrival_counters(cpu, 10)
+    assert matmul_module._arrival_counters(cpu, first.numel()) is first
+    larger = matmul_module._arrival_counters(cpu, first.numel() + 1)
+    assert larger.numel() > first.numel() and int(larger.count_nonzero()) == 0
+    assert any(kept is first for kept in matmul_module._OUTGROWN)
+
+
 def test_a_ragged_k_is_allowed_to_a_plan_of_one_tile_and_one_slice() -> None:
     MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4)),)).check(2000)
 

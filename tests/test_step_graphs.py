@@ -68,8 +68,11 @@ def test_padded_steps_give_every_request_the_same_bits_as_unpadded_ones(checkpoi
     assert graphs.padded_tokens > 0 and graphs.padded_sequences > 0, "nothing was padded: it proves nothing"
     assert sum(s.padded_tokens for s in stats) == graphs.padded_tokens
     assert {s.launch for s in stats if s.sequences} == {"eager"}, "without capture, padded steps run eagerly"
-    decode = {s for s in graphs.shapes if s.tokens == s.sequences}
-    assert decode and len(graphs.shapes - decode) >= 3, "decode-only and several other shapes should have run"
+    decode_batches = {s.sequences for s in stats if s.sequences and s.prefill_tokens == 0}
+    assert len(decode_batches) >= 2, "decode-only steps should have run at several batch sizes"
+    assert len({s for s in graphs.shapes if s.tokens != s.sequences}) >= 3, (
+        "and prefill or mixed steps at several"
+    )
     assert {shape.width for shape in graphs.shapes} == {16, 32}, "steps should have run at two table widths"
 
 
@@ -78,11 +81,20 @@ def test_step_graphs_are_refused_under_kernels_that_are_not_batch_invariant(chec
         make_engine(checkpoint, "default", step_graphs=DEFAULT_MAX_GRAPHS)
 
 
-def test_the_padding_block_is_not_offered_to_requests(checkpoint: Path) -> None:
-    engine = make_engine(checkpoint, num_blocks=8, block_size=4, step_graphs=DEFAULT_MAX_GRAPHS)
+def test_the_padding_block_is_neither_offered_to_requests_nor_counted_as_used(checkpoint: Path) -> None:
+    stats: list[StepStats] = []
+    engine = make_engine(
+        checkpoint, num_blocks=8, block_size=4, step_graphs=DEFAULT_MAX_GRAPHS, on_step=stats.append
+    )
     with pytest.raises(RequestTooLarge, match="28 tokens"):
         engine.submit("big", [1] * 20, SamplingParams(temperature=0, max_tokens=12), Collector())
-    engine.submit("fits", [1] * 20, SamplingParams(temperature=0, max_tokens=8), Collector())
+    fits = Collector()
+    engine.submit("fits", [1] * 20, SamplingParams(temperature=0, max_tokens=8), fits)
+    while engine.has_work():
+        engine.step()
+    assert len(fits.outputs) == 8 and fits.outputs[-1].finish_reason == "length"
+    assert stats[0].kv_used_ratio == 1.0, "the request holds all 7 blocks that requests may hold"
+    assert engine.allocator.free_blocks == 7 and stats[-1].kv_used_ratio == 0.0
 
 
 def _graphs(max_batch: int = 5, max_tokens: int = 300, table_width: int = 100) -> StepGraphs:
@@ -127,15 +139,16 @@ def test_token_sizes_pad_a_step_of_more_than_12_tokens_by_at_most_a_quarter() ->
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_steps_give_the_same_bits_as_eager_ones(checkpoint: Path) -> None:
+@pytest.mark.parametrize("kept", [1, 2])
+def test_cuda_graph_steps_give_the_same_bits_as_eager_ones(checkpoint: Path, kept: int) -> None:
     pytest.importorskip("triton")
     sizes = {**SIZES, "block_size": 16, "kv_split_size": 64}
     on_gpu = {"device": torch.device("cuda"), "dtype": torch.bfloat16}
     plain = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=4)
-    # Two graphs at most, so that graphs are dropped and captured again along the way.
-    graphed_engine = make_engine(checkpoint, **sizes, **on_gpu, step_graphs=2)
+    # Few graphs kept, so that graphs are dropped and captured again along the way (one: the pool's only user).
+    graphed_engine = make_engine(checkpoint, **sizes, **on_gpu, step_graphs=kept)
     graphs = graphed_engine._graphs
-    assert graphs is not None and graphs.max_graphs == 2
+    assert graphs is not None and graphs.max_graphs == kept
     stats: list[StepStats] = []
     graphed_engine.on_step = stats.append
     graphed = _serve_all(graphed_engine, seed=4)
@@ -143,7 +156,7 @@ def test_cuda_graph_steps_give_the_same_bits_as_eager_ones(checkpoint: Path) -> 
     assert graphs.padded_tokens > 0 and len(graphs.shapes) > graphs.max_graphs
     assert graphs.captures > len(graphs.shapes), "no dropped graph was captured again"
     launches = Counter(s.launch for s in stats if s.sequences)
-    assert launches == {"capture": graphs.captures, "graph": graphs.steps - graphs.captures}
+    assert launches == Counter(capture=graphs.captures, graph=graphs.steps - graphs.captures)
 
 
 def test_step_graphs_are_a_count_of_graphs_to_keep_not_a_switch() -> None:

@@ -729,6 +729,8 @@ def _multiprocessors(device: torch.device) -> int:
 # every launch on the device, because the launches that use them run one after another: the backend issues a
 # device's kernels from one stream, and a graph's kernels run in stream order too.
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
+# Counters outgrown by a larger launch stay allocated: graphs captured earlier hold their address and replay into it.
+_OUTGROWN: list[torch.Tensor] = []
 _MIN_ARRIVALS = 1 << 14
 
 
@@ -740,6 +742,8 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
         # Memory allocated while a graph is captured is the graph's, and zeroed only when it replays: counters
         # made here are this launch's own (the graph zeroes them at each replay), never kept for other launches.
         return torch.zeros(tiles, device=device, dtype=torch.int32)
+    if device in _ARRIVALS:
+        _OUTGROWN.append(_ARRIVALS[device])
     counters = torch.zeros(max(tiles, _MIN_ARRIVALS), device=device, dtype=torch.int32)
     _ARRIVALS[device] = counters
     return counters
