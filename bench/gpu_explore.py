@@ -39,6 +39,7 @@ from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.model import Transformer
 
 mm = importlib.import_module("pinned_backend.kernels.triton.matmul")
+mp = importlib.import_module("pinned_backend.kernels.triton.matmul_plans")
 
 OUT = sys.argv[1]
 PARTS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["decode", "mid", "large", "prefill"]
@@ -64,17 +65,17 @@ SHAPES = {
 }
 
 
-def with_tma(plan: mm.MatmulPlan, min_m: int) -> mm.MatmulPlan:
+def with_tma(plan: mp.MatmulPlan, min_m: int) -> mp.MatmulPlan:
     tiles = tuple(
         (
             mx,
-            mm.MatmulTile(**{**t.__dict__, "tma": True})
+            mp.MatmulTile(**{**t.__dict__, "tma": True})
             if mx >= min_m and not (t.split_programs or t.swap)
             else t,
         )
         for mx, t in plan.tiles
     )
-    return mm.MatmulPlan(plan.split_k, tiles)
+    return mp.MatmulPlan(plan.split_k, tiles)
 
 
 def part_decode(config: Any, weights: dict[str, torch.Tensor]) -> None:
@@ -130,7 +131,7 @@ def part_matmul(ms: list[int], tiles: list[tuple[int, ...]], label: str) -> None
         x = torch.randn(max(ms_here), k, device="cuda", dtype=torch.bfloat16, generator=gen)
         w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
         copies = weight_copies(w)
-        plan = mm.matmul_plan(n, k, (9, 0))
+        plan = mp.matmul_plan(n, k, (9, 0))
         splits = [plan.split_k] + ([1] if name == "down" else [])
         for m in ms_here:
             row: dict[str, Any] = {"cublas": time_rotating(lambda a, b: F.linear(a, b), x[:m], copies)}
@@ -140,10 +141,10 @@ def part_matmul(ms: list[int], tiles: list[tuple[int, ...]], label: str) -> None
             for split in splits:
                 for t in tiles:
                     for tma in (False, True):
-                        tile = mm.MatmulTile(*t, tma=tma)
+                        tile = mp.MatmulTile(*t, tma=tma)
                         if (tile.block_m + tile.block_n) * tile.block_k * 2 * tile.num_stages > 220 * 1024:
                             continue
-                        p = mm.MatmulPlan(split, ((mm._LARGE_M, tile),))
+                        p = mp.MatmulPlan(split, ((mp.LARGE_M, tile),))
                         key = f"s{split} {t} tma={int(tma)}"
                         try:
                             out = mm.matmul(x[:m], w, p, tile)
@@ -209,15 +210,15 @@ def part_prefill(config: Any, weights: dict[str, torch.Tensor]) -> None:
         "inv": Transformer(config, dict(weights), TritonKernels(), torch.device(DEVICE), torch.bfloat16),
     }
     cache = PagedKVCache(config, 128 * 33 + 16, PAGE, torch.device(DEVICE), torch.bfloat16)
-    original = dict(mm.TUNED)
+    original = dict(mp.TUNED)
     for variant in ("plan", "tma>512", "tma>128"):
-        mm.TUNED.clear()
-        mm.TUNED.update(original)
+        mp.TUNED.clear()
+        mp.TUNED.update(original)
         if variant != "plan":
             lo = 513 if variant == "tma>512" else 129
             for key, plan in original.items():
-                mm.TUNED[key] = with_tma(plan, lo)
-        mm.matmul_plan.cache_clear()
+                mp.TUNED[key] = with_tma(plan, lo)
+        mp.matmul_plan.cache_clear()
         for b in (1, 8, 32, 128):
             for name in ["default", "inv"] if variant == "plan" else ["inv"]:
                 try:
@@ -228,9 +229,9 @@ def part_prefill(config: Any, weights: dict[str, torch.Tensor]) -> None:
                     res[f"{name} {variant} b={b}"] = {"error": traceback.format_exc()[-600:]}
                     log("prefill", name, variant, b, "ERROR", traceback.format_exc()[-300:])
             save()
-    mm.TUNED.clear()
-    mm.TUNED.update(original)
-    mm.matmul_plan.cache_clear()
+    mp.TUNED.clear()
+    mp.TUNED.update(original)
+    mp.matmul_plan.cache_clear()
 
 
 def part_host() -> None:
@@ -248,12 +249,12 @@ def part_host() -> None:
         "matmul M=1": lambda: mm.matmul(x[:1], w),
         "matmul M=512": lambda: mm.matmul(x[:512], w),
         "matmul M=512 one program per tile": lambda: mm.matmul(
-            x[:512], w, tile=mm.MatmulTile(128, 128, 64, 8, 3)
+            x[:512], w, tile=mp.MatmulTile(128, 128, 64, 8, 3)
         ),
         "matmul M=512 a slice per program": lambda: mm.matmul(
-            x[:512], w, tile=mm.MatmulTile(64, 128, 64, 4, 6, split_programs=True)
+            x[:512], w, tile=mp.MatmulTile(64, 128, 64, 4, 6, split_programs=True)
         ),
-        "matmul M=512 tma": lambda: mm.matmul(x[:512], w, tile=mm.MatmulTile(128, 128, 64, 8, 3, tma=True)),
+        "matmul M=512 tma": lambda: mm.matmul(x[:512], w, tile=mp.MatmulTile(128, 128, 64, 8, 3, tma=True)),
         "silu_mul": lambda: silu_mul(g),
         "torch.empty": lambda: torch.empty((512, n), device="cuda", dtype=torch.bfloat16),
     }

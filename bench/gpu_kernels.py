@@ -9,11 +9,11 @@
 3. Per reduction order, the fastest proven tile at each timed M makes a plan (tiles by M range); the order whose
    plan has the smallest worst ratio over M = 1..512 wins. The winning plan is then run as `matmul` runs it,
    checked bitwise again over M = 1..512 and timed at M between the timed points, and printed as Python for
-   `matmul.TUNED`.
+   `matmul_plans.TUNED`.
 4. cuBLAS's own invariance at the same shapes, for the record.
 
 Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--budget-s=SECONDS] [--write-tuned]. Prints a short
-table last; `--write-tuned` also rewrites `matmul.TUNED` with the winning plans of the shapes swept.
+table last; `--write-tuned` also rewrites `matmul_plans.TUNED` with the winning plans of the shapes swept.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from pinned_backend.kernels.triton.matmul import MatmulPlan, MatmulTile, matmul
+from pinned_backend.kernels.triton.matmul import matmul
+from pinned_backend.kernels.triton.matmul_plans import MatmulPlan, MatmulTile
 
 SHAPES = {
     "down": (2048, 6144),
@@ -234,10 +235,10 @@ def plan_from(rows: list[dict[str, Any]], split: int) -> tuple[MatmulPlan, dict[
 
 
 def plan_expression(plan: MatmulPlan) -> str:
-    """`plan` as the Python that `matmul.TUNED` holds."""
+    """`plan` as the Python that `matmul_plans.TUNED` holds."""
     tiles = []
     for max_m, t in plan.tiles:
-        bound = "_LARGE_M" if max_m == LARGE_M else str(max_m)
+        bound = "LARGE_M" if max_m == LARGE_M else str(max_m)
         flags = ("split_programs", "tma", "swap", "stream")
         extra = "".join(f", {flag}=True" for flag in flags if getattr(t, flag))
         extra += f", tail={t.tail}" if t.tail else ""
@@ -375,16 +376,16 @@ def provable(result: dict[str, Any]) -> bool:
 
 
 def write_tuned(plans: dict[tuple[int, int], str]) -> None:
-    """Replace the entries of `matmul.TUNED` for the swept shapes with their new plans; other entries stay."""
-    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
-    path = Path(matmul_module.__file__)
+    """Replace the entries of `matmul_plans.TUNED` for the swept shapes with their new plans; other entries stay."""
+    plans_module = importlib.import_module("pinned_backend.kernels.triton.matmul_plans")
+    path = Path(plans_module.__file__)
     source = path.read_text()
     head = "TUNED: dict[tuple[int, int], MatmulPlan] = {\n"
     start = source.index(head) + len(head)
     end = source.index("\n}\n", start)
     kept = [
         f"    {shape}: {plan_expression(plan)},"
-        for shape, plan in matmul_module.TUNED.items()
+        for shape, plan in plans_module.TUNED.items()
         if shape not in plans
     ]
     body = "\n".join([*kept, *plans.values()])

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU reports come from, in one run on one machine: the GPU tests, the matmul sweep and the price
 # of reproducibility. Usage: bench/gpu_run.sh OUT_DIR [STAGE...], stages: tests sweep tune speed divergence
-# (default: tests sweep speed divergence). `tune` is `sweep` that also rewrites matmul.TUNED in this copy of the
-# tree (and leaves the new matmul.py in OUT_DIR), so that the stages after it run the new plans. Each stage writes
-# its JSON and log under OUT_DIR; a failing stage does not stop the others.
+# (default: tests sweep speed divergence). `tune` is `sweep` that also rewrites matmul_plans.TUNED in this copy of
+# the tree (and leaves the new matmul_plans.py in OUT_DIR), so that the stages after it run the new plans. Each
+# stage writes its JSON and log under OUT_DIR; a failing stage does not stop the others.
 set -u
 out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [speed] [divergence]}
 shift
@@ -25,7 +25,7 @@ for stage in $stages; do
         python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-240}" --write-tuned \
             >"$out/kernels.log" 2>&1
         status=$?
-        cp pinned_backend/kernels/triton/matmul.py "$out/matmul.py"
+        cp pinned_backend/kernels/triton/matmul_plans.py "$out/matmul_plans.py"
         (exit $status)
         ;;
     speed) python3 bench/gpu_price.py "$out/price.json" --parts speed >"$out/price.log" 2>&1 ;;

@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-from pinned_backend.kernels.triton.matmul import MatmulPlan, MatmulTile, matmul
+from pinned_backend.kernels.triton.matmul import matmul
+from pinned_backend.kernels.triton.matmul_plans import MatmulPlan, MatmulTile
 
 ONE_PROGRAM_PER_TILE = MatmulTile(64, 64, 32, 4, 2)
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from pinned_backend.kernels.triton.matmul import MatmulPlan, MatmulTile, matmul_plan, rule_plan
 from pinned_backend.kernels.triton.matmul import matmul as matmul_with_plan
+from pinned_backend.kernels.triton.matmul_plans import MatmulPlan, MatmulTile, matmul_plan, rule_plan
 
 QWEN3_1_7B_WEIGHTS = [(4096, 2048), (12288, 2048), (2048, 2048), (2048, 6144), (151936, 2048)]
 

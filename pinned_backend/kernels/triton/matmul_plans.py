@@ -1,0 +1,254 @@
+"""What decides the GPU matmul's bits and what decides only its speed: reduction orders, tiles and plans.
+
+Two things are kept apart here, because only one of them decides a result's bits:
+- The reduction order, `MatmulPlan.split_k`, a function of the weight's shape (N, K) alone. K is cut into `split_k`
+  equal slices; each slice is reduced from zero by one chain of tensor-core steps of 16 elements of K, in K order,
+  and the slices' fp32 sums are added in slice order 0, 1, 2, ... (the first slice's sum taken as it is).
+- The tiling, `MatmulTile`, which may follow M: the tile's rows and columns, how much of K one loop step loads,
+  the warps and the pipeline depth, and whether a slice runs in its own program (fp32 partials, added in slice
+  order by the last of the tile's programs to finish) or after the previous slice inside one program, and whether
+  operands arrive through plain loads or the tensor-memory engine (TMA, which pays from a few hundred rows on).
+  None of these changes the chain a row goes through: every tile issues the same Hopper `wgmma` steps of K = 16
+  for the same operand values, a K step of 64 is four of them and of 128 eight, and slices meet in the same order
+  either way. So small M gets narrow tiles (enough programs to keep weight bytes in flight) and large M wide ones,
+  with one set of bits for every M.
+
+That equivalence is a claim about the hardware and the compiler, so it is proven rather than assumed: on the GPU,
+every tile of a plan is checked bit-identical to every other at every M = 1..512 and at shifted row windows
+(`tests/test_kernels_triton.py`, `bench/gpu_kernels.py`). Tiles are kept to `wgmma`'s shapes (64, 128 or 256 rows,
+4 or 8 warps), so no tile falls back to the older `mma` instruction, whose internal sums could differ. A swapped
+tile computes out.T = w @ x.T, the weight's rows in that role; the sweep proved that the tensor cores' sum of a
+16-wide step does not depend on which operand is which. All of this was proven on Hopper (an H200) only: an older
+GPU runs every tile on `mma`, where tiles may follow M only once a sweep there has proven them.
+
+`TUNED` holds the plans measured best for the weights of the models we serve; other shapes get `rule_plan`.
+The kernels that run the tiles are in matmul.py. This module knows nothing of models, of scheduling, or of Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+# The tensor cores' K step for 16-bit operands; the reduction chain is made of these whatever the tile.
+INSTRUCTION_K = 16
+_WGMMA_ROWS = (64, 128, 256)
+_WGMMA_WARPS = (4, 8)
+_SWAP_MIN_COLS = 16
+# Without a split, fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
+_TARGET_PROGRAMS = 128
+
+
+@dataclass(frozen=True)
+class MatmulTile:
+    """How one launch cuts the work. Free to follow M: it never changes a row's reduction order."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    # A slice of K per program (fp32 partials, added in slice order by the tile's last program to finish) rather than
+    # all slices in one program.
+    split_programs: bool = False
+    # Operands copied by the tensor-memory engine (TMA) rather than by per-thread loads.
+    tma: bool = False
+    # The weight's rows as the tensor cores' rows and x's rows as their columns (out.T = w @ x.T): the columns of a
+    # wgmma step come in multiples of 8, so a tile may then hold 16 or 32 of x's rows, not 64 or more.
+    swap: bool = False
+    # Swapped tiles only: a second block of this many of x's rows after the main one, against the same weight tile.
+    tail: int = 0
+    # One program per multiprocessor, each taking an equal run of the (tile, slice, K step) units, a chain cut
+    # between two programs carrying its fp32 accumulator from one to the next (`_matmul_stream_kernel`).
+    stream: bool = False
+
+    def check(self) -> None:
+        rows, cols = (self.block_n, self.block_m) if self.swap else (self.block_m, self.block_n)
+        if rows not in _WGMMA_ROWS or self.num_warps not in _WGMMA_WARPS:
+            raise ValueError(f"{self}: tiles must have 64, 128 or 256 rows and 4 or 8 warps (wgmma shapes)")
+        if self.swap and (cols < _SWAP_MIN_COLS or self.tma):
+            raise ValueError(
+                f"{self}: a swapped tile takes {_SWAP_MIN_COLS} or more of x's rows, and plain loads"
+            )
+        if self.tail and (not self.swap or self.tail < _SWAP_MIN_COLS or self.tail & (self.tail - 1)):
+            raise ValueError(
+                f"{self}: a tail is for swapped tiles, a power of two of {_SWAP_MIN_COLS} rows or more"
+            )
+        if self.block_k % INSTRUCTION_K:
+            raise ValueError(f"{self}: the K step must be a multiple of {INSTRUCTION_K}")
+        if self.stream and (self.swap or self.tma or self.split_programs):
+            raise ValueError(f"{self}: a streamed tile is a plain one, its programs already cut K")
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """Everything that decides a weight's matmul: one reduction order, and the tile used up to each M."""
+
+    split_k: int
+    # (largest M, tile), ascending in M; the last tile serves every larger M too.
+    tiles: tuple[tuple[int, MatmulTile], ...]
+
+    def tile_for(self, m: int) -> MatmulTile:
+        for max_m, tile in self.tiles:
+            if m <= max_m:
+                return tile
+        return self.tiles[-1][1]
+
+    def check(self, k: int) -> None:
+        """Raise unless every tile reduces K in this plan's one order. A ragged end of K (zero-padded loads) is
+        allowed only to a plan of one tile and one slice: padding steps of different tiles would differ."""
+        for _, tile in self.tiles:
+            tile.check()
+        ragged = any(k % (self.split_k * tile.block_k) for _, tile in self.tiles)
+        if ragged and (self.split_k > 1 or len(self.tiles) > 1 or self.tiles[0][1].stream):
+            raise ValueError(f"{self}: every K step must divide each of the {self.split_k} slices of K = {k}")
+
+
+def _tile(
+    bm: int,
+    bn: int,
+    bk: int,
+    warps: int,
+    stages: int,
+    split_programs: bool = False,
+    tma: bool = False,
+    swap: bool = False,
+    tail: int = 0,
+    stream: bool = False,
+) -> MatmulTile:
+    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma, swap, tail, stream)
+
+
+LARGE_M = 1 << 62
+
+# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, run 38):
+# for each reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio
+# to cuBLAS is smallest. Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
+# (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches a served
+# step, though it makes an eager step of one prompt wait on the host. The down projection keeps at least two
+# slices of K: with K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode
+# (0.93-0.97 of default) than it won prefill (bench/results/h200.md).
+TUNED: dict[tuple[int, int], MatmulPlan] = {
+    (2048, 6144): MatmulPlan(
+        2,
+        (
+            (32, _tile(16, 64, 128, 4, 6, split_programs=True, swap=True)),
+            (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
+            (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
+            (256, _tile(64, 128, 64, 4, 6, split_programs=True)),
+            (512, _tile(64, 128, 64, 4, 6, tma=True)),
+            (2048, _tile(128, 128, 64, 8, 5, tma=True)),
+            (LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)),
+        ),
+    ),  # down
+    (2048, 2048): MatmulPlan(
+        1,
+        (
+            (64, _tile(16, 64, 128, 4, 6, swap=True)),
+            (128, _tile(32, 64, 128, 4, 6, swap=True)),
+            (256, _tile(64, 64, 128, 4, 4)),
+            (512, _tile(64, 128, 64, 4, 6, tma=True)),
+            (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+        ),
+    ),  # o_proj
+    (4096, 2048): MatmulPlan(
+        1,
+        (
+            (32, _tile(16, 64, 128, 4, 6, swap=True)),
+            (64, _tile(32, 64, 128, 4, 6, swap=True)),
+            (128, _tile(64, 64, 128, 4, 4)),
+            (176, _tile(64, 128, 64, 4, 6)),
+            (192, _tile(64, 128, 64, 4, 6, tma=True)),
+            (224, _tile(64, 128, 64, 4, 6)),
+            (256, _tile(64, 128, 64, 4, 6, tma=True)),
+            (320, _tile(64, 256, 64, 4, 4)),
+            (384, _tile(128, 128, 64, 8, 5, tma=True)),
+            (448, _tile(64, 256, 64, 4, 4)),
+            (512, _tile(128, 128, 64, 8, 5, tma=True)),
+            (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+        ),
+    ),  # qkv
+    (12288, 2048): MatmulPlan(
+        1,
+        (
+            (1, _tile(16, 64, 128, 4, 6, swap=True)),
+            (8, _tile(16, 128, 128, 4, 4, swap=True)),
+            (16, _tile(64, 64, 64, 4, 6)),
+            (32, _tile(64, 128, 64, 4, 6, swap=True)),
+            (64, _tile(64, 128, 64, 4, 6, tma=True)),
+            (128, _tile(128, 128, 64, 8, 5)),
+            (160, _tile(128, 64, 64, 4, 3, swap=True, tail=32)),
+            (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
+            (224, _tile(128, 128, 64, 8, 3, swap=True)),
+            (256, _tile(128, 128, 64, 8, 3)),
+            (272, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (320, _tile(64, 256, 64, 4, 4)),
+            (384, _tile(128, 128, 64, 8, 5, tma=True)),
+            (448, _tile(64, 256, 64, 4, 4)),
+            (512, _tile(128, 128, 64, 8, 5, tma=True)),
+            (2048, _tile(128, 128, 64, 8, 3)),
+            (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+        ),
+    ),  # gate_up
+    (151936, 2048): MatmulPlan(
+        1,
+        (
+            (1, _tile(16, 64, 128, 4, 6, swap=True)),
+            (16, _tile(16, 128, 128, 4, 4, swap=True)),
+            (32, _tile(32, 64, 128, 4, 6, swap=True)),
+            (64, _tile(64, 64, 64, 4, 6)),
+            (96, _tile(128, 128, 64, 8, 3, swap=True)),
+            (128, _tile(128, 128, 64, 8, 5, tma=True)),
+            (144, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (160, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
+            (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
+            (224, _tile(128, 128, 64, 8, 3, swap=True)),
+            (256, _tile(128, 128, 64, 8, 3, tma=True)),
+            (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
+            (384, _tile(128, 128, 64, 8, 3, tma=True)),
+            (416, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (448, _tile(64, 256, 64, 4, 4)),
+            (512, _tile(128, 128, 64, 8, 3, tma=True)),
+            (LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
+        ),
+    ),  # lm_head
+}
+
+
+def rule_plan(n: int, k: int) -> MatmulPlan:
+    """A plan for any (N, K): no split of K, narrow tiles while M is small so that N alone
+    gives the chip enough programs, wide tiles once M is large enough to be bound by arithmetic."""
+    block_k = 64 if k % 64 == 0 else INSTRUCTION_K if k % INSTRUCTION_K == 0 else 0
+    if block_k == 0:
+        return MatmulPlan(1, ((LARGE_M, _tile(64, 64, 64, 4, 4)),))
+    narrow = 128
+    while narrow > 16 and -(-n // narrow) < _TARGET_PROGRAMS:
+        narrow //= 2
+    return MatmulPlan(
+        1,
+        (
+            (64, _tile(64, narrow, block_k, 4, 4)),
+            (256, _tile(64, 128, block_k, 4, 4)),
+            (LARGE_M, _tile(128, 128, block_k, 8, 3)),
+        ),
+    )
+
+
+# Compute capabilities on which `bench/gpu_kernels.py` proved that tiles may follow M: Hopper (H100, H200).
+PROVEN_CAPABILITIES = frozenset({(9, 0)})
+
+
+@functools.cache
+def matmul_plan(n: int, k: int, capability: tuple[int, int]) -> MatmulPlan:
+    """The one plan used for a weight of shape (N, K) on a GPU of `capability`, whatever the number of rows.
+
+    Where no sweep has proven that tiles give the same bits (another instruction set may sum a step otherwise), the
+    plan is one plain tile for every M: invariant by construction, slower at decode sizes."""
+    plan = TUNED.get((n, k)) or rule_plan(n, k)
+    last = plan.tiles[-1][1]
+    if capability not in PROVEN_CAPABILITIES and (len(plan.tiles) > 1 or last.tma or last.swap):
+        block_k = last.block_k
+        plan = MatmulPlan(plan.split_k, ((LARGE_M, _tile(128, 128, block_k, 8, 2)),))
+    plan.check(k)
+    return plan
