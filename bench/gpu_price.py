@@ -8,13 +8,14 @@ numbers are about speed and bit-reproducibility, never about answer quality. The
 - `batch_invariant`: `TritonKernels`, every reduction in a fixed order per row.
 - `default`: the same, except that matmuls go to cuBLAS (`F.linear`), the op whose reduction order follows the
   batch. RMSNorm, the fused elementwise kernels, log-softmax and attention stay the Triton kernels in both modes,
-  so the ratio prices the matmul alone; the project's CPU-friendly `TorchKernels` attention loops over sequences on the host and would
-  make `default` look slower than it is on a GPU.
+  so the ratio prices the matmul alone; the project's CPU-friendly `TorchKernels` attention loops over sequences
+  on the host and would make `default` look slower than it is on a GPU.
 
 Measured: matmul TFLOP/s against cuBLAS at the model's shapes for M = 1..512; decode throughput (CUDA graph per
-step) and prefill throughput (one CUDA graph per step, and eager) at batch 1, 8, 32, 128; decode step time against the bandwidth floor (weight bytes
-over the measured copy bandwidth); and the divergence experiment: one prompt sent 1000 times at temperature 0
-through the engine amid random concurrent requests, in each mode. Usage: python bench/gpu_price.py OUT.json [--parts speed,divergence]
+step) and prefill throughput (one CUDA graph per step, and eager) at batch 1, 8, 32, 128; decode step time against
+the bandwidth floor (weight bytes over the measured copy bandwidth); and the divergence experiment: one prompt
+sent 1000 times at temperature 0 through the engine amid random concurrent requests, in each mode.
+Usage: python bench/gpu_price.py OUT.json [--parts speed,divergence]
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pinned_backend.kvcache import block_table
 from pinned_backend.sampling import SamplingParams, sample_token, top_logprobs_rows
 from pinned_backend.step_graphs import StepGraphs
 from pinned_backend.textstream import StopTextStream
@@ -368,9 +369,7 @@ class Engine:
         blocks: list[list[int]],
         logits_rows: list[int],
     ) -> torch.Tensor:
-        tables = torch.zeros((len(blocks), max(len(owned) for owned in blocks)), dtype=torch.int32)
-        for row, owned in enumerate(blocks):
-            tables[row, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        tables = block_table(blocks, len(blocks), max(len(owned) for owned in blocks))
         dev = self.device
         return self.model.forward(
             torch.tensor(token_ids, dtype=torch.int64, device=dev),

@@ -9,6 +9,8 @@ The model writes each step's keys and values into the cache before attention rea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from pinned_backend.checkpoint import ModelConfig
@@ -54,6 +56,14 @@ class PagedKVCache:
         # slots [T] int64 = block * block_size + offset; keys, values [T, n_kv_heads, head_dim]
         self.k[layer].view(-1, *keys.shape[1:])[slots] = keys.to(self.dtype)
         self.v[layer].view(-1, *values.shape[1:])[slots] = values.to(self.dtype)
+
+
+def block_table(blocks: Sequence[Sequence[int]], rows: int, width: int) -> torch.Tensor:
+    """The block table of a step on the host, int32 [rows, width]: row i lists `blocks[i]`; the rest is zeros."""
+    table = torch.zeros((rows, width), dtype=torch.int32)
+    for row, owned in enumerate(blocks):
+        table[row, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
+    return table
 
 
 class BlockAllocator:

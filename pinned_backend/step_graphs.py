@@ -34,6 +34,8 @@ from typing import Any, Literal
 
 import torch
 
+from pinned_backend.kvcache import block_table
+
 # Sequence counts captured, up to the engine's largest batch (which is always captured too).
 SEQUENCE_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MIN_TABLE_WIDTH = 16
@@ -118,13 +120,13 @@ class StepGraphs:
             padded_tokens = padded_sequences
         else:
             padded_tokens = _next_size(self.token_sizes, tokens, "tokens")
-        width = MIN_TABLE_WIDTH
-        while width < blocks:
-            width *= 2
         if blocks > self.table_width:
             raise ValueError(
                 f"a sequence of {blocks} cache blocks; this engine's tables hold {self.table_width}"
             )
+        width = MIN_TABLE_WIDTH
+        while width < blocks:
+            width *= 2
         return StepShape(padded_tokens, padded_sequences, min(width, self.table_width))
 
     def forward(
@@ -174,9 +176,7 @@ class StepGraphs:
         # Built on the host, then copied in once each.
         n = len(token_ids)
         padding_seq = shape.sequences
-        table = torch.zeros((shape.sequences + 1, shape.width), dtype=torch.int32)
-        for i, owned in enumerate(blocks):
-            table[i, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        table = block_table(blocks, shape.sequences + 1, shape.width)
         table[padding_seq, 0] = self.scratch_block
         tokens = torch.zeros(shape.tokens, dtype=torch.int64)
         tokens[:n] = torch.tensor(token_ids, dtype=torch.int64)

@@ -1,9 +1,9 @@
 """The `default` kernel mode on the CPU: plain PyTorch ops, as fast as the library makes them, not batch invariant.
 
-This is what an ordinary server runs (on CUDA, `default` is cuBLAS over the Triton kernels: `kernels.triton`). The reduction order of each op is whatever PyTorch picks for the shapes
-of the step, so a row's result may change with the batch around it; the `batch_invariant` modes exist to fix
-that. The fused families are the torch ops they fuse (`kernels.composed`). It knows nothing of the model beyond
-the shapes in `pinned_backend.kernels`."""
+This is what an ordinary server runs (on CUDA, `default` is cuBLAS over the Triton kernels: `kernels.triton`).
+The reduction order of each op is whatever PyTorch picks for the shapes of the step, so a row's result may change
+with the batch around it; the `batch_invariant` modes exist to fix that. The fused families are the torch ops they
+fuse (`kernels.composed`). It knows nothing of the model beyond the shapes in `pinned_backend.kernels`."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 `TritonKernels` implements the `Kernels` protocol of the parent package. Every launch configuration is fixed by
 dtype and weight shape (and, for attention, by `kv_split_size`), never by the step's batch, so every output row's
 bits are a function of that row's inputs alone. `CublasKernels` is the `default` mode on CUDA: the same kernels
-with cuBLAS matmuls, the one op whose reduction order then follows the batch. Importable without Triton or CUDA (see `_compat`); using it needs
-both. What runs where, and how the choice is made, is the parent package's business.
+with cuBLAS matmuls, the one op whose reduction order then follows the batch. Importable without Triton or CUDA
+(see `_compat`); using it needs both. What runs where, and how the choice is made, is the parent package's business.
 """
 
 from __future__ import annotations

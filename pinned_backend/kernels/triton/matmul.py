@@ -209,6 +209,7 @@ def _matmul_stream_kernel(
     leaves = (hi - last_lo < steps) & (last_lo >= carried_hi)
     lead_lo = tl.where(leaves, last_lo, hi)  # [lead_lo, hi): the chain left to the program after
     lead = hi - lead_lo
+    has_lead = (lead > 0).to(tl.int32)
     rows = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     carry_offsets = rows[:, None] * BLOCK_N + cols[None, :]
@@ -219,8 +220,8 @@ def _matmul_stream_kernel(
     # a chain only the tensor cores write it, so that their steps overlap.
     chains = tl.cdiv(hi - carried_hi, steps)
     for r in range(0, chains):
-        leaving = (r == 0) & (lead > 0)
-        chain = tl.where(leaving, lead_lo, carried_hi + (r - (lead > 0).to(tl.int32)) * steps) // steps
+        leaving = (r == 0) & (has_lead == 1)
+        chain = tl.where(leaving, lead_lo, carried_hi + (r - has_lead) * steps) // steps
         offs_m, offs_n, x_ptrs, w_ptrs = _chain_at(
             chain,
             0,
@@ -243,7 +244,9 @@ def _matmul_stream_kernel(
             tl.debug_barrier()
             tl.atomic_xchg(flags_ptr + pid, 1, sem="release", scope="gpu")
         else:
-            _finish_chain(acc, out_ptr, part_ptr, arrivals_ptr, chain, offs_m, offs_n, M, N, stride_om, stride_os, SLICES)  # fmt: skip
+            _finish_chain(
+                acc, out_ptr, part_ptr, arrivals_ptr, chain, offs_m, offs_n, M, N, stride_om, stride_os, SLICES
+            )  # fmt: skip
 
     if carried_hi > lo:
         chain = lo // steps
@@ -257,7 +260,9 @@ def _matmul_stream_kernel(
         carried = tl.load(carry_ptr + (pid - 1) * BLOCK_M * BLOCK_N + carry_offsets, cache_modifier=".cg")
         tl.atomic_xchg(flags_ptr + pid - 1, 0, sem="relaxed", scope="gpu")
         carried = _k_steps(carried, x_ptrs, w_ptrs, (offs_m < M)[:, None], carried_hi - lo, BLOCK_K)
-        _finish_chain(carried, out_ptr, part_ptr, arrivals_ptr, chain, offs_m, offs_n, M, N, stride_om, stride_os, SLICES)  # fmt: skip
+        _finish_chain(
+            carried, out_ptr, part_ptr, arrivals_ptr, chain, offs_m, offs_n, M, N, stride_om, stride_os, SLICES
+        )  # fmt: skip
 
 
 @triton.jit
