@@ -35,7 +35,7 @@ def main() -> int:
         "a slice per program": dataclasses.replace(ONE_PROGRAM_PER_TILE, split_programs=True),
     }
     # Program counts and sizes that cut chains between programs at many places, with one and two slices of K.
-    for programs, split, m in itertools.product([4, 7], [1, 2], [1, 65, 130, 257]):
+    for programs, split, m in itertools.product([4, 7, 12], [1, 2], [1, 65, 130, 257]):
         matmul_module._multiprocessors = lambda device, n=programs: n
         plan = MatmulPlan(split, ((1 << 62, ONE_PROGRAM_PER_TILE),))
         expected = matmul(x[:m], w, plan, ONE_PROGRAM_PER_TILE)

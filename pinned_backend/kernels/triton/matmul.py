@@ -4,8 +4,8 @@ The kernels that run a plan's tiles (matmul_plans.py says what decides a result'
 - `_matmul_kernel`: one program per tile, or per tile and slice of K, whose fp32 partials the tile's last program
   to finish adds in slice order; plain loads or the tensor-memory engine; the weight's rows as the tensor cores'
   rows or x's (swapped, with an optional tail block of x's rows).
-- `_matmul_stream_kernel`: one program per multiprocessor, each an equal run of K steps, a chain cut between two
-  programs carrying its fp32 accumulator from one to the next.
+- `_matmul_stream_kernel`: one program per multiprocessor, each an equal run of one row tile's K steps, a chain cut
+  between two programs carrying its fp32 accumulator from one to the next.
 `matmul` takes the plan for the weight's shape on the device's compute capability and the tile for M, and launches
 it. This module knows nothing of models or of scheduling.
 """
@@ -184,26 +184,30 @@ def _matmul_stream_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Every (tile, slice of K) is a chain of K steps, and the chains, laid end to end, are cut into runs of UNITS
-    # steps, one run per program: each multiprocessor gets the same work, however many tiles M leaves for a last
-    # round. A chain cut between two programs passes its fp32 accumulator on, an exact value, so it goes through
-    # the very steps, in the very order, that one program would take it through. A run is never shorter than a
-    # chain (the launcher sees to it), so a program continues at most one chain from the program before, and leaves
-    # at most one to the program after. It starts that one first and leaves its accumulator in its carry slot;
-    # it continues the other one last, so it seldom waits.
+    # Every (tile, slice of K) is a chain of K steps. A row tile's chains, laid end to end over the weight's
+    # column tiles, are cut into runs of UNITS steps, one run per program: each multiprocessor gets the same work,
+    # however many tiles M leaves for a last round. Programs come in groups, one per row tile, and the programs of
+    # a group take the same run of every row tile, so that they read each weight tile at about the same time and
+    # all but the first find it in L2. (In run 43 a weight tile's row tiles came one after another in one run,
+    # to be read at different times; streamed tiles ran as fast as plain ones where a weight tile has one row
+    # tile, and up to 1.8x slower where it has several.) A chain cut between two programs passes its fp32
+    # accumulator on, an exact value, so it goes through the very steps, in the very order, that one program would
+    # take it through. A run is never shorter than a chain (the launcher sees to it), so a program continues at
+    # most one chain from the program before it on its row tile, and leaves at most one to the program after. It
+    # starts that one first and leaves its accumulator in its carry slot; it continues the other one last, so it
+    # seldom waits.
     #
     # A first version, which chose between a zero and a carried accumulator inside its loop over chains, gave one
     # program's bits on an H200 but ran 1.5 to 2 times slower than the plain tiles (runs 41 and 42 in
     # bench/results/h200.md): ptxas serialized its tensor-core steps (warning C7515). Here only zeros start a chain
     # inside that loop, and the carried chain has a loop of its own, so ptxas keeps the steps overlapped as in the
-    # plain kernel. This version has been checked by Triton's interpreter and by ptxas, not yet on a GPU; no plan
-    # takes it until a sweep has proven and timed it.
+    # plain kernel.
     pid = tl.program_id(0)
     steps = K_PER_SPLIT // BLOCK_K
     m_tiles = tl.cdiv(M, BLOCK_M)
-    units = m_tiles * tl.cdiv(N, BLOCK_N) * SLICES * steps
-    lo = pid * UNITS
-    hi = tl.minimum(lo + UNITS, units)
+    row_tile = pid % m_tiles
+    lo = pid // m_tiles * UNITS
+    hi = tl.minimum(lo + UNITS, tl.cdiv(N, BLOCK_N) * SLICES * steps)
     carried_hi = tl.cdiv(lo, steps) * steps  # [lo, carried_hi): the chain continued from the program before
     last_lo = (hi - 1) // steps * steps
     leaves = (hi - last_lo < steps) & (last_lo >= carried_hi)
@@ -223,20 +227,8 @@ def _matmul_stream_kernel(
         leaving = (r == 0) & (has_lead == 1)
         chain = tl.where(leaving, lead_lo, carried_hi + (r - has_lead) * steps) // steps
         offs_m, offs_n, x_ptrs, w_ptrs = _chain_at(
-            chain,
-            0,
-            x_ptr,
-            w_ptr,
-            N,
-            K_PER_SPLIT,
-            stride_xm,
-            stride_wn,
-            m_tiles,
-            SLICES,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
+            chain, 0, row_tile, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn, SLICES, BLOCK_M, BLOCK_N, BLOCK_K
+        )  # fmt: skip
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = _k_steps(acc, x_ptrs, w_ptrs, (offs_m < M)[:, None], tl.where(leaving, lead, steps), BLOCK_K)
         if leaving:
@@ -245,36 +237,38 @@ def _matmul_stream_kernel(
             tl.atomic_xchg(flags_ptr + pid, 1, sem="release", scope="gpu")
         else:
             _finish_chain(
-                acc, out_ptr, part_ptr, arrivals_ptr, chain, offs_m, offs_n, M, N, stride_om, stride_os, SLICES
+                acc, out_ptr, part_ptr, arrivals_ptr, chain, row_tile, m_tiles, offs_m, offs_n, M, N, stride_om,
+                stride_os, SLICES,
             )  # fmt: skip
 
     if carried_hi > lo:
         chain = lo // steps
         offs_m, offs_n, x_ptrs, w_ptrs = _chain_at(
-            chain, lo - chain * steps, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn, m_tiles, SLICES,
+            chain, lo - chain * steps, row_tile, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn, SLICES,
             BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
-        ready = tl.atomic_add(flags_ptr + pid - 1, 0, sem="acquire", scope="gpu")
+        before = pid - m_tiles  # the program before, on the same row tile
+        ready = tl.atomic_add(flags_ptr + before, 0, sem="acquire", scope="gpu")
         while ready == 0:
-            ready = tl.atomic_add(flags_ptr + pid - 1, 0, sem="acquire", scope="gpu")
-        carried = tl.load(carry_ptr + (pid - 1) * BLOCK_M * BLOCK_N + carry_offsets, cache_modifier=".cg")
-        tl.atomic_xchg(flags_ptr + pid - 1, 0, sem="relaxed", scope="gpu")
+            ready = tl.atomic_add(flags_ptr + before, 0, sem="acquire", scope="gpu")
+        carried = tl.load(carry_ptr + before * BLOCK_M * BLOCK_N + carry_offsets, cache_modifier=".cg")
+        tl.atomic_xchg(flags_ptr + before, 0, sem="relaxed", scope="gpu")
         carried = _k_steps(carried, x_ptrs, w_ptrs, (offs_m < M)[:, None], carried_hi - lo, BLOCK_K)
         _finish_chain(
-            carried, out_ptr, part_ptr, arrivals_ptr, chain, offs_m, offs_n, M, N, stride_om, stride_os, SLICES
+            carried, out_ptr, part_ptr, arrivals_ptr, chain, row_tile, m_tiles, offs_m, offs_n, M, N, stride_om,
+            stride_os, SLICES,
         )  # fmt: skip
 
 
 @triton.jit
 def _chain_at(
-    chain, step, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn, m_tiles,
+    chain, step, row_tile, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn,
     SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """A chain's rows, columns and first operand addresses, `step` K steps in. A tile's chains are its slices of
-    K, and a tile's row tiles come one after another, sharing a weight tile."""
-    tile = chain // SLICES
-    offs_m = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tile // m_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """A chain's rows, columns and first operand addresses, `step` K steps in. A row tile's chains are its
+    column tiles' slices of K, a column tile's slices one after another."""
+    offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (chain // SLICES) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_at = (chain % SLICES) * K_PER_SPLIT + step * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_at[None, :]
     w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + k_at[None, :]
@@ -299,6 +293,8 @@ def _finish_chain(
     part_ptr,
     arrivals_ptr,
     chain,
+    row_tile,
+    m_tiles,
     offs_m,
     offs_n,
     M,
@@ -311,7 +307,7 @@ def _finish_chain(
         _store_tile(out_ptr, acc, offs_m, offs_n, M, N, stride_om, False)
     else:
         # As slices in programs of their own meet (above): the tile's last slice to finish adds them in order.
-        tile = chain // SLICES
+        tile = chain // SLICES * m_tiles + row_tile
         _store_tile(part_ptr + (chain % SLICES) * stride_os, acc, offs_m, offs_n, M, N, stride_om, False)
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -445,11 +441,14 @@ _STREAM_LAUNCH = ReusedLaunch(_matmul_stream_kernel)
 def _launch_stream(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: int, tile: MatmulTile) -> None:
     (m, k), n, device = x.shape, w.shape[0], x.device
     steps = k // split // tile.block_k
-    tiles = -(-m // tile.block_m) * -(-n // tile.block_n)
-    units = tiles * split * steps
-    # Never a run shorter than a chain: chains cut finer would wait on each other and add no parallel work.
-    run = max(-(-units // _multiprocessors(device)), steps)
-    programs = -(-units // run)
+    row_tiles, column_tiles = -(-m // tile.block_m), -(-n // tile.block_n)
+    units = column_tiles * split * steps  # of one row tile
+    # One group of programs per row tile's run, as many groups as fit on the multiprocessors at once, since a
+    # program may wait on the one before it. Never a run shorter than a chain: chains cut finer would wait on each
+    # other and add no parallel work.
+    run = max(-(-units // max(1, _multiprocessors(device) // row_tiles)), steps)
+    programs = -(-units // run) * row_tiles
+    tiles = row_tiles * column_tiles
     partials = out if split == 1 else torch.empty((split, m, n), device=device, dtype=torch.float32)
     # Each slice's arrival per tile, then each program's carry flag: all zero between launches.
     counters = _arrival_counters(device, tiles + programs)
