@@ -106,6 +106,16 @@ WIDE_SWAP_TILES = [
     (256, 64, 64, 8, 3, 0),
     (256, 64, 64, 8, 3, 32),
     (256, 64, 64, 8, 3, 64),
+    # 256 rows against 128 weight rows: the weight read once, at the most arithmetic per byte loaded that fits.
+    (256, 128, 64, 8, 3, 0),
+    (256, 128, 64, 8, 3, 16),
+    (256, 128, 64, 8, 3, 32),
+    # 64 + 16 or 32 rows: M = 257..384 in four blocks, one round of 128 programs over a 2048-wide weight's 64-row
+    # tiles, where plain 64-row tiles need five blocks and two rounds.
+    (64, 64, 64, 4, 4, 16),
+    (64, 64, 64, 4, 4, 32),
+    (64, 128, 64, 4, 4, 16),
+    (64, 128, 64, 4, 4, 32),
 ]
 # A TMA launch encodes two descriptors on the host (59 to 150 us a call against 36 to 81 for plain loads, runs 32 to
 # 35), which used to keep TMA tiles from M <= 512 unless the product outlasted that. Served steps now replay from
@@ -123,13 +133,15 @@ SPLIT_PROGRAM_TILES = [
     (128, 128, 64, 8, 4),
     (256, 64, 64, 8, 3),
 ]
-# Swapped tiles with a slice per program: two for decode sizes, and the 128-row wide ones with and without a tail.
+# Swapped tiles with a slice per program: two for decode sizes, the 128-row wide ones with and without a tail,
+# and 64 rows and a tail against 128 weight rows (M = 257..384 in 4 x 16 tiles of two slices: one round).
 SWAP_SPLIT_PROGRAM_TILES = [(16, 64, 128, 4, 6, 0), (32, 128, 64, 4, 6, 0), (128, 64, 64, 4, 3, 0)] + [
-    t for t in WIDE_SWAP_TILES if t[:5] == (128, 64, 64, 4, 3)
+    t for t in WIDE_SWAP_TILES if t[:5] in ((128, 64, 64, 4, 3), (64, 128, 64, 4, 4))
 ]
 # Streamed tiles: one program per multiprocessor, each an equal run of (tile, K step) units, for the sizes where a
 # last round of tiles would leave most multiprocessors idle.
 STREAM_TILES = [
+    (64, 64, 128, 4, 4),
     (64, 128, 64, 4, 4),
     (64, 128, 64, 4, 6),
     (128, 128, 64, 8, 3),

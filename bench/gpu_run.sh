@@ -20,9 +20,9 @@ for stage in $stages; do
             tests/test_dependent_launch.py \
             tests/test_backend_cuda.py >"$out/pytest.log" 2>&1
         ;;
-    sweep) python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-240}" >"$out/kernels.log" 2>&1 ;;
+    sweep) python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-300}" >"$out/kernels.log" 2>&1 ;;
     tune)
-        python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-240}" --write-tuned \
+        python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-300}" --write-tuned \
             >"$out/kernels.log" 2>&1
         status=$?
         cp pinned_backend/kernels/triton/matmul_plans.py "$out/matmul_plans.py"

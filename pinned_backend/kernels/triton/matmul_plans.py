@@ -121,7 +121,7 @@ def _tile(
 
 LARGE_M = 1 << 62
 
-# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, run 38):
+# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, run 45):
 # for each reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio
 # to cuBLAS is smallest. Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
 # (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches a served
@@ -136,8 +136,10 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
             (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
             (256, _tile(64, 128, 64, 4, 6, split_programs=True)),
+            (288, _tile(128, 128, 64, 8, 4, split_programs=True)),
+            (384, _tile(64, 128, 64, 4, 6, tma=True)),
+            (416, _tile(128, 128, 64, 8, 4, split_programs=True)),
             (512, _tile(64, 128, 64, 4, 6, tma=True)),
-            (2048, _tile(128, 128, 64, 8, 5, tma=True)),
             (LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)),
         ),
     ),  # down
@@ -154,7 +156,7 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (4096, 2048): MatmulPlan(
         1,
         (
-            (32, _tile(16, 64, 128, 4, 6, swap=True)),
+            (16, _tile(16, 64, 128, 4, 6, swap=True)),
             (64, _tile(32, 64, 128, 4, 6, swap=True)),
             (128, _tile(64, 64, 128, 4, 4)),
             (176, _tile(64, 128, 64, 4, 6)),
@@ -171,44 +173,45 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (12288, 2048): MatmulPlan(
         1,
         (
-            (1, _tile(16, 64, 128, 4, 6, swap=True)),
-            (8, _tile(16, 128, 128, 4, 4, swap=True)),
-            (16, _tile(64, 64, 64, 4, 6)),
+            (1, _tile(64, 128, 64, 4, 6)),
+            (8, _tile(64, 64, 64, 4, 6)),
+            (16, _tile(32, 128, 128, 4, 4, swap=True)),
             (32, _tile(64, 128, 64, 4, 6, swap=True)),
             (64, _tile(64, 128, 64, 4, 6, tma=True)),
-            (128, _tile(128, 128, 64, 8, 5)),
-            (160, _tile(128, 64, 64, 4, 3, swap=True, tail=32)),
-            (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
+            (96, _tile(128, 128, 64, 8, 5)),
+            (128, _tile(128, 128, 64, 8, 5, tma=True)),
+            (144, _tile(64, 128, 64, 4, 4, swap=True, tail=16)),
+            (160, _tile(64, 64, 64, 4, 4, swap=True, tail=16)),
+            (192, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
             (224, _tile(128, 128, 64, 8, 3, swap=True)),
-            (256, _tile(128, 128, 64, 8, 3)),
-            (272, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
-            (320, _tile(64, 256, 64, 4, 4)),
+            (256, _tile(128, 128, 64, 8, 3, tma=True)),
+            (288, _tile(64, 256, 64, 4, 4)),
+            (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
             (384, _tile(128, 128, 64, 8, 5, tma=True)),
             (448, _tile(64, 256, 64, 4, 4)),
+            (480, _tile(128, 128, 64, 8, 5)),
             (512, _tile(128, 128, 64, 8, 5, tma=True)),
-            (2048, _tile(128, 128, 64, 8, 3)),
-            (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
+            (LARGE_M, _tile(256, 128, 64, 8, 3, swap=True)),
         ),
     ),  # gate_up
     (151936, 2048): MatmulPlan(
         1,
         (
-            (1, _tile(16, 64, 128, 4, 6, swap=True)),
             (16, _tile(16, 128, 128, 4, 4, swap=True)),
-            (32, _tile(32, 64, 128, 4, 6, swap=True)),
-            (64, _tile(64, 64, 64, 4, 6)),
-            (96, _tile(128, 128, 64, 8, 3, swap=True)),
-            (128, _tile(128, 128, 64, 8, 5, tma=True)),
+            (32, _tile(32, 128, 128, 4, 4, swap=True)),
+            (64, _tile(64, 128, 64, 4, 6, swap=True)),
+            (96, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
+            (128, _tile(128, 128, 64, 8, 3, tma=True)),
             (144, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (160, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
             (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
-            (224, _tile(128, 128, 64, 8, 3, swap=True)),
+            (224, _tile(256, 128, 64, 8, 3, swap=True)),
             (256, _tile(128, 128, 64, 8, 3, tma=True)),
             (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
             (384, _tile(128, 128, 64, 8, 3, tma=True)),
-            (416, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
-            (448, _tile(64, 256, 64, 4, 4)),
+            (480, _tile(256, 128, 64, 8, 3, swap=True)),
             (512, _tile(128, 128, 64, 8, 3, tma=True)),
             (LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
         ),
