@@ -148,6 +148,13 @@ STREAM_TILES = [
     (128, 128, 64, 8, 4),
     (128, 256, 64, 8, 3),
 ]
+# Streamed tiles loading through the tensor-memory engine, as the TMA tiles that win at M = 257..512 do.
+STREAM_TMA_TILES = [
+    (64, 128, 64, 4, 6),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 5),
+    (128, 256, 64, 8, 3),
+]
 # Tiles timed at the prefill sizes: those wide enough to be arithmetic-bound there.
 PREFILL_TILE_MIN_AREA = 128 * 128
 
@@ -158,6 +165,7 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
     tiles += [MatmulTile(*t, tma=True) for t in TMA_TILES] + [MatmulTile(*t, swap=True) for t in SWAP_TILES]
     tiles += [MatmulTile(*t[:5], swap=True, tail=t[5]) for t in WIDE_SWAP_TILES]
     tiles += [MatmulTile(*t, stream=True) for t in STREAM_TILES]
+    tiles += [MatmulTile(*t, stream=True, tma=True) for t in STREAM_TMA_TILES]
     if split > 1:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
         tiles += [

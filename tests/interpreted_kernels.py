@@ -32,6 +32,7 @@ def main() -> int:
     failures = []
     ways = {
         "streamed": dataclasses.replace(ONE_PROGRAM_PER_TILE, stream=True),
+        "streamed, through the copy engine": dataclasses.replace(ONE_PROGRAM_PER_TILE, stream=True, tma=True),
         "a slice per program": dataclasses.replace(ONE_PROGRAM_PER_TILE, split_programs=True),
     }
     # Program counts and sizes that cut chains between programs at many places, with one and two slices of K.

@@ -86,7 +86,7 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
         (
             MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, swap=True, stream=True)),)),
             2048,
-            "a streamed tile is a plain one",
+            "a streamed tile is not swapped",
         ),
         (
             MatmulPlan(1, ((8, MatmulTile(64, 16, 64, 4, 4)), (1 << 62, MatmulTile(128, 128, 64, 8, 3)))),
@@ -236,7 +236,11 @@ def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_p
     matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
     x = torch.randn(700, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-    for plain in (MatmulTile(128, 128, 64, 8, 4), MatmulTile(64, 128, 64, 4, 6)):
+    for plain in (
+        MatmulTile(128, 128, 64, 8, 4),
+        MatmulTile(64, 128, 64, 4, 6),
+        MatmulTile(128, 128, 64, 8, 5, tma=True),
+    ):
         streamed = dataclasses.replace(plain, stream=True)
         plan = MatmulPlan(split, ((1 << 62, plain),))
         # Sizes that leave a last round of tiles part full, and so cut chains between programs.

@@ -5,7 +5,7 @@ The kernels that run a plan's tiles (matmul_plans.py says what decides a result'
   to finish adds in slice order; plain loads or the tensor-memory engine; the weight's rows as the tensor cores'
   rows or x's (swapped, with an optional tail block of x's rows).
 - `_matmul_stream_kernel`: one program per multiprocessor, each an equal run of one row tile's K steps, a chain cut
-  between two programs carrying its fp32 accumulator from one to the next.
+  between two programs carrying its fp32 accumulator from one to the next; plain loads or the tensor-memory engine.
 `matmul` takes the plan for the weight's shape on the device's compute capability and the tile for M, and launches
 it. This module knows nothing of models or of scheduling.
 """
@@ -165,6 +165,8 @@ def _matmul_kernel(
 def _matmul_stream_kernel(
     x_ptr,
     w_ptr,
+    x_desc,
+    w_desc,
     out_ptr,
     part_ptr,
     carry_ptr,
@@ -182,6 +184,7 @@ def _matmul_stream_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TMA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Every (tile, slice of K) is a chain of K steps. A row tile's chains, laid end to end over the weight's
@@ -226,11 +229,14 @@ def _matmul_stream_kernel(
     for r in range(0, chains):
         leaving = (r == 0) & (has_lead == 1)
         chain = tl.where(leaving, lead_lo, carried_hi + (r - has_lead) * steps) // steps
-        offs_m, offs_n, x_ptrs, w_ptrs = _chain_at(
+        offs_m, offs_n, k_at, x_ptrs, w_ptrs = _chain_at(
             chain, 0, row_tile, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn, SLICES, BLOCK_M, BLOCK_N, BLOCK_K
         )  # fmt: skip
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _k_steps(acc, x_ptrs, w_ptrs, (offs_m < M)[:, None], tl.where(leaving, lead, steps), BLOCK_K)
+        acc = _k_steps(
+            acc, x_ptrs, w_ptrs, x_desc, w_desc, row_tile * BLOCK_M, chain // SLICES * BLOCK_N, k_at,
+            (offs_m < M)[:, None], tl.where(leaving, lead, steps), BLOCK_K, TMA,
+        )  # fmt: skip
         if leaving:
             tl.store(carry_ptr + pid * BLOCK_M * BLOCK_N + carry_offsets, acc)
             tl.debug_barrier()
@@ -243,7 +249,7 @@ def _matmul_stream_kernel(
 
     if carried_hi > lo:
         chain = lo // steps
-        offs_m, offs_n, x_ptrs, w_ptrs = _chain_at(
+        offs_m, offs_n, k_at, x_ptrs, w_ptrs = _chain_at(
             chain, lo - chain * steps, row_tile, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn, SLICES,
             BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
@@ -253,7 +259,10 @@ def _matmul_stream_kernel(
             ready = tl.atomic_add(flags_ptr + before, 0, sem="acquire", scope="gpu")
         carried = tl.load(carry_ptr + before * BLOCK_M * BLOCK_N + carry_offsets, cache_modifier=".cg")
         tl.atomic_xchg(flags_ptr + before, 0, sem="relaxed", scope="gpu")
-        carried = _k_steps(carried, x_ptrs, w_ptrs, (offs_m < M)[:, None], carried_hi - lo, BLOCK_K)
+        carried = _k_steps(
+            carried, x_ptrs, w_ptrs, x_desc, w_desc, row_tile * BLOCK_M, chain // SLICES * BLOCK_N, k_at,
+            (offs_m < M)[:, None], carried_hi - lo, BLOCK_K, TMA,
+        )  # fmt: skip
         _finish_chain(
             carried, out_ptr, part_ptr, arrivals_ptr, chain, row_tile, m_tiles, offs_m, offs_n, M, N, stride_om,
             stride_os, SLICES,
@@ -265,21 +274,28 @@ def _chain_at(
     chain, step, row_tile, x_ptr, w_ptr, N, K_PER_SPLIT, stride_xm, stride_wn,
     SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """A chain's rows, columns and first operand addresses, `step` K steps in. A row tile's chains are its
-    column tiles' slices of K, a column tile's slices one after another."""
+    """A chain's rows, columns, first K and first operand addresses, `step` K steps in. A row tile's chains are
+    its column tiles' slices of K, a column tile's slices one after another."""
     offs_m = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = (chain // SLICES) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_at = (chain % SLICES) * K_PER_SPLIT + step * BLOCK_K + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + k_at[None, :]
-    w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + k_at[None, :]
-    return offs_m, offs_n, x_ptrs, w_ptrs
+    k_at = (chain % SLICES) * K_PER_SPLIT + step * BLOCK_K
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_at + tl.arange(0, BLOCK_K))[None, :]
+    w_ptrs = w_ptr + (offs_n % N)[:, None] * stride_wn + (k_at + tl.arange(0, BLOCK_K))[None, :]
+    return offs_m, offs_n, k_at, x_ptrs, w_ptrs
 
 
 @triton.jit
-def _k_steps(acc, x_ptrs, w_ptrs, row_ok, n, BLOCK_K: tl.constexpr):
-    for _ in range(0, n):
-        x = tl.load(x_ptrs, mask=row_ok, other=0.0)
-        w = tl.load(w_ptrs)
+def _k_steps(
+    acc, x_ptrs, w_ptrs, x_desc, w_desc, row, col, k_at, row_ok, n, BLOCK_K: tl.constexpr, TMA: tl.constexpr
+):  # fmt: skip
+    for i in range(0, n):
+        if TMA:
+            # As in the tiled kernel: the copy engine gives the same operand values (zeros past the ends).
+            x = x_desc.load([row, k_at + i * BLOCK_K])
+            w = w_desc.load([col, k_at + i * BLOCK_K])
+        else:
+            x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+            w = tl.load(w_ptrs)
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -454,11 +470,18 @@ def _launch_stream(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: i
     counters = _arrival_counters(device, tiles + programs)
     carry = torch.empty((programs, tile.block_m * tile.block_n), device=device, dtype=torch.float32)
     dependent = launch_options(device)
+    tma = tile.tma and _tma_ready(x) and _tma_ready(w)
+    x_desc = w_desc = None
+    if tma:
+        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+        w_desc = TensorDescriptor.from_tensor(w, [tile.block_n, tile.block_k])
     _STREAM_LAUNCH(
         (programs,),
         (
             x,
             w,
+            x_desc,
+            w_desc,
             out,
             partials,
             carry,
@@ -478,6 +501,7 @@ def _launch_stream(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: i
             "BLOCK_M": tile.block_m,
             "BLOCK_N": tile.block_n,
             "BLOCK_K": tile.block_k,
+            "TMA": tma,
             "PDL": dependent["PDL"],
         },
         launch_pdl=dependent["launch_pdl"],

@@ -76,8 +76,8 @@ class MatmulTile:
             )
         if self.block_k % INSTRUCTION_K:
             raise ValueError(f"{self}: the K step must be a multiple of {INSTRUCTION_K}")
-        if self.stream and (self.swap or self.tma or self.split_programs):
-            raise ValueError(f"{self}: a streamed tile is a plain one, its programs already cut K")
+        if self.stream and (self.swap or self.split_programs):
+            raise ValueError(f"{self}: a streamed tile is not swapped, and its programs already cut K")
 
 
 @dataclass(frozen=True)
@@ -121,9 +121,10 @@ def _tile(
 
 LARGE_M = 1 << 62
 
-# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, run 45):
-# for each reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio
-# to cuBLAS is smallest. Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
+# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, run 46;
+# the down projection's from run 45, since run 46's ran out of time before timing all of its tiles): for each
+# reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to
+# cuBLAS is smallest. Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
 # (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches a served
 # step, though it makes an eager step of one prompt wait on the host. The down projection keeps at least two
 # slices of K: with K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode
@@ -142,7 +143,7 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (512, _tile(64, 128, 64, 4, 6, tma=True)),
             (LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)),
         ),
-    ),  # down
+    ),
     (2048, 2048): MatmulPlan(
         1,
         (
@@ -150,6 +151,7 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (128, _tile(32, 64, 128, 4, 6, swap=True)),
             (256, _tile(64, 64, 128, 4, 4)),
             (512, _tile(64, 128, 64, 4, 6, tma=True)),
+            (2048, _tile(256, 128, 64, 8, 3, swap=True)),
             (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # o_proj
@@ -164,7 +166,8 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (224, _tile(64, 128, 64, 4, 6)),
             (256, _tile(64, 128, 64, 4, 6, tma=True)),
             (320, _tile(64, 256, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 5, tma=True)),
+            (352, _tile(128, 128, 64, 8, 5, tma=True)),
+            (384, _tile(128, 128, 64, 8, 5)),
             (448, _tile(64, 256, 64, 4, 4)),
             (512, _tile(128, 128, 64, 8, 5, tma=True)),
             (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
@@ -173,47 +176,41 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (12288, 2048): MatmulPlan(
         1,
         (
-            (1, _tile(64, 128, 64, 4, 6)),
-            (8, _tile(64, 64, 64, 4, 6)),
-            (16, _tile(32, 128, 128, 4, 4, swap=True)),
-            (32, _tile(64, 128, 64, 4, 6, swap=True)),
-            (64, _tile(64, 128, 64, 4, 6, tma=True)),
+            (8, _tile(64, 128, 64, 4, 6)),
+            (16, _tile(64, 128, 64, 4, 6, swap=True)),
+            (32, _tile(64, 128, 64, 4, 6, stream=True)),
+            (64, _tile(64, 128, 64, 4, 6)),
             (96, _tile(128, 128, 64, 8, 5)),
             (128, _tile(128, 128, 64, 8, 5, tma=True)),
             (144, _tile(64, 128, 64, 4, 4, swap=True, tail=16)),
             (160, _tile(64, 64, 64, 4, 4, swap=True, tail=16)),
             (192, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
-            (224, _tile(128, 128, 64, 8, 3, swap=True)),
+            (224, _tile(128, 128, 64, 8, 3)),
             (256, _tile(128, 128, 64, 8, 3, tma=True)),
-            (288, _tile(64, 256, 64, 4, 4)),
-            (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
-            (384, _tile(128, 128, 64, 8, 5, tma=True)),
+            (320, _tile(64, 256, 64, 4, 4)),
+            (384, _tile(128, 128, 64, 8, 5, tma=True, stream=True)),
             (448, _tile(64, 256, 64, 4, 4)),
-            (480, _tile(128, 128, 64, 8, 5)),
             (512, _tile(128, 128, 64, 8, 5, tma=True)),
-            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
-            (LARGE_M, _tile(256, 128, 64, 8, 3, swap=True)),
+            (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
         ),
     ),  # gate_up
     (151936, 2048): MatmulPlan(
         1,
         (
+            (1, _tile(16, 64, 128, 4, 6, swap=True)),
             (16, _tile(16, 128, 128, 4, 4, swap=True)),
             (32, _tile(32, 128, 128, 4, 4, swap=True)),
-            (64, _tile(64, 128, 64, 4, 6, swap=True)),
+            (64, _tile(64, 64, 64, 4, 6)),
             (96, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
-            (128, _tile(128, 128, 64, 8, 3, tma=True)),
-            (144, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
+            (128, _tile(128, 128, 64, 8, 5, tma=True, stream=True)),
             (160, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
-            (192, _tile(128, 64, 64, 4, 3, swap=True, tail=64)),
-            (224, _tile(256, 128, 64, 8, 3, swap=True)),
+            (192, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
+            (224, _tile(128, 256, 64, 8, 3, tma=True, stream=True)),
             (256, _tile(128, 128, 64, 8, 3, tma=True)),
             (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
-            (384, _tile(128, 128, 64, 8, 3, tma=True)),
-            (480, _tile(256, 128, 64, 8, 3, swap=True)),
-            (512, _tile(128, 128, 64, 8, 3, tma=True)),
-            (LARGE_M, _tile(256, 128, 64, 8, 3, tma=True)),
+            (512, _tile(128, 256, 64, 8, 3, tma=True, stream=True)),
+            (LARGE_M, _tile(256, 128, 64, 8, 3, swap=True)),
         ),
     ),  # lm_head
 }
