@@ -432,13 +432,18 @@ def main() -> None:
     }
     print(json.dumps(report["ceilings"]), flush=True)
     names = [s for s in SHAPES if s in only]
-    tiles = {
-        name: sum(len(candidate_tiles(*SHAPES[name], split)) for split in SPLITS[name]) for name in names
+    # A shape's expected sweep time: its candidate tiles, weighted by K, since a tile's checks and timings take
+    # longer the longer its K chains (the down projection's, K = 6144, took 1.2 to 1.7 s a tile in runs 45 and 46,
+    # the others' 0.4 to 1.2 s; by tile count alone, run 46's share for it ran out 21 tiles short).
+    cost = {
+        name: SHAPES[name][1] * sum(len(candidate_tiles(*SHAPES[name], split)) for split in SPLITS[name])
+        for name in names
     }
     for i, name in enumerate(names):
         n, k = SHAPES[name]
-        # Each shape gets a share of what is left of the budget in proportion to its candidate tiles.
-        share = tiles[name] / sum(tiles[later] for later in names[i:])
+        # Each shape gets a share of what is left of the budget in proportion to its cost; what it leaves unused
+        # goes to the shapes after it.
+        share = cost[name] / sum(cost[later] for later in names[i:])
         deadline = time.time() + (start + budget - time.time()) * share
         report["shapes"][name] = tune_shape(name, n, k, deadline)
         with open(out_path, "w") as f:
