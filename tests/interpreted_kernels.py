@@ -1,7 +1,7 @@
 """Checks of the matmul's bookkeeping run under Triton's interpreter, on the CPU: `python -m tests.interpreted_kernels`
 with TRITON_INTERPRET=1 (tests/test_kernels_interpreted.py starts it so, since Triton reads the variable when a
-kernel is defined). Exits non-zero, naming the case, where a way of cutting the work gives other bits than one
-program per tile.
+kernel is defined). Exits non-zero, naming the case, where a way of cutting the work or of loading the operands gives
+other bits than one program per tile with plain loads.
 
 The interpreter computes a dot through numpy, not the tensor cores, and gets bf16 wrong, so these checks use fp16
 and compare tiles of one shape only: they prove which program takes which chain, K step, slice and carry, not the
@@ -31,6 +31,7 @@ def main() -> int:
     w = (torch.randn(160, k, generator=gen) / 18).to(torch.float16)
     failures = []
     ways = {
+        "through the copy engine": dataclasses.replace(ONE_PROGRAM_PER_TILE, tma=True),
         "streamed": dataclasses.replace(ONE_PROGRAM_PER_TILE, stream=True),
         "streamed, through the copy engine": dataclasses.replace(ONE_PROGRAM_PER_TILE, stream=True, tma=True),
         "a slice per program": dataclasses.replace(ONE_PROGRAM_PER_TILE, split_programs=True),

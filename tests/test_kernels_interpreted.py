@@ -1,6 +1,7 @@
 """Specification of the GPU matmul's bookkeeping, checked on the CPU under Triton's interpreter: however a launch
 cuts the work between programs (a slice of K per program, or equal runs of K steps with chains carried from one
-program to the next), every element gets the bits of one program per tile. Skipped where Triton is not installed.
+program to the next) and however it loads its operands (plain loads or the copy engine's descriptors), every element
+gets the bits of one program per tile. Skipped where Triton is not installed.
 """
 
 from __future__ import annotations
