@@ -116,6 +116,44 @@ def test_counters_outgrown_by_a_larger_launch_stay_allocated_for_the_graphs_that
     assert any(kept is first for kept in matmul_module._OUTGROWN)
 
 
+@pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
+def test_a_streamed_launch_cuts_chains_only_among_programs_that_fit_on_the_gpu_at_once(
+    n: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A streamed program may wait for the program before it on its row tile to pass on a chain's accumulator: were
+    # they not all resident at once, the GPU would hang. So the launch is checked here, without running it.
+    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    launches: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(
+        matmul_module, "_STREAM_LAUNCH", lambda grid, args, *_, **__: launches.append((grid, args))
+    )
+    monkeypatch.setattr(matmul_module, "_ARRIVALS", {})
+    monkeypatch.setattr(matmul_module, "_OUTGROWN", [])
+    multiprocessors = 132
+    monkeypatch.setattr(matmul_module, "_multiprocessors", lambda device: multiprocessors)
+    split = matmul_plan(n, k, (9, 0)).split_k
+    w = torch.empty(1, k, dtype=torch.bfloat16).expand(n, k)  # never read: the launch is only recorded
+    for tile in (MatmulTile(64, 128, 64, 4, 6, stream=True), MatmulTile(128, 256, 64, 8, 3, stream=True)):
+        plan = MatmulPlan(split, ((1 << 62, tile),))
+        steps = k // split // tile.block_k
+        units = -(-n // tile.block_n) * split * steps  # a row tile's K steps
+        for m in (1, 64, 129, 272, 336, 512, 4096, 8192, 20000):
+            if m * n > 1 << 28:
+                continue
+            launches.clear()
+            matmul_with_plan(torch.empty(1, k, dtype=torch.bfloat16).expand(m, k), w, plan, tile)
+            ((programs,), args) = launches[0]
+            run, row_tiles = args[12], -(-m // tile.block_m)
+            groups, left = divmod(programs, row_tiles)
+            assert left == 0, "every group has one program per row tile"
+            assert run >= steps, "a run is never shorter than a chain"
+            assert (groups - 1) * run < units <= groups * run, "the groups' runs cover a row tile exactly"
+            if groups > 1:
+                assert programs <= multiprocessors, (
+                    f"{tile} at M = {m}: carrying programs outnumber the GPU's"
+                )
+
+
 def test_a_ragged_k_is_allowed_to_a_plan_of_one_tile_and_one_slice() -> None:
     MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4)),)).check(2000)
 
