@@ -2,9 +2,9 @@
 
 The object is built from what the process really loaded and runs on: the digest of the weight files it read,
 the dtype it computes in, the device it found, the kernel mode it selected, the versions of the libraries it
-imported, and the batching policy its engine enforces. Building and hashing are pure functions of explicit
-inputs; the two `detect_*` functions are the only ones that look at the machine, and they do it once at
-start.
+imported with this package's own source digest, and the batching policy its engine enforces. Building and
+hashing are pure functions of explicit inputs; the two `detect_*` functions are the only ones that look at the
+machine (and at the package's source), and they do it once at start.
 
 This module leaves loading weights, choosing kernels and serving HTTP to others.
 """
@@ -124,15 +124,39 @@ def detect_hardware(device: torch.device) -> tuple[str, dict[str, Any]]:
 
 
 def detect_software(device: torch.device) -> dict[str, str | None]:
-    """Versions of what the process runs: this package, torch, and on a GPU CUDA, Triton and the driver."""
+    """Versions of what the process runs: this package (with a digest of its source), torch, and on a GPU CUDA,
+    Triton and the driver."""
     on_gpu = device.type == "cuda"
     return {
-        "backend": _distribution_version("stackpin"),
+        "backend": backend_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda if on_gpu else None,
         "triton": _distribution_version("triton") if on_gpu else None,
         "driver": _nvidia_driver_version() if on_gpu else None,
     }
+
+
+def backend_version() -> str:
+    """This package's version and the first 12 hex digits of its source digest, as `0.1.0+src.0123456789ab`.
+
+    The source decides every reduction order (the kernels, their tile plans, the model's order of operations), so
+    two builds whose source differs must not share a stack, whatever their version number says: a tile plan tuned
+    anew on the same version would otherwise let one fingerprint stand for two sets of answers."""
+    digest = source_sha256(Path(__file__).resolve().parent)[:12]
+    version = _distribution_version("stackpin")
+    return f"{version}+src.{digest}" if version else f"src.{digest}"
+
+
+def source_sha256(package: Path) -> str:
+    """SHA-256 over each `*.py` file's own SHA-256 under `package`, in path order, as `path:hex\\n` lines (paths
+    relative to `package`, with `/`), as `weights_sha256` digests weight files."""
+    files = sorted(package.rglob("*.py"), key=lambda path: path.relative_to(package).as_posix())
+    outer = hashlib.sha256()
+    for path in files:
+        outer.update(
+            f"{path.relative_to(package).as_posix()}:{hashlib.sha256(path.read_bytes()).hexdigest()}\n".encode()
+        )
+    return outer.hexdigest()
 
 
 def _distribution_version(name: str) -> str | None:

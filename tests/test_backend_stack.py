@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
+import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pinned_backend
 from pinned_backend.stack import (
     STACK_KEYS,
+    backend_version,
     batching_policy,
     build_stack,
     cpu_hardware,
@@ -19,6 +25,7 @@ from pinned_backend.stack import (
     detect_software,
     fingerprint,
     gpu_hardware,
+    source_sha256,
 )
 
 X86_CPUINFO = """processor	: 0
@@ -118,5 +125,31 @@ def test_detection_reports_this_machine() -> None:
     )
     software = detect_software(torch.device("cpu"))
     assert software["torch"] == torch.__version__
-    assert software["backend"] is not None
+    assert software["backend"] == backend_version()
     assert software["cuda"] is None
+
+
+def test_the_backend_names_its_version_and_the_digest_of_its_own_source() -> None:
+    package = Path(pinned_backend.__file__).parent
+    assert backend_version() == f"{importlib.metadata.version('stackpin')}+src.{source_sha256(package)[:12]}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\+src\.[0-9a-f]{12}", backend_version())
+
+
+def test_any_change_to_the_source_changes_its_digest_and_nothing_else_does(tmp_path: Path) -> None:
+    # Two builds of one version whose kernels differ may differ in every answer: their stacks must differ too.
+    package = tmp_path / "pinned_backend"
+    shutil.copytree(
+        Path(pinned_backend.__file__).parent, package, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    digest = source_sha256(package)
+    assert digest == source_sha256(Path(pinned_backend.__file__).parent)
+    (package / "kernels" / "notes.txt").write_text("not source")
+    (package / "__pycache__").mkdir(exist_ok=True)
+    (package / "__pycache__" / "stack.cpython-311.pyc").write_bytes(b"compiled")
+    assert source_sha256(package) == digest, "only Python source counts"
+    plans = package / "kernels" / "triton" / "matmul_plans.py"
+    plans.write_text(plans.read_text().replace("LARGE_M = 1 << 62", "LARGE_M = 1 << 61"))
+    changed = source_sha256(package)
+    assert changed != digest
+    plans.rename(package / "kernels" / "triton" / "matmul_plans_renamed.py")
+    assert source_sha256(package) not in (digest, changed), "a file's path counts as well as its bytes"
