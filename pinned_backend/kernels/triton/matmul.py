@@ -13,6 +13,7 @@ it. This module knows nothing of models or of scheduling.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -404,13 +405,7 @@ def matmul(
         partials = torch.empty((split, m, n), device=device, dtype=torch.float32)
         arrivals = _arrival_counters(device, grid[0])
     dependent = launch_options(device)
-    # The copy engine needs 16-byte aligned rows; a view that has none takes the same tile with plain loads, which
-    # gives the same bits.
-    tma = tile.tma and _tma_ready(x) and _tma_ready(w)
-    x_desc = w_desc = None
-    if tma:
-        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-        w_desc = TensorDescriptor.from_tensor(w, [tile.block_n, tile.block_k])
+    tma, x_desc, w_desc = _descriptors(x, w, tile)
     _LAUNCH(
         grid,
         (
@@ -470,11 +465,7 @@ def _launch_stream(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: i
     counters = _arrival_counters(device, tiles + programs)
     carry = torch.empty((programs, tile.block_m * tile.block_n), device=device, dtype=torch.float32)
     dependent = launch_options(device)
-    tma = tile.tma and _tma_ready(x) and _tma_ready(w)
-    x_desc = w_desc = None
-    if tma:
-        x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
-        w_desc = TensorDescriptor.from_tensor(w, [tile.block_n, tile.block_k])
+    tma, x_desc, w_desc = _descriptors(x, w, tile)
     _STREAM_LAUNCH(
         (programs,),
         (
@@ -538,6 +529,15 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     counters = torch.zeros(max(tiles, _MIN_ARRIVALS), device=device, dtype=torch.int32)
     _ARRIVALS[device] = counters
     return counters
+
+
+def _descriptors(x: torch.Tensor, w: torch.Tensor, tile: MatmulTile) -> tuple[bool, Any, Any]:
+    """Whether the tile loads through the copy engine, and if so its descriptors of x and w. The engine needs 16-byte
+    aligned rows; a view that has none takes the same tile with plain loads, which gives the same bits."""
+    if not (tile.tma and _tma_ready(x) and _tma_ready(w)):
+        return False, None, None
+    x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
+    return True, x_desc, TensorDescriptor.from_tensor(w, [tile.block_n, tile.block_k])
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
