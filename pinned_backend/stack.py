@@ -144,13 +144,27 @@ def backend_version() -> str:
     anew on the same version would otherwise let one fingerprint stand for two sets of answers."""
     digest = source_sha256(Path(__file__).resolve().parent)[:12]
     version = _distribution_version("stackpin")
-    return f"{version}+src.{digest}" if version else f"src.{digest}"
+    if not version:
+        return f"src.{digest}"
+    # A version that already has a local part (`0.1.0+g1234`) takes the digest as one more segment of it.
+    return f"{version}{'.' if '+' in version else '+'}src.{digest}"
 
 
 def source_sha256(package: Path) -> str:
-    """SHA-256 over each `*.py` file's own SHA-256 under `package`, in path order, as `path:hex\\n` lines (paths
-    relative to `package`, with `/`), as `weights_sha256` digests weight files."""
-    files = sorted(package.rglob("*.py"), key=lambda path: path.relative_to(package).as_posix())
+    """SHA-256 over each `*.py` file's own SHA-256 under `package`, as `path:hex\\n` lines in path order (paths
+    relative to `package`, `/`-separated, sorted by code point), as `weights_sha256` digests weight files. Hidden
+    files and folders (editor and notebook copies) and anything that is not a regular file are left out."""
+    files = sorted(
+        (
+            path
+            for path in package.rglob("*.py")
+            if path.is_file() and not any(part.startswith(".") for part in path.relative_to(package).parts)
+        ),
+        key=lambda path: path.relative_to(package).as_posix(),
+    )
+    if not files:
+        # An install without its source (bytecode only, or a zip) would otherwise give every build one digest.
+        raise RuntimeError(f"{package}: no Python source to digest; the backend's stack must name its source")
     outer = hashlib.sha256()
     for path in files:
         outer.update(

@@ -10,11 +10,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pinned_backend
+import pinned_backend.stack as stack_module
 from pinned_backend.stack import (
     STACK_KEYS,
     backend_version,
@@ -129,10 +131,18 @@ def test_detection_reports_this_machine() -> None:
     assert software["cuda"] is None
 
 
-def test_the_backend_names_its_version_and_the_digest_of_its_own_source() -> None:
+def test_the_backend_names_its_version_and_the_digest_of_its_own_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     package = Path(pinned_backend.__file__).parent
-    assert backend_version() == f"{importlib.metadata.version('stackpin')}+src.{source_sha256(package)[:12]}"
-    assert re.fullmatch(r"\d+\.\d+\.\d+\+src\.[0-9a-f]{12}", backend_version())
+    digest = source_sha256(package)[:12]
+    assert re.fullmatch(r"[0-9a-f]{12}", digest)
+    assert backend_version() == f"{importlib.metadata.version('stackpin')}+src.{digest}"
+    # A version with a local part of its own keeps one `+`: the digest becomes one more segment of it.
+    monkeypatch.setattr(stack_module, "_distribution_version", lambda name: "0.2.0+g1234")
+    assert backend_version() == f"0.2.0+g1234.src.{digest}"
+    monkeypatch.setattr(stack_module, "_distribution_version", lambda name: None)
+    assert backend_version() == f"src.{digest}"
 
 
 def test_any_change_to_the_source_changes_its_digest_and_nothing_else_does(tmp_path: Path) -> None:
@@ -146,10 +156,22 @@ def test_any_change_to_the_source_changes_its_digest_and_nothing_else_does(tmp_p
     (package / "kernels" / "notes.txt").write_text("not source")
     (package / "__pycache__").mkdir(exist_ok=True)
     (package / "__pycache__" / "stack.cpython-311.pyc").write_bytes(b"compiled")
-    assert source_sha256(package) == digest, "only Python source counts"
+    (package / ".ipynb_checkpoints").mkdir()
+    (package / ".ipynb_checkpoints" / "model-checkpoint.py").write_text("a notebook's copy")
+    (package / ".#model.py").symlink_to(package / "no-such-file")  # an editor's lock, dangling
+    assert source_sha256(package) == digest, "only the package's own Python source counts"
     plans = package / "kernels" / "triton" / "matmul_plans.py"
     plans.write_text(plans.read_text().replace("LARGE_M = 1 << 62", "LARGE_M = 1 << 61"))
     changed = source_sha256(package)
     assert changed != digest
     plans.rename(package / "kernels" / "triton" / "matmul_plans_renamed.py")
     assert source_sha256(package) not in (digest, changed), "a file's path counts as well as its bytes"
+
+
+def test_a_package_without_its_source_is_refused_rather_than_given_a_digest_of_nothing(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "stack.cpython-311.pyc").write_bytes(b"compiled")
+    with pytest.raises(RuntimeError, match="no Python source to digest"):
+        source_sha256(tmp_path)
