@@ -110,8 +110,8 @@ WIDE_SWAP_TILES = [
     (256, 128, 64, 8, 3, 0),
     (256, 128, 64, 8, 3, 16),
     (256, 128, 64, 8, 3, 32),
-    # 64 + 16 or 32 rows: M = 257..384 in four blocks, one round of 128 programs over a 2048-wide weight's 64-row
-    # tiles, where plain 64-row tiles need five blocks and two rounds.
+    # 64 + 16 or 32 rows: M = 257..320 or 257..384 in four blocks, one round of 128 programs over a 2048-wide
+    # weight's 64-row tiles, where plain 64-row tiles need five blocks and two rounds.
     (64, 64, 64, 4, 4, 16),
     (64, 64, 64, 4, 4, 32),
     (64, 128, 64, 4, 4, 16),
@@ -134,12 +134,12 @@ SPLIT_PROGRAM_TILES = [
     (256, 64, 64, 8, 3),
 ]
 # Swapped tiles with a slice per program: two for decode sizes, the 128-row wide ones with and without a tail,
-# and 64 rows and a tail against 128 weight rows (M = 257..384 in 4 x 16 tiles of two slices: one round).
+# and 64 rows and a tail against 128 weight rows (M = 257..320 or ..384 in 4 x 16 tiles of two slices: one round).
 SWAP_SPLIT_PROGRAM_TILES = [(16, 64, 128, 4, 6, 0), (32, 128, 64, 4, 6, 0), (128, 64, 64, 4, 3, 0)] + [
     t for t in WIDE_SWAP_TILES if t[:5] in ((128, 64, 64, 4, 3), (64, 128, 64, 4, 4))
 ]
-# Streamed tiles: one program per multiprocessor, each an equal run of (tile, K step) units, for the sizes where a
-# last round of tiles would leave most multiprocessors idle.
+# Streamed tiles: up to one program per multiprocessor, each an equal run of a row tile's (column tile, K step)
+# units, for the sizes where a last round of tiles would leave most multiprocessors idle.
 STREAM_TILES = [
     (64, 64, 128, 4, 4),
     (64, 128, 64, 4, 4),

@@ -120,8 +120,9 @@ def test_counters_outgrown_by_a_larger_launch_stay_allocated_for_the_graphs_that
 def test_a_streamed_launch_cuts_chains_only_among_programs_that_fit_on_the_gpu_at_once(
     n: int, k: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A streamed program may wait for the program before it on its row tile to pass on a chain's accumulator: were
-    # they not all resident at once, the GPU would hang. So the launch is checked here, without running it.
+    # A streamed program may wait for the program before it on its row tile to pass on a chain's accumulator, and
+    # CUDA does not promise to start programs in order: programs that may wait on each other must all fit on the
+    # GPU at once. So the launch is checked here, without running it.
     matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
     launches: list[tuple[Any, ...]] = []
     monkeypatch.setattr(
@@ -136,7 +137,6 @@ def test_a_streamed_launch_cuts_chains_only_among_programs_that_fit_on_the_gpu_a
     for tile in (MatmulTile(64, 128, 64, 4, 6, stream=True), MatmulTile(128, 256, 64, 8, 3, stream=True)):
         plan = MatmulPlan(split, ((1 << 62, tile),))
         steps = k // split // tile.block_k
-        units = -(-n // tile.block_n) * split * steps  # a row tile's K steps
         for m in (1, 64, 129, 272, 336, 512, 4096, 8192, 20000):
             if m * n > 1 << 28:
                 continue
@@ -147,7 +147,6 @@ def test_a_streamed_launch_cuts_chains_only_among_programs_that_fit_on_the_gpu_a
             groups, left = divmod(programs, row_tiles)
             assert left == 0, "every group has one program per row tile"
             assert run >= steps, "a run is never shorter than a chain"
-            assert (groups - 1) * run < units <= groups * run, "the groups' runs cover a row tile exactly"
             if groups > 1:
                 assert programs <= multiprocessors, (
                     f"{tile} at M = {m}: carrying programs outnumber the GPU's"

@@ -4,8 +4,9 @@ The kernels that run a plan's tiles (matmul_plans.py says what decides a result'
 - `_matmul_kernel`: one program per tile, or per tile and slice of K, whose fp32 partials the tile's last program
   to finish adds in slice order; plain loads or the tensor-memory engine; the weight's rows as the tensor cores'
   rows or x's (swapped, with an optional tail block of x's rows).
-- `_matmul_stream_kernel`: one program per multiprocessor, each an equal run of one row tile's K steps, a chain cut
-  between two programs carrying its fp32 accumulator from one to the next; plain loads or the tensor-memory engine.
+- `_matmul_stream_kernel`: up to one program per multiprocessor, each an equal run of one row tile's K steps, a
+  chain cut between two programs carrying its fp32 accumulator from one to the next; plain loads or the
+  tensor-memory engine.
 `matmul` takes the plan for the weight's shape on the device's compute capability and the tile for M, and launches
 it. This module knows nothing of models or of scheduling.
 """
@@ -190,11 +191,11 @@ def _matmul_stream_kernel(
 ):
     # Every (tile, slice of K) is a chain of K steps. A row tile's chains, laid end to end over the weight's
     # column tiles, are cut into runs of UNITS steps, one run per program: each multiprocessor gets the same work,
-    # however many tiles M leaves for a last round. Programs come in groups, one per row tile, and the programs of
-    # a group take the same run of every row tile, so that they read each weight tile at about the same time and
-    # all but the first find it in L2. (In run 43 a weight tile's row tiles came one after another in one run,
-    # to be read at different times; streamed tiles ran as fast as plain ones where a weight tile has one row
-    # tile, and up to 1.8x slower where it has several.) A chain cut between two programs passes its fp32
+    # however many tiles M leaves for a last round. Programs come in groups of one program per row tile, and the
+    # programs of a group take the same run of every row tile, so that they read each weight tile at about the
+    # same time and all but the first find it in L2. (In run 43 a weight tile's row tiles came one after another
+    # in one run, to be read at different times; streamed tiles ran as fast as plain ones where a weight tile has
+    # one row tile, and up to 1.8x slower where it has several.) A chain cut between two programs passes its fp32
     # accumulator on, an exact value, so it goes through the very steps, in the very order, that one program would
     # take it through. A run is never shorter than a chain (the launcher sees to it), so a program continues at
     # most one chain from the program before it on its row tile, and leaves at most one to the program after. It

@@ -58,8 +58,9 @@ class MatmulTile:
     swap: bool = False
     # Swapped tiles only: a second block of this many of x's rows after the main one, against the same weight tile.
     tail: int = 0
-    # One program per multiprocessor, each taking an equal run of the (tile, slice, K step) units, a chain cut
-    # between two programs carrying its fp32 accumulator from one to the next (`_matmul_stream_kernel`).
+    # Up to one program per multiprocessor, in groups of one program per row tile, each taking an equal run of its
+    # row tile's (column tile, slice, K step) units, a chain cut between two programs carrying its fp32
+    # accumulator from one to the next (`_matmul_stream_kernel`).
     stream: bool = False
 
     def check(self) -> None:
