@@ -11,7 +11,6 @@ file and what is wrong with it. It knows nothing of how the tensors are arranged
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from pinned_backend.digests import files_sha256
 
 CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -287,11 +288,4 @@ def weights_sha256(folder: Path) -> str:
     files = sorted(folder.glob("*.safetensors"), key=lambda p: p.name)
     if not files:
         raise CheckpointError(f"{folder}: no *.safetensors files to digest")
-    outer = hashlib.sha256()
-    for path in files:
-        inner = hashlib.sha256()
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 20):
-                inner.update(chunk)
-        outer.update(f"{path.name}:{inner.hexdigest()}\n".encode())
-    return outer.hexdigest()
+    return files_sha256((path.name, path) for path in files)

@@ -21,6 +21,8 @@ from typing import Any
 import rfc8785
 import torch
 
+from pinned_backend.digests import files_sha256
+
 SCHEMA = 1
 STACK_KEYS = frozenset(
     {
@@ -165,12 +167,7 @@ def source_sha256(package: Path) -> str:
     if not files:
         # An install without its source (bytecode only, or a zip) would otherwise give every build one digest.
         raise RuntimeError(f"{package}: no Python source to digest; the backend's stack must name its source")
-    outer = hashlib.sha256()
-    for path in files:
-        outer.update(
-            f"{path.relative_to(package).as_posix()}:{hashlib.sha256(path.read_bytes()).hexdigest()}\n".encode()
-        )
-    return outer.hexdigest()
+    return files_sha256((path.relative_to(package).as_posix(), path) for path in files)
 
 
 def _distribution_version(name: str) -> str | None:
