@@ -4,7 +4,9 @@
 - prefill: prefill throughput with the plans as tuned and with TMA tiles from M = 129 or 513 on;
 - large, mid: tiles with and without TMA at prefill sizes and at M = 144..512, bits compared with the plan's;
 - pdlmm: chains of one matmul in a graph, with and without dependent launch;
-- host, hostprof: host microseconds of one eager call, and where they go.
+- host, hostprof: host microseconds of one eager call, and where they go;
+- gluon: the Gluon tiles (matmul_gluon.py), each kernel and tile alone, against the plan and cuBLAS at
+  M = 129..512 and a prefill size, bits compared with the plan's.
 
 Usage: python bench/gpu_explore.py OUT.json [decode,prefill,large,mid,pdlmm,host,hostprof]. Writes JSON as it goes.
 """
@@ -176,6 +178,54 @@ def part_matmul(ms: list[int], tiles: list[tuple[int, ...]], label: str) -> None
                 f"cublas {row['cublas']:.1f} plan {row['plan']:.1f} best {best[0]} {best[1]:.1f}",
                 f"ratio plan {row['plan'] / row['cublas']:.2f} best {best[1] / row['cublas']:.2f}",
             )
+            save()
+        del copies, x, w
+        torch.cuda.empty_cache()
+
+
+def part_gluon(ms: list[int], tiles: list[tuple[int, int, int, int, int]]) -> None:
+    res: dict[str, Any] = {}
+    report["gluon"] = res
+    for name, (n, k) in SHAPES.items():
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        x = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+        copies = weight_copies(w)
+        split = mp.matmul_plan(n, k, (9, 0)).split_k
+        for m in ms:
+            row: dict[str, Any] = {"cublas": time_rotating(lambda a, b: F.linear(a, b), x[:m], copies)}
+            ref = mm.matmul(x[:m], w)
+            row["plan"] = time_rotating(lambda a, b: mm.matmul(a, b), x[:m], copies)
+            for tile in tiles:
+                for kernel in ("specialized", "pipelined", "persistent"):
+                    gluon_tile = mp.MatmulTile(*tile, gluon=kernel)
+                    plan = mp.MatmulPlan(split, ((mp.LARGE_M, gluon_tile),))
+
+                    def run(
+                        a: torch.Tensor,
+                        b: torch.Tensor,
+                        p: mp.MatmulPlan = plan,
+                        t: mp.MatmulTile = gluon_tile,
+                    ) -> torch.Tensor:
+                        return mm.matmul(a, b, p, t)
+
+                    key = f"{tile} {kernel}"
+                    try:
+                        same = bool(torch.equal(run(x[:m], w), ref))
+                        row[key] = {"us": time_rotating(run, x[:m], copies), "same_bits": same}
+                    except Exception as exc:
+                        row[key] = {"error": repr(exc)[:300]}
+            timed = [(kk, v["us"]) for kk, v in row.items() if isinstance(v, dict) and "us" in v]
+            best = min(timed, key=lambda kv: kv[1], default=("none", float("nan")))
+            row["best"] = best
+            res[f"{name} M={m}"] = row
+            wrong = [kk for kk, v in row.items() if isinstance(v, dict) and v.get("same_bits") is False]
+            errors = [kk for kk, v in row.items() if isinstance(v, dict) and "error" in v]
+            log(
+                "gluon", name, m, f"cublas {row['cublas']:.1f} plan {row['plan']:.1f} best {best[0]} {best[1]:.1f}",
+                f"ratio plan {row['plan'] / row['cublas']:.2f} best {best[1] / row['cublas']:.2f}",
+                f"other bits {wrong} errors {errors}",
+            )  # fmt: skip
             save()
         del copies, x, w
         torch.cuda.empty_cache()
@@ -354,6 +404,21 @@ def main() -> None:
                 (64, 256, 64, 4, 4),
             ],
             "mid",
+        )
+    if "gluon" in PARTS:
+        part_gluon(
+            [136, 192, 256, 264, 288, 336, 384, 400, 448, 512, 2048],
+            [
+                (128, 128, 64, 8, 4),
+                (128, 128, 64, 8, 5),
+                (128, 128, 64, 8, 6),
+                (128, 128, 128, 8, 3),
+                (128, 256, 64, 8, 3),
+                (64, 256, 64, 4, 4),
+                (64, 128, 64, 4, 6),
+                (64, 128, 128, 4, 4),
+                (64, 64, 64, 4, 8),
+            ],
         )
     log("done")
 

@@ -155,6 +155,17 @@ STREAM_TMA_TILES = [
     (128, 128, 64, 8, 5),
     (128, 256, 64, 8, 3),
 ]
+# Tiles for the Gluon kernels (matmul_gluon.py): the tiles and kernels that won some size in run 51
+# (`gpu_explore.py gluon`), each of the three kernels.
+GLUON_TILES = [
+    (64, 64, 64, 4, 8),
+    (64, 128, 64, 4, 6),
+    (64, 128, 128, 4, 4),
+    (64, 256, 64, 4, 4),
+    (128, 128, 64, 8, 5),
+    (128, 256, 64, 8, 3),
+]
+GLUON_KERNELS = ("specialized", "pipelined", "persistent")
 # Tiles timed at the prefill sizes: those wide enough to be arithmetic-bound there.
 PREFILL_TILE_MIN_AREA = 128 * 128
 
@@ -166,18 +177,25 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
     tiles += [MatmulTile(*t[:5], swap=True, tail=t[5]) for t in WIDE_SWAP_TILES]
     tiles += [MatmulTile(*t, stream=True) for t in STREAM_TILES]
     tiles += [MatmulTile(*t, stream=True, tma=True) for t in STREAM_TMA_TILES]
+    tiles += [MatmulTile(*t, gluon=kernel) for t in GLUON_TILES for kernel in GLUON_KERNELS]
     if split > 1:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
         tiles += [
             MatmulTile(*t[:5], split_programs=True, swap=True, tail=t[5]) for t in SWAP_SPLIT_PROGRAM_TILES
         ]
-    return [
-        t
-        for t in tiles
-        if slice_k % t.block_k == 0
-        and 8 <= n / t.block_n <= 2400
-        and (t.block_m + t.tail + t.block_n) * t.block_k * 2 * t.num_stages <= SMEM_BYTES
-    ]
+    return [t for t in tiles if slice_k % t.block_k == 0 and 8 <= n / t.block_n <= 2400 and fits(t, split)]
+
+
+def fits(tile: MatmulTile, split: int) -> bool:
+    if (
+        tile.gluon
+    ):  # the plan's own rules: shared memory for stages and the output tile, accumulators in registers
+        try:
+            MatmulPlan(split, ((LARGE_M, tile),)).check(split * tile.block_k)
+        except ValueError:
+            return False
+        return True
+    return (tile.block_m + tile.tail + tile.block_n) * tile.block_k * 2 * tile.num_stages <= SMEM_BYTES
 
 
 def weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
@@ -262,6 +280,7 @@ def plan_expression(plan: MatmulPlan) -> str:
         flags = ("split_programs", "tma", "swap", "stream")
         extra = "".join(f", {flag}=True" for flag in flags if getattr(t, flag))
         extra += f", tail={t.tail}" if t.tail else ""
+        extra += f", gluon={t.gluon!r}" if t.gluon else ""
         tiles.append(
             f"({bound}, _tile({t.block_m}, {t.block_n}, {t.block_k}, {t.num_warps}, {t.num_stages}{extra}))"
         )
@@ -328,7 +347,7 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
         for row in group["tiles"]:
             tile = MatmulTile(**row["tile"])
             single = MatmulPlan(split, ((LARGE_M, tile),))
-            wide = tile.tma or tile.block_m * tile.block_n >= PREFILL_TILE_MIN_AREA
+            wide = tile.tma or bool(tile.gluon) or tile.block_m * tile.block_n >= PREFILL_TILE_MIN_AREA
             for m in PREFILL_M:
                 row["us"][m] = (
                     time_rotating(lambda a, b, p=single, t=tile: matmul(a, b, p, t), x[:m], copies)

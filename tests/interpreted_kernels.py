@@ -35,6 +35,8 @@ def main() -> int:
         "streamed": dataclasses.replace(ONE_PROGRAM_PER_TILE, stream=True),
         "streamed, through the copy engine": dataclasses.replace(ONE_PROGRAM_PER_TILE, stream=True, tma=True),
         "a slice per program": dataclasses.replace(ONE_PROGRAM_PER_TILE, split_programs=True),
+        # The interpreter runs no Gluon: a Gluon tile goes to its `tl.dot` twin.
+        "a Gluon tile": dataclasses.replace(ONE_PROGRAM_PER_TILE, gluon="persistent"),
     }
     # Program counts and sizes that cut chains between programs at many places, with one and two slices of K.
     for programs, split, m in itertools.product([4, 7, 12], [1, 2], [1, 65, 130, 257]):

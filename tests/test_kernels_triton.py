@@ -93,6 +93,31 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
             2000,
             "every K step must divide",
         ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, gluon="fast")),)),
+            2048,
+            "gluon must be one of",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(16, 64, 64, 4, 4, swap=True, gluon="pipelined")),)),
+            2048,
+            "is not swapped or streamed",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(128, 256, 64, 8, 4, gluon="pipelined")),)),
+            2048,
+            "more than 232448 bytes of shared memory",
+        ),
+        (
+            MatmulPlan(2, ((1 << 62, MatmulTile(128, 256, 64, 8, 3, gluon="persistent")),)),
+            6144,
+            "accumulators would not fit in registers",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, gluon="specialized")),)),
+            2000,
+            "a Gluon tile's K step must divide",
+        ),
     ],
 )
 def test_a_plan_whose_tiles_could_reduce_in_different_orders_is_refused(
@@ -296,6 +321,40 @@ def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_p
             assert torch.equal(replayed, matmul_with_plan(x[:336], w, plan, plain))
     counters = matmul_module._ARRIVALS[x.device]
     assert int(counters.count_nonzero()) == 0, "a carry flag or a slice counter was left set"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("n", "k", "split"), [(2048, 6144, 2), (12288, 2048, 1), (2048, 2048, 1)])
+def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
+    triton_ops, unwritten_elements_show: None, n: int, k: int, split: int
+) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+    for blocks in ((128, 128, 64, 8, 5), (64, 128, 64, 4, 6)):
+        twin = MatmulTile(*blocks, tma=True)
+        plan = MatmulPlan(split, ((1 << 62, twin),))
+        for kernel in ("specialized", "pipelined", "persistent"):
+            gluon = MatmulTile(*blocks, gluon=kernel)
+            # One row, a part-empty last row tile, more tiles than multiprocessors, and bands of row tiles.
+            for m in (1, 64, 130, 264, 336, 512, 700, 2200):
+                assert torch.equal(
+                    matmul_with_plan(x[:m], w, plan, gluon), matmul_with_plan(x[:m], w, plan, twin)
+                ), f"{gluon} at M = {m} gives other bits than {twin}"
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = matmul_with_plan(x[:336], w, plan, gluon)
+            replayed.zero_()
+            graph.replay()
+            assert torch.equal(replayed, matmul_with_plan(x[:336], w, plan, twin)), (
+                f"{gluon} replayed from a graph"
+            )
+    # Rows the copy engine cannot address (a stride of K + 1 elements) go to the twin, with the same bits.
+    strided = torch.empty(300, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
+    strided.copy_(x[:300])
+    gluon = MatmulTile(128, 128, 64, 8, 5, gluon="persistent")
+    plan = MatmulPlan(split, ((1 << 62, gluon),))
+    assert torch.equal(matmul_with_plan(strided, w, plan, gluon), matmul_with_plan(x[:300], w, plan, gluon))
 
 
 @gpu

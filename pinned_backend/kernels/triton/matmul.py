@@ -7,12 +7,14 @@ The kernels that run a plan's tiles (matmul_plans.py says what decides a result'
 - `_matmul_stream_kernel`: up to one program per multiprocessor, each an equal run of one row tile's K steps, a
   chain cut between two programs carrying its fp32 accumulator from one to the next; plain loads or the
   tensor-memory engine.
-`matmul` takes the plan for the weight's shape on the device's compute capability and the tile for M, and launches
-it. This module knows nothing of models or of scheduling.
+A plan may also name a tile run by one of the Gluon kernels of matmul_gluon.py. `matmul` takes the plan for the
+weight's shape on the device's compute capability and the tile for M, and launches it. This module knows nothing of
+models or of scheduling.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -20,6 +22,7 @@ import torch
 
 from ._compat import HAVE_TRITON, tl, triton
 from .dependent_launch import launch_options, start_as_dependent
+from .matmul_gluon import launch_gluon, usable
 from .matmul_plans import LARGE_M, MatmulPlan, MatmulTile, matmul_plan
 from .reused_launch import ReusedLaunch
 
@@ -395,6 +398,13 @@ def matmul(
     out = torch.empty((m, n), device=device, dtype=x.dtype)
     if m == 0:
         return out
+    if tile.gluon:
+        if usable(x, w, out):
+            launch_gluon(x, w, out, plan.split_k, tile, _GROUP_M)
+            return out
+        # The same tile from a `tl.dot` kernel (all slices in one program, as the Gluon kernels take them) gives
+        # the same bits: under Triton's interpreter, which runs no Gluon, and for views the copy engine cannot read.
+        tile = dataclasses.replace(tile, gluon="", tma=True)
     if tile.stream:
         _launch_stream(x, w, out, plan.split_k, tile)
         return out

@@ -7,7 +7,8 @@ Two things are kept apart here, because only one of them decides a result's bits
 - The tiling, `MatmulTile`, which may follow M: the tile's rows and columns, how much of K one loop step loads,
   the warps and the pipeline depth, and whether a slice runs in its own program (fp32 partials, added in slice
   order by the last of the tile's programs to finish) or after the previous slice inside one program, and whether
-  operands arrive through plain loads or the tensor-memory engine (TMA, which pays from a few hundred rows on).
+  operands arrive through plain loads or the tensor-memory engine (TMA, which pays from a few hundred rows on),
+  and whether a `tl.dot` kernel runs the tile or one of the Gluon kernels written below it (matmul_gluon.py).
   None of these changes the chain a row goes through: every tile issues the same Hopper `wgmma` steps of K = 16
   for the same operand values, a K step of 64 is four of them and of 128 eight, and slices meet in the same order
   either way. So small M gets narrow tiles (enough programs to keep weight bytes in flight) and large M wide ones,
@@ -35,6 +36,11 @@ INSTRUCTION_K = 16
 _WGMMA_ROWS = (64, 128, 256)
 _WGMMA_WARPS = (4, 8)
 _SWAP_MIN_COLS = 16
+_GLUON_KERNELS = ("", "specialized", "pipelined", "persistent")
+# A Hopper program's shared memory, and the fp32 accumulator elements a Gluon tile may hold (128 x 256: 128
+# registers a thread over 8 warps).
+_SHARED_BYTES = 227 * 1024
+_GLUON_ACCUMULATOR = 128 * 256
 # Without a split, fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
 _TARGET_PROGRAMS = 128
 
@@ -62,6 +68,9 @@ class MatmulTile:
     # row tile's (column tile, slice, K step) units, a chain cut between two programs carrying its fp32
     # accumulator from one to the next (`_matmul_stream_kernel`).
     stream: bool = False
+    # Run by a Gluon kernel written below `tl.dot` (matmul_gluon.py): "specialized", "pipelined" or "persistent";
+    # "" for the `tl.dot` kernels. Operands arrive through the tensor-memory engine whatever `tma` says.
+    gluon: str = ""
 
     def check(self) -> None:
         rows, cols = (self.block_n, self.block_m) if self.swap else (self.block_m, self.block_n)
@@ -79,6 +88,17 @@ class MatmulTile:
             raise ValueError(f"{self}: the K step must be a multiple of {INSTRUCTION_K}")
         if self.stream and (self.swap or self.split_programs):
             raise ValueError(f"{self}: a streamed tile is not swapped, and its programs already cut K")
+        if self.gluon not in _GLUON_KERNELS:
+            raise ValueError(f"{self}: gluon must be one of {_GLUON_KERNELS}")
+        if self.gluon and (self.swap or self.stream or self.split_programs or self.block_m not in (64, 128)):
+            raise ValueError(
+                f"{self}: a Gluon tile has 64 or 128 rows of x, is not swapped or streamed, and reduces its slices"
+                " in one program"
+            )
+        if self.gluon and _gluon_shared_bytes(self) > _SHARED_BYTES:
+            raise ValueError(
+                f"{self}: its stages and its output tile need more than {_SHARED_BYTES} bytes of shared memory"
+            )
 
 
 @dataclass(frozen=True)
@@ -100,9 +120,22 @@ class MatmulPlan:
         allowed only to a plan of one tile and one slice: padding steps of different tiles would differ."""
         for _, tile in self.tiles:
             tile.check()
+        for _, tile in self.tiles:
+            # A Gluon tile holds each slice's accumulator and the running total in registers.
+            if tile.gluon and tile.block_m * tile.block_n * min(self.split_k, 2) > _GLUON_ACCUMULATOR:
+                raise ValueError(f"{tile}: {self.split_k} slices' accumulators would not fit in registers")
+            if tile.gluon and k % (self.split_k * tile.block_k):
+                raise ValueError(
+                    f"{tile}: a Gluon tile's K step must divide each of the {self.split_k} slices of K = {k}"
+                )
         ragged = any(k % (self.split_k * tile.block_k) for _, tile in self.tiles)
         if ragged and (self.split_k > 1 or len(self.tiles) > 1 or self.tiles[0][1].stream):
             raise ValueError(f"{self}: every K step must divide each of the {self.split_k} slices of K = {k}")
+
+
+def _gluon_shared_bytes(tile: MatmulTile) -> int:
+    """Shared memory a Gluon tile takes in 16-bit operands: its ring of stages and its output tile."""
+    return ((tile.block_m + tile.block_n) * tile.block_k * tile.num_stages + tile.block_m * tile.block_n) * 2
 
 
 def _tile(
@@ -116,8 +149,9 @@ def _tile(
     swap: bool = False,
     tail: int = 0,
     stream: bool = False,
+    gluon: str = "",
 ) -> MatmulTile:
-    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma, swap, tail, stream)
+    return MatmulTile(bm, bn, bk, warps, stages, split_programs, tma, swap, tail, stream, gluon)
 
 
 LARGE_M = 1 << 62
@@ -137,62 +171,75 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (32, _tile(16, 64, 128, 4, 6, split_programs=True, swap=True)),
             (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
             (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
-            (256, _tile(64, 128, 64, 4, 6, split_programs=True)),
-            (288, _tile(128, 128, 64, 8, 4, split_programs=True)),
-            (384, _tile(64, 128, 64, 4, 6, tma=True)),
-            (416, _tile(128, 128, 64, 8, 4, split_programs=True)),
-            (512, _tile(64, 128, 64, 4, 6, tma=True)),
-            (LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)),
+            (224, _tile(64, 128, 64, 4, 6, split_programs=True)),
+            (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
+            (272, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (288, _tile(64, 128, 64, 4, 6, gluon="pipelined")),
+            (320, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (448, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (480, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (512, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (LARGE_M, _tile(128, 128, 64, 8, 5, gluon="specialized")),
         ),
-    ),
+    ),  # down
     (2048, 2048): MatmulPlan(
         1,
         (
             (64, _tile(16, 64, 128, 4, 6, swap=True)),
             (128, _tile(32, 64, 128, 4, 6, swap=True)),
-            (256, _tile(64, 64, 128, 4, 4)),
-            (512, _tile(64, 128, 64, 4, 6, tma=True)),
-            (2048, _tile(256, 128, 64, 8, 3, swap=True)),
-            (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+            (160, _tile(64, 64, 128, 4, 4)),
+            (192, _tile(64, 64, 64, 4, 8, gluon="specialized")),
+            (224, _tile(64, 64, 128, 4, 4)),
+            (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
+            (272, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (288, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (448, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (480, _tile(64, 128, 64, 4, 6, tma=True)),
+            (512, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (2048, _tile(128, 256, 64, 8, 3, gluon="pipelined")),
+            (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
     ),  # o_proj
     (4096, 2048): MatmulPlan(
         1,
         (
-            (16, _tile(16, 64, 128, 4, 6, swap=True)),
+            (32, _tile(16, 64, 128, 4, 6, swap=True)),
             (64, _tile(32, 64, 128, 4, 6, swap=True)),
-            (128, _tile(64, 64, 128, 4, 4)),
-            (176, _tile(64, 128, 64, 4, 6)),
-            (192, _tile(64, 128, 64, 4, 6, tma=True)),
+            (96, _tile(64, 64, 128, 4, 4)),
+            (128, _tile(64, 64, 64, 4, 8, gluon="specialized")),
+            (160, _tile(64, 128, 64, 4, 6)),
+            (192, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
             (224, _tile(64, 128, 64, 4, 6)),
-            (256, _tile(64, 128, 64, 4, 6, tma=True)),
+            (256, _tile(64, 128, 128, 4, 4, gluon="persistent")),
             (320, _tile(64, 256, 64, 4, 4)),
-            (352, _tile(128, 128, 64, 8, 5, tma=True)),
-            (384, _tile(128, 128, 64, 8, 5)),
+            (352, _tile(128, 128, 64, 8, 5, gluon="pipelined")),
+            (384, _tile(128, 128, 64, 8, 5, gluon="persistent")),
             (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 5, tma=True)),
-            (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+            (480, _tile(128, 128, 64, 8, 5, gluon="persistent")),
+            (512, _tile(128, 128, 64, 8, 5, gluon="pipelined")),
+            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
+            (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
     ),  # qkv
     (12288, 2048): MatmulPlan(
         1,
         (
-            (8, _tile(64, 128, 64, 4, 6)),
+            (1, _tile(64, 128, 64, 4, 6)),
             (16, _tile(64, 128, 64, 4, 6, swap=True)),
-            (32, _tile(64, 128, 64, 4, 6, stream=True)),
-            (64, _tile(64, 128, 64, 4, 6)),
-            (96, _tile(128, 128, 64, 8, 5)),
-            (128, _tile(128, 128, 64, 8, 5, tma=True)),
-            (144, _tile(64, 128, 64, 4, 4, swap=True, tail=16)),
+            (32, _tile(64, 128, 64, 4, 6)),
+            (64, _tile(64, 128, 64, 4, 6, gluon="persistent")),
+            (128, _tile(128, 128, 64, 8, 5)),
             (160, _tile(64, 64, 64, 4, 4, swap=True, tail=16)),
             (192, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
-            (224, _tile(128, 128, 64, 8, 3)),
-            (256, _tile(128, 128, 64, 8, 3, tma=True)),
-            (320, _tile(64, 256, 64, 4, 4)),
-            (384, _tile(128, 128, 64, 8, 5, tma=True, stream=True)),
-            (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 5, tma=True)),
-            (LARGE_M, _tile(128, 128, 64, 8, 3, tma=True)),
+            (224, _tile(128, 128, 64, 8, 3, swap=True)),
+            (256, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (320, _tile(64, 256, 64, 4, 4, gluon="persistent")),
+            (352, _tile(128, 128, 64, 8, 5, gluon="persistent")),
+            (384, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (448, _tile(64, 256, 64, 4, 4, gluon="persistent")),
+            (512, _tile(128, 128, 64, 8, 5, gluon="persistent")),
+            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
+            (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
     ),  # gate_up
     (151936, 2048): MatmulPlan(
@@ -201,17 +248,18 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (1, _tile(16, 64, 128, 4, 6, swap=True)),
             (16, _tile(16, 128, 128, 4, 4, swap=True)),
             (32, _tile(32, 128, 128, 4, 4, swap=True)),
-            (64, _tile(64, 64, 64, 4, 6)),
+            (64, _tile(64, 128, 128, 4, 4, gluon="persistent")),
             (96, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
-            (128, _tile(128, 128, 64, 8, 5, tma=True, stream=True)),
+            (128, _tile(128, 128, 64, 8, 5, gluon="persistent")),
+            (144, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (160, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
-            (192, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
-            (224, _tile(128, 256, 64, 8, 3, tma=True, stream=True)),
-            (256, _tile(128, 128, 64, 8, 3, tma=True)),
-            (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
-            (320, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
-            (512, _tile(128, 256, 64, 8, 3, tma=True, stream=True)),
-            (LARGE_M, _tile(256, 128, 64, 8, 3, swap=True)),
+            (176, _tile(64, 256, 64, 4, 4, gluon="persistent")),
+            (192, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (224, _tile(128, 256, 64, 8, 3, gluon="persistent")),
+            (256, _tile(128, 128, 64, 8, 5, gluon="persistent")),
+            (272, _tile(256, 128, 64, 8, 3, swap=True, tail=16)),
+            (320, _tile(64, 256, 64, 4, 4, gluon="persistent")),
+            (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
     ),  # lm_head
 }

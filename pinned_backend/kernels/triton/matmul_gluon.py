@@ -1,0 +1,292 @@
+"""Matmul tiles for Hopper written in Gluon, below `tl.dot`: `x [M, K] @ w[N, K].T -> [M, N]`, bf16 or fp16 in.
+
+Triton's `tl.dot` kernels (matmul.py) leave their copies' schedule, their store and their programs' lifetime to
+the compiler. Here they are written out by hand, three ways a plan may choose by M (`MatmulTile.gluon`):
+- `specialized`: one program per tile; one warp only issues tensor-memory-engine copies into a ring of
+  shared-memory stages, and the other warps only issue `wgmma` steps, each freeing the stage of the step before;
+- `pipelined`: one program per tile; the warps that multiply fill the ring `DEPTH - 1` steps ahead themselves;
+- `persistent`: `pipelined` with at most one program per multiprocessor, each walking several tiles, its copies
+  running on into the next tile while it finishes and stores the current one.
+Each tile leaves through shared memory and the tensor-memory engine, which overlaps the store with what follows.
+
+The arithmetic is the `tl.dot` tiles' to the bit, for the reasons matmul_plans.py gives: each slice of K is one
+chain of `wgmma` steps of K = 16 in K order into an fp32 accumulator whose first step adds to nothing (as Triton
+starts a zeroed accumulator), and a program's slices are added in slice order, the first taken as it is. The
+sweep and the GPU tests prove it as they prove every tile (bench/results/h200.md, "Below tl.dot").
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ._compat import HAVE_TRITON, interpreted
+from .dependent_launch import launch_options
+from .matmul_plans import MatmulTile
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    HAVE_GLUON = HAVE_TRITON
+except ImportError:
+    HAVE_GLUON = False
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _tile_origin(tile, M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, N_TILES: gl.constexpr,
+                     GROUP_M: gl.constexpr):  # fmt: skip
+        # The tiled kernel's launch order (matmul.py): bands of GROUP_M row tiles, row tiles fastest in a band.
+        num_m = gl.cdiv(M, BLOCK_M)
+        band = tile // (GROUP_M * N_TILES)
+        first_m = band * GROUP_M
+        band_rows = gl.minimum(num_m - first_m, GROUP_M)
+        in_band = tile % (GROUP_M * N_TILES)
+        return (first_m + in_band % band_rows) * BLOCK_M, (in_band // band_rows) * BLOCK_N
+
+    @gluon.constexpr_function
+    def _acc_layout(block_m: int, block_n: int, num_warps: int) -> Any:
+        # Warps stacked along the tile's rows, 16 to a warp: a warpgroup's wgmma steps each cover 64 rows and up
+        # to 256 columns.
+        warps_m = min(num_warps, block_m // 16)
+        return gl.NVMMADistributedLayout(
+            version=[3, 0],
+            warps_per_cta=[warps_m, num_warps // warps_m],
+            instr_shape=[16, min(256, block_n // (num_warps // warps_m)), 16],
+        )
+
+    @gluon.jit
+    def _start_as_dependent(PDL: gl.constexpr):
+        # dependent_launch.py's rule, in Gluon: let the next kernel launch, then wait for the one before.
+        if PDL:
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)  # fmt: skip
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                      pack=1)  # fmt: skip
+
+    @gluon.jit
+    def _store_tile(total, out_desc, out_stage, off_m, off_n):
+        # Through shared memory and the tensor-memory engine, which writes whole rows and leaves out those past M;
+        # the stage is free again once the previous tile's copy out has read it.
+        tma.store_wait(0)
+        out_stage.store(total.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_stage)
+
+    @gluon.jit
+    def _copy_stages(x_desc, w_desc, x_stages, w_stages, filled, emptied, off_m, off_n, STEPS: gl.constexpr):
+        """The copying warp: K step i into stage i % depth, once the tensor cores have finished with that stage."""
+        depth: gl.constexpr = x_stages.shape[0]
+        block_k: gl.constexpr = x_desc.block_type.shape[1]
+        for i in range(STEPS):
+            stage = i % depth
+            # A fresh barrier counts as having completed the phase before its first: the first round waits on
+            # nothing.
+            mbarrier.wait(emptied.index(stage), ((i // depth) & 1) ^ 1)
+            mbarrier.expect(filled.index(stage), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                x_desc, [off_m, i * block_k], filled.index(stage), x_stages.index(stage)
+            )
+            tma.async_copy_global_to_shared(
+                w_desc, [off_n, i * block_k], filled.index(stage), w_stages.index(stage)
+            )
+
+    @gluon.jit
+    def _multiply_stages(
+        x_stages, w_stages, filled, emptied, out_desc, out_stage, off_m, off_n,
+        SLICES: gl.constexpr, STEPS: gl.constexpr, acc_layout: gl.constexpr,
+    ):  # fmt: skip
+        """The tensor-core warps: each slice's chain of steps, the slices added in order, then the store."""
+        depth: gl.constexpr = x_stages.shape[0]
+        block_m: gl.constexpr = x_stages.shape[1]
+        block_n: gl.constexpr = w_stages.shape[1]
+        per_slice: gl.constexpr = STEPS // SLICES
+        total = gl.zeros((block_m, block_n), gl.float32, acc_layout)
+        for s in gl.static_range(SLICES):
+            acc = gl.zeros((block_m, block_n), gl.float32, acc_layout)
+            for j in range(per_slice):
+                i = s * per_slice + j
+                stage = i % depth
+                mbarrier.wait(filled.index(stage), (i // depth) & 1)
+                acc = warpgroup_mma(
+                    x_stages.index(stage),
+                    w_stages.index(stage).permute((1, 0)),
+                    acc,
+                    use_acc=j > 0,
+                    is_async=True,
+                )
+                # At most this step in flight: the step before has read its stage, which goes back to the copier.
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(emptied.index((i + depth - 1) % depth), pred=i > 0)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            total = acc if s == 0 else total + acc
+        _store_tile(total, out_desc, out_stage, off_m, off_n)
+        tma.store_wait(0)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _specialized_kernel(
+        x_desc, w_desc, out_desc, M,
+        SLICES: gl.constexpr, STEPS: gl.constexpr, DEPTH: gl.constexpr, N_TILES: gl.constexpr,
+        GROUP_M: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        block_m: gl.constexpr = x_desc.block_type.shape[0]
+        block_n: gl.constexpr = w_desc.block_type.shape[0]
+        block_k: gl.constexpr = x_desc.block_type.shape[1]
+        off_m, off_n = _tile_origin(gl.program_id(0), M, block_m, block_n, N_TILES, GROUP_M)
+        x_stages = gl.allocate_shared_memory(x_desc.dtype, [DEPTH, block_m, block_k], x_desc.layout)
+        w_stages = gl.allocate_shared_memory(w_desc.dtype, [DEPTH, block_n, block_k], w_desc.layout)
+        filled = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
+        emptied = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
+        out_stage = gl.allocate_shared_memory(out_desc.dtype, [block_m, block_n], out_desc.layout)
+        for i in gl.static_range(DEPTH):
+            mbarrier.init(filled.index(i), count=1)
+            mbarrier.init(emptied.index(i), count=1)
+        _start_as_dependent(PDL)
+        gl.warp_specialize(
+            [
+                (
+                    _multiply_stages,
+                    (x_stages, w_stages, filled, emptied, out_desc, out_stage, off_m, off_n, SLICES, STEPS,
+                     _acc_layout(block_m, block_n, num_warps)),
+                ),
+                (_copy_stages, (x_desc, w_desc, x_stages, w_stages, filled, emptied, off_m, off_n, STEPS)),
+            ],
+            [1],
+            [24],
+        )  # fmt: skip
+
+    @gluon.jit
+    def _copy_step(x_desc, w_desc, x_stages, w_stages, filled, step, off_m, off_n, STEPS: gl.constexpr):
+        depth: gl.constexpr = x_stages.shape[0]
+        stage = step % depth
+        k_at = step % STEPS * x_desc.block_type.shape[1]
+        mbarrier.expect(filled.index(stage), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, k_at], filled.index(stage), x_stages.index(stage))
+        tma.async_copy_global_to_shared(w_desc, [off_n, k_at], filled.index(stage), w_stages.index(stage))
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _pipelined_kernel(
+        x_desc, w_desc, out_desc, M,
+        SLICES: gl.constexpr, STEPS: gl.constexpr, DEPTH: gl.constexpr, N_TILES: gl.constexpr,
+        GROUP_M: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    ):  # fmt: skip
+        block_m: gl.constexpr = x_desc.block_type.shape[0]
+        block_n: gl.constexpr = w_desc.block_type.shape[0]
+        block_k: gl.constexpr = x_desc.block_type.shape[1]
+        per_slice: gl.constexpr = STEPS // SLICES
+        # Tiles first, first + programs, ... of the launch order, so that the programs running at once share
+        # weight tiles through L2; steps are counted over all of a program's tiles.
+        first = gl.program_id(0)
+        programs = gl.num_programs(0)
+        my_tiles = gl.cdiv(gl.cdiv(M, block_m) * N_TILES - first, programs)
+        my_steps = my_tiles * STEPS
+        x_stages = gl.allocate_shared_memory(x_desc.dtype, [DEPTH, block_m, block_k], x_desc.layout)
+        w_stages = gl.allocate_shared_memory(w_desc.dtype, [DEPTH, block_n, block_k], w_desc.layout)
+        filled = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
+        out_stage = gl.allocate_shared_memory(out_desc.dtype, [block_m, block_n], out_desc.layout)
+        for i in gl.static_range(DEPTH):
+            mbarrier.init(filled.index(i), count=1)
+        acc_layout: gl.constexpr = _acc_layout(block_m, block_n, num_warps)
+        _start_as_dependent(PDL)
+
+        off_m, off_n = _tile_origin(first, M, block_m, block_n, N_TILES, GROUP_M)
+        for p in gl.static_range(DEPTH - 1):
+            if p < my_steps:
+                _copy_step(x_desc, w_desc, x_stages, w_stages, filled, p, off_m, off_n, STEPS)
+        # Where the copies DEPTH - 1 steps ahead are: worked out once a tile, not once a step.
+        ahead_tile = first * 0 + (DEPTH - 1) // STEPS
+        ahead_m, ahead_n = _tile_origin(first + ahead_tile * programs, M, block_m, block_n, N_TILES, GROUP_M)
+        total = gl.zeros((block_m, block_n), gl.float32, acc_layout)
+        for t in range(my_tiles):
+            for s in gl.static_range(SLICES):
+                acc = gl.zeros((block_m, block_n), gl.float32, acc_layout)
+                for j in range(per_slice):
+                    step = t * STEPS + s * per_slice + j
+                    stage = step % DEPTH
+                    mbarrier.wait(filled.index(stage), (step // DEPTH) & 1)
+                    acc = warpgroup_mma(
+                        x_stages.index(stage), w_stages.index(stage).permute((1, 0)), acc, use_acc=j > 0,
+                        is_async=True,
+                    )  # fmt: skip
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    # Every warpgroup's step before this one has finished: its stage takes the copy DEPTH - 1 ahead.
+                    gl.thread_barrier()
+                    ahead = step + DEPTH - 1
+                    if ahead < my_steps:
+                        if ahead // STEPS != ahead_tile:
+                            ahead_tile = ahead // STEPS
+                            ahead_m, ahead_n = _tile_origin(
+                                first + ahead_tile * programs, M, block_m, block_n, N_TILES, GROUP_M
+                            )
+                        _copy_step(x_desc, w_desc, x_stages, w_stages, filled, ahead, ahead_m, ahead_n, STEPS)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                total = acc if s == 0 else total + acc
+            off_m, off_n = _tile_origin(first + t * programs, M, block_m, block_n, N_TILES, GROUP_M)
+            _store_tile(total, out_desc, out_stage, off_m, off_n)
+        tma.store_wait(0)
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether these operands can go through the Gluon kernels: Gluon present, a CUDA device (not Triton's
+    interpreter, which runs no Gluon) and rows the tensor-memory engine can address (16-byte aligned)."""
+    return (
+        HAVE_GLUON
+        and not interpreted()
+        and all(
+            t.is_cuda
+            and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.stride(1) == 1
+            for t in tensors
+        )
+    )
+
+
+def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
+    return TensorDescriptor.from_tensor(t, block, _shared_layout(block, t.dtype))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def launch_gluon(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: int, tile: MatmulTile, group_m: int
+) -> None:
+    """out = x @ w.T by the Gluon kernel `tile.gluon`, all `split` slices of K of a tile in one program, tiles in
+    bands of `group_m` row tiles. The operands must be `usable`."""
+    (m, k), n = x.shape, w.shape[0]
+    n_tiles = -(-n // tile.block_n)
+    tiles = -(-m // tile.block_m) * n_tiles
+    launch = _specialized_kernel if tile.gluon == "specialized" else _pipelined_kernel
+    programs = min(tiles, _multiprocessors(x.device)) if tile.gluon == "persistent" else tiles
+    # Warp-specialised, the copying warp's group of four gives up all but 24 registers a thread to the others; the
+    # limit keeps all the program's warps within the register file.
+    registers = (
+        {"maxnreg": min(256, 65536 // ((tile.num_warps + 4) * 32)) // 8 * 8}
+        if tile.gluon == "specialized"
+        else {}
+    )
+    dependent = launch_options(x.device)
+    launch[(programs,)](
+        _descriptor(x, [tile.block_m, tile.block_k]), _descriptor(w, [tile.block_n, tile.block_k]),
+        _descriptor(out, [tile.block_m, tile.block_n]), m,
+        SLICES=split, STEPS=k // tile.block_k, DEPTH=tile.num_stages, N_TILES=n_tiles, GROUP_M=group_m,
+        PDL=dependent["PDL"], num_warps=tile.num_warps, launch_pdl=dependent["launch_pdl"], **registers,
+    )  # fmt: skip
