@@ -1,4 +1,5 @@
-"""The `batch_invariant` kernels on CUDA, written in Triton: one module per family, each a kernel and its launcher.
+"""The `batch_invariant` kernels on CUDA, written in Triton (and, for some matmul tiles, Gluon, its lower-level
+language): one module per family, each a kernel and its launcher.
 
 `TritonKernels` implements the `Kernels` protocol of the parent package. Every launch configuration is fixed by
 dtype and weight shape (and, for attention, by `kv_split_size`), never by the step's batch, so every output row's
