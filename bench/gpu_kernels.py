@@ -12,8 +12,9 @@
    `matmul_plans.TUNED`.
 4. cuBLAS's own invariance at the same shapes, for the record.
 
-Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--budget-s=SECONDS] [--write-tuned]. Prints a short
-table last; `--write-tuned` also rewrites `matmul_plans.TUNED` with the winning plans of the shapes swept.
+Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--splits=down:2+3] [--budget-s=SECONDS]
+[--write-tuned]. Prints a short table last; `--splits` names the reduction orders to try for a shape in place of
+`SPLITS`'s; `--write-tuned` also rewrites `matmul_plans.TUNED` with the winning plans of the shapes swept.
 """
 
 from __future__ import annotations
@@ -434,6 +435,10 @@ def write_tuned(plans: dict[tuple[int, int], str]) -> None:
 def main() -> None:
     out_path = sys.argv[1]
     only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--shapes=")), list(SHAPES))
+    # --splits=down:3 or down:2+3,o_proj:1: the reduction orders to try for a shape, in place of SPLITS's.
+    for entry in next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--splits=")), []):
+        name, orders = entry.split(":")
+        SPLITS[name] = [int(order) for order in orders.split("+")]
     budget = float(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--budget-s=")), "1e9"))
     start = time.time()
     torch.manual_seed(0)
