@@ -184,15 +184,15 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
         tiles += [
             MatmulTile(*t[:5], split_programs=True, swap=True, tail=t[5]) for t in SWAP_SPLIT_PROGRAM_TILES
         ]
-    return [t for t in tiles if slice_k % t.block_k == 0 and 8 <= n / t.block_n <= 2400 and fits(t, split)]
+    return [t for t in tiles if slice_k % t.block_k == 0 and 8 <= n / t.block_n <= 2400 and fits(t, k, split)]
 
 
-def fits(tile: MatmulTile, split: int) -> bool:
-    if (
-        tile.gluon
-    ):  # the plan's own rules: shared memory for stages and the output tile, accumulators in registers
+def fits(tile: MatmulTile, k: int, split: int) -> bool:
+    # A Gluon tile by the plans' own rules: shared memory for its stages and output tile, registers for its
+    # accumulators, enough K steps for its ring.
+    if tile.gluon:
         try:
-            MatmulPlan(split, ((LARGE_M, tile),)).check(split * tile.block_k)
+            MatmulPlan(split, ((LARGE_M, tile),)).check(k)
         except ValueError:
             return False
         return True

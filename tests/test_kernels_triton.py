@@ -41,6 +41,21 @@ def test_matmul_plan_depends_on_the_weight_shape_and_the_gpu_only(
     assert plan.tile_for(1) == plan.tiles[0][1] and plan.tile_for(10**9) == plan.tiles[-1][1]
 
 
+def test_a_gpu_no_sweep_has_proven_gets_a_plain_tile_even_where_the_plan_has_one_gluon_or_streamed_tile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plans = importlib.import_module("pinned_backend.kernels.triton.matmul_plans")
+    # Shapes no other plan has, one for each tile: plans are cached by shape and GPU.
+    for n, tile in (
+        (1056, MatmulTile(128, 128, 64, 8, 4, gluon="persistent")),
+        (1088, MatmulTile(128, 128, 64, 8, 4, stream=True)),
+    ):
+        monkeypatch.setitem(plans.TUNED, (n, 1024), MatmulPlan(1, ((1 << 62, tile),)))
+        assert matmul_plan(n, 1024, (9, 0)).tiles[0][1] == tile
+        unproven = matmul_plan(n, 1024, (8, 0)).tiles[0][1]
+        assert not (unproven.gluon or unproven.stream or unproven.tma or unproven.swap)
+
+
 @pytest.mark.parametrize(("n", "k"), [*QWEN3_1_7B_WEIGHTS, (3072, 2048)])
 def test_a_gpu_whose_tiles_no_sweep_has_proven_gets_one_plain_tile_for_every_m(n: int, k: int) -> None:
     proven, unproven = matmul_plan(n, k, (9, 0)), matmul_plan(n, k, (8, 0))
@@ -111,12 +126,32 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
         (
             MatmulPlan(2, ((1 << 62, MatmulTile(128, 256, 64, 8, 3, gluon="persistent")),)),
             6144,
-            "accumulators would not fit in registers",
+            "over 128",
         ),
         (
             MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, gluon="specialized")),)),
             2000,
             "a Gluon tile's K step must divide",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 1, gluon="pipelined")),)),
+            2048,
+            "a ring of 2 or more stages",
+        ),
+        (
+            MatmulPlan(2, ((1 << 62, MatmulTile(64, 256, 64, 4, 4, gluon="persistent")),)),
+            6144,
+            "take 256 registers a thread",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 16, 64, 8, 4, gluon="pipelined")),)),
+            2048,
+            "wgmma steps 8 columns wide",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(128, 128, 64, 8, 5, gluon="persistent")),)),
+            128,
+            "needs at least 4 K steps",
         ),
     ],
 )
@@ -323,6 +358,16 @@ def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_p
     assert int(counters.count_nonzero()) == 0, "a carry flag or a slice counter was left set"
 
 
+# The Gluon tiles the plans serve, and one of each K step.
+_GLUON_BLOCKS = [
+    (128, 128, 64, 8, 5),
+    (128, 256, 64, 8, 3),
+    (64, 128, 64, 4, 6),
+    (64, 128, 128, 4, 4),
+    (64, 64, 64, 4, 8),
+]
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize(("n", "k", "split"), [(2048, 6144, 2), (12288, 2048, 1), (2048, 2048, 1)])
@@ -331,11 +376,15 @@ def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
 ) -> None:  # type: ignore[no-untyped-def]
     x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-    for blocks in ((128, 128, 64, 8, 5), (64, 128, 64, 4, 6)):
+    for blocks in _GLUON_BLOCKS:
         twin = MatmulTile(*blocks, tma=True)
         plan = MatmulPlan(split, ((1 << 62, twin),))
         for kernel in ("specialized", "pipelined", "persistent"):
             gluon = MatmulTile(*blocks, gluon=kernel)
+            try:
+                MatmulPlan(split, ((1 << 62, gluon),)).check(k)
+            except ValueError:
+                continue  # its accumulators would not fit this many slices
             # One row, a part-empty last row tile, more tiles than multiprocessors, and bands of row tiles.
             for m in (1, 64, 130, 264, 336, 512, 700, 2200):
                 assert torch.equal(
@@ -349,11 +398,29 @@ def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
             assert torch.equal(replayed, matmul_with_plan(x[:336], w, plan, twin)), (
                 f"{gluon} replayed from a graph"
             )
+    gluon = MatmulTile(128, 128, 64, 8, 5, gluon="persistent")
+    plan = MatmulPlan(split, ((1 << 62, gluon),))
+    twin = MatmulTile(128, 128, 64, 8, 5, tma=True)
+    # fp16 operands too.
+    x16, w16 = x[:336].half(), w.half()
+    assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, twin))
+    # Right after the kernel that writes its operand, in a graph where both launch as programmatic dependents: it
+    # must wait for that kernel's writes (a stale operand, zeroed before the replay, would show).
+    w_in = (torch.randn(k, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        operand = triton_ops.matmul(x[:264], w_in)
+        chained = matmul_with_plan(operand, w, plan, gluon)
+    operand.zero_()
+    chained.zero_()
+    graph.replay()
+    expected = matmul_with_plan(triton_ops.matmul(x[:264], w_in), w, plan, twin)
+    assert torch.equal(chained, expected), (
+        f"{gluon} read its operand before the kernel writing it had finished"
+    )
     # Rows the copy engine cannot address (a stride of K + 1 elements) go to the twin, with the same bits.
     strided = torch.empty(300, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
     strided.copy_(x[:300])
-    gluon = MatmulTile(128, 128, 64, 8, 5, gluon="persistent")
-    plan = MatmulPlan(split, ((1 << 62, gluon),))
     assert torch.equal(matmul_with_plan(strided, w, plan, gluon), matmul_with_plan(x[:300], w, plan, gluon))
 
 

@@ -58,7 +58,7 @@ if HAVE_GLUON:
     @gluon.constexpr_function
     def _acc_layout(block_m: int, block_n: int, num_warps: int) -> Any:
         # Warps stacked along the tile's rows, 16 to a warp: a warpgroup's wgmma steps each cover 64 rows and up
-        # to 256 columns.
+        # to 256 columns (matmul_plans.gluon_wgmma_cols, which the plans' checks hold to 16 or more).
         warps_m = min(num_warps, block_m // 16)
         return gl.NVMMADistributedLayout(
             version=[3, 0],
@@ -238,19 +238,27 @@ if HAVE_GLUON:
 
 
 def usable(*tensors: torch.Tensor) -> bool:
-    """Whether these operands can go through the Gluon kernels: Gluon present, a CUDA device (not Triton's
-    interpreter, which runs no Gluon) and rows the tensor-memory engine can address (16-byte aligned)."""
+    """Whether these operands can go through the Gluon kernels: Gluon present, not Triton's interpreter (which runs
+    no Gluon), a Hopper GPU (the kernels issue `wgmma`, sm_90's instruction alone), and non-empty rows the
+    tensor-memory engine can address (16-byte aligned)."""
     return (
         HAVE_GLUON
         and not interpreted()
         and all(
             t.is_cuda
+            and t.numel() > 0
             and t.data_ptr() % 16 == 0
             and (t.stride(0) * t.element_size()) % 16 == 0
             and t.stride(1) == 1
             for t in tensors
         )
+        and _hopper(tensors[0].device)
     )
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:

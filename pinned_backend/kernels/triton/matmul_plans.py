@@ -37,10 +37,12 @@ _WGMMA_ROWS = (64, 128, 256)
 _WGMMA_WARPS = (4, 8)
 _SWAP_MIN_COLS = 16
 _GLUON_KERNELS = ("", "specialized", "pipelined", "persistent")
-# A Hopper program's shared memory, and the fp32 accumulator elements a Gluon tile may hold (128 x 256: 128
-# registers a thread over 8 warps).
+# A Hopper program's shared memory, and the fp32 accumulator registers a thread of a Gluon tile may hold (a
+# 128 x 256 tile over 8 warps; more spills, compiled for sm_90a).
 _SHARED_BYTES = 227 * 1024
-_GLUON_ACCUMULATOR = 128 * 256
+_GLUON_ACCUMULATOR_REGISTERS = 128
+# The narrowest wgmma step a Gluon tile's warpgroup may take (its columns); narrower ones do not compile.
+_GLUON_MIN_WGMMA_COLS = 16
 # Without a split, fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
 _TARGET_PROGRAMS = 128
 
@@ -99,6 +101,13 @@ class MatmulTile:
             raise ValueError(
                 f"{self}: its stages and its output tile need more than {_SHARED_BYTES} bytes of shared memory"
             )
+        if self.gluon and self.num_stages < 2:
+            raise ValueError(f"{self}: a Gluon tile copies ahead into a ring of 2 or more stages")
+        if self.gluon and gluon_wgmma_cols(self) < _GLUON_MIN_WGMMA_COLS:
+            raise ValueError(
+                f"{self}: its warpgroups would take wgmma steps {gluon_wgmma_cols(self)} columns wide, under"
+                f" {_GLUON_MIN_WGMMA_COLS}"
+            )
 
 
 @dataclass(frozen=True)
@@ -121,16 +130,34 @@ class MatmulPlan:
         for _, tile in self.tiles:
             tile.check()
         for _, tile in self.tiles:
-            # A Gluon tile holds each slice's accumulator and the running total in registers.
-            if tile.gluon and tile.block_m * tile.block_n * min(self.split_k, 2) > _GLUON_ACCUMULATOR:
-                raise ValueError(f"{tile}: {self.split_k} slices' accumulators would not fit in registers")
-            if tile.gluon and k % (self.split_k * tile.block_k):
+            if not tile.gluon:
+                continue
+            # Each slice's accumulator and, past the first slice, the running total, in the threads' registers.
+            registers = tile.block_m * tile.block_n * min(self.split_k, 2) // (32 * tile.num_warps)
+            if registers > _GLUON_ACCUMULATOR_REGISTERS:
+                raise ValueError(
+                    f"{tile}: {self.split_k} slices' accumulators take {registers} registers a thread, over"
+                    f" {_GLUON_ACCUMULATOR_REGISTERS}"
+                )
+            if k % (self.split_k * tile.block_k):
                 raise ValueError(
                     f"{tile}: a Gluon tile's K step must divide each of the {self.split_k} slices of K = {k}"
+                )
+            # A persistent program copies its first stages before it has worked out where its second tile is.
+            if k // tile.block_k < tile.num_stages - 1:
+                raise ValueError(
+                    f"{tile}: a Gluon tile needs at least {tile.num_stages - 1} K steps, K = {k}"
                 )
         ragged = any(k % (self.split_k * tile.block_k) for _, tile in self.tiles)
         if ragged and (self.split_k > 1 or len(self.tiles) > 1 or self.tiles[0][1].stream):
             raise ValueError(f"{self}: every K step must divide each of the {self.split_k} slices of K = {k}")
+
+
+def gluon_wgmma_cols(tile: MatmulTile) -> int:
+    """The columns of one wgmma step of a Gluon tile's warpgroup: warps stack along the tile's rows, 16 to a warp,
+    and those left over split its columns (matmul_gluon.py)."""
+    warps_m = min(tile.num_warps, tile.block_m // 16)
+    return min(256, tile.block_n // (tile.num_warps // warps_m))
 
 
 def _gluon_shared_bytes(tile: MatmulTile) -> int:
@@ -296,7 +323,9 @@ def matmul_plan(n: int, k: int, capability: tuple[int, int]) -> MatmulPlan:
     plan is one plain tile for every M: invariant by construction, slower at decode sizes."""
     plan = TUNED.get((n, k)) or rule_plan(n, k)
     last = plan.tiles[-1][1]
-    if capability not in PROVEN_CAPABILITIES and (len(plan.tiles) > 1 or last.tma or last.swap):
+    if capability not in PROVEN_CAPABILITIES and (
+        len(plan.tiles) > 1 or last.tma or last.swap or last.stream or last.gluon
+    ):
         block_k = last.block_k
         plan = MatmulPlan(plan.split_k, ((LARGE_M, _tile(128, 128, block_k, 8, 2)),))
     plan.check(k)
