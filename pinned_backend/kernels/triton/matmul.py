@@ -402,8 +402,10 @@ def matmul(
         if usable(x, w, out):
             launch_gluon(x, w, out, plan.split_k, tile, _GROUP_M)
             return out
-        # The same tile from a `tl.dot` kernel (all slices in one program, as the Gluon kernels take them) gives
-        # the same bits: under Triton's interpreter, which runs no Gluon, and for views the copy engine cannot read.
+        # The same tile from a `tl.dot` kernel (all slices in one program, as the Gluon kernels take them), which
+        # gives the same bits wherever both run: under Triton's interpreter, which runs no Gluon, and for views the
+        # copy engine cannot read. Off Hopper, where `wgmma` does not exist, served plans hold no Gluon tile; one
+        # named explicitly runs as its twin.
         tile = dataclasses.replace(tile, gluon="", tma=True)
     if tile.stream:
         _launch_stream(x, w, out, plan.split_k, tile)
