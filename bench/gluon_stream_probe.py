@@ -18,7 +18,6 @@ with the plan's. Writes JSON as it goes.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import sys
@@ -186,11 +185,6 @@ def _streamed_kernel(
     tma.store_wait(0)
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def streamed(x: torch.Tensor, w: torch.Tensor, tile: tuple[int, int, int, int, int]) -> torch.Tensor:
     (m, k), n = x.shape, w.shape[0]
     block_m, block_n, block_k, warps, depth = tile
@@ -198,7 +192,7 @@ def streamed(x: torch.Tensor, w: torch.Tensor, tile: tuple[int, int, int, int, i
     steps = k // block_k
     n_tiles = -(-n // block_n)
     units = -(-m // block_m) * n_tiles * steps
-    run = max(-(-units // _multiprocessors(x.device)), steps)  # never shorter than a chain
+    run = max(-(-units // mm._multiprocessors(x.device)), steps)  # never shorter than a chain
     programs = -(-units // run)
     carry = torch.empty((programs, block_m * block_n), device=x.device, dtype=torch.float32)
     flags = torch.zeros(programs, device=x.device, dtype=torch.int32)

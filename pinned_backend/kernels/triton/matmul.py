@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ._compat import HAVE_TRITON, tl, triton
+from ._compat import HAVE_TRITON, interpreted, tl, triton
 from .dependent_launch import launch_options, start_as_dependent
-from .matmul_gluon import launch_gluon, usable
+from .matmul_gluon import HAVE_GLUON, launch_gluon
 from .matmul_plans import LARGE_M, MatmulPlan, MatmulTile, matmul_plan
 from .reused_launch import ReusedLaunch
 
@@ -399,8 +399,8 @@ def matmul(
     if m == 0:
         return out
     if tile.gluon:
-        if usable(x, w, out):
-            launch_gluon(x, w, out, plan.split_k, tile, _GROUP_M)
+        if _gluon_runs(x, w, out):
+            launch_gluon(x, w, out, plan.split_k, tile, _GROUP_M, _multiprocessors(device))
             return out
         # The same tile from a `tl.dot` kernel (all slices in one program, as the Gluon kernels take them), which
         # gives the same bits wherever both run: under Triton's interpreter, which runs no Gluon, and for views the
@@ -551,6 +551,18 @@ def _descriptors(x: torch.Tensor, w: torch.Tensor, tile: MatmulTile) -> tuple[bo
         return False, None, None
     x_desc = TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k])
     return True, x_desc, TensorDescriptor.from_tensor(w, [tile.block_n, tile.block_k])
+
+
+def _gluon_runs(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the Gluon kernels can take these operands: Gluon present, not Triton's interpreter (which runs no
+    Gluon), a Hopper GPU (the kernels issue `wgmma`, sm_90's instruction alone), rows the copy engine can address."""
+    return (
+        HAVE_GLUON
+        and not interpreted()
+        and x.is_cuda
+        and _capability(x.device)[0] == 9
+        and all(_tma_ready(t) for t in (x, w, out))
+    )
 
 
 def _tma_ready(t: torch.Tensor) -> bool:

@@ -17,12 +17,11 @@ sweep and the GPU tests prove it as they prove every tile (bench/results/h200.md
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from ._compat import HAVE_TRITON, interpreted
+from ._compat import HAVE_TRITON
 from .dependent_launch import launch_options
 from .matmul_plans import MatmulTile
 
@@ -237,30 +236,6 @@ if HAVE_GLUON:
         tma.store_wait(0)
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """Whether these operands can go through the Gluon kernels: Gluon present, not Triton's interpreter (which runs
-    no Gluon), a Hopper GPU (the kernels issue `wgmma`, sm_90's instruction alone), and non-empty rows the
-    tensor-memory engine can address (16-byte aligned)."""
-    return (
-        HAVE_GLUON
-        and not interpreted()
-        and all(
-            t.is_cuda
-            and t.numel() > 0
-            and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.stride(1) == 1
-            for t in tensors
-        )
-        and _hopper(tensors[0].device)
-    )
-
-
-@functools.cache
-def _hopper(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
 def _shared_layout(block: list[int], dtype: torch.dtype) -> Any:
     return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
@@ -269,21 +244,23 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
     return TensorDescriptor.from_tensor(t, block, _shared_layout(block, t.dtype))
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def launch_gluon(
-    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: int, tile: MatmulTile, group_m: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    split: int,
+    tile: MatmulTile,
+    group_m: int,
+    multiprocessors: int,
 ) -> None:
     """out = x @ w.T by the Gluon kernel `tile.gluon`, all `split` slices of K of a tile in one program, tiles in
-    bands of `group_m` row tiles. The operands must be `usable`."""
+    bands of `group_m` row tiles, a persistent launch on at most `multiprocessors` programs. The operands must be
+    on a Hopper GPU, with non-empty rows the tensor-memory engine can address (matmul.py sees to both)."""
     (m, k), n = x.shape, w.shape[0]
     n_tiles = -(-n // tile.block_n)
     tiles = -(-m // tile.block_m) * n_tiles
     launch = _specialized_kernel if tile.gluon == "specialized" else _pipelined_kernel
-    programs = min(tiles, _multiprocessors(x.device)) if tile.gluon == "persistent" else tiles
+    programs = min(tiles, multiprocessors) if tile.gluon == "persistent" else tiles
     # Warp-specialised, the copying warp's group of four gives up all but 24 registers a thread to the others; the
     # limit keeps all the program's warps within the register file.
     registers = (

@@ -126,7 +126,7 @@ class MatmulPlan:
 
     def check(self, k: int) -> None:
         """Raise unless every tile reduces K in this plan's one order. A ragged end of K (zero-padded loads) is
-        allowed only to a plan of one tile and one slice: padding steps of different tiles would differ."""
+        allowed only to a plan of one `tl.dot` tile and one slice: padding steps of different tiles would differ."""
         for _, tile in self.tiles:
             tile.check()
         for _, tile in self.tiles:
@@ -139,17 +139,16 @@ class MatmulPlan:
                     f"{tile}: {self.split_k} slices' accumulators take {registers} registers a thread, over"
                     f" {_GLUON_ACCUMULATOR_REGISTERS}"
                 )
-            if k % (self.split_k * tile.block_k):
-                raise ValueError(
-                    f"{tile}: a Gluon tile's K step must divide each of the {self.split_k} slices of K = {k}"
-                )
             # A persistent program copies its first stages before it has worked out where its second tile is.
             if k // tile.block_k < tile.num_stages - 1:
                 raise ValueError(
                     f"{tile}: a Gluon tile needs at least {tile.num_stages - 1} K steps, K = {k}"
                 )
         ragged = any(k % (self.split_k * tile.block_k) for _, tile in self.tiles)
-        if ragged and (self.split_k > 1 or len(self.tiles) > 1 or self.tiles[0][1].stream):
+        # Streamed and Gluon tiles walk whole K steps only.
+        if ragged and (
+            self.split_k > 1 or len(self.tiles) > 1 or self.tiles[0][1].stream or self.tiles[0][1].gluon
+        ):
             raise ValueError(f"{self}: every K step must divide each of the {self.split_k} slices of K = {k}")
 
 
