@@ -167,6 +167,21 @@ GLUON_TILES = [
     (128, 256, 64, 8, 3),
 ]
 GLUON_KERNELS = ("specialized", "pipelined", "persistent")
+# Gluon tiles with a slice of K per program, for reduction orders of several slices: twice the programs of the
+# tile, which at M = 257..512 fill the multiprocessors with tiles wide enough to run near the tensor cores' rate
+# (a 128 x 128 Gluon tile of the down projection took 31 us at every M from 128 to 512 in run 52: 16 to 64
+# programs, each walking all of K). Not persistent: a persistent program walks whole tiles.
+GLUON_SPLIT_PROGRAM_TILES = [
+    (64, 64, 64, 4, 4),
+    (64, 64, 64, 4, 8),
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 4, 6),
+    (64, 128, 128, 4, 4),
+    (128, 128, 64, 8, 4),
+    (128, 128, 64, 8, 5),
+    (128, 256, 64, 8, 3),
+]
+GLUON_SPLIT_PROGRAM_KERNELS = ("specialized", "pipelined")
 # Tiles timed at the prefill sizes: those wide enough to be arithmetic-bound there.
 PREFILL_TILE_MIN_AREA = 128 * 128
 
@@ -183,6 +198,11 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
         tiles += [
             MatmulTile(*t[:5], split_programs=True, swap=True, tail=t[5]) for t in SWAP_SPLIT_PROGRAM_TILES
+        ]
+        tiles += [
+            MatmulTile(*t, split_programs=True, gluon=kernel)
+            for t in GLUON_SPLIT_PROGRAM_TILES
+            for kernel in GLUON_SPLIT_PROGRAM_KERNELS
         ]
     return [t for t in tiles if slice_k % t.block_k == 0 and 8 <= n / t.block_n <= 2400 and fits(t, k, split)]
 

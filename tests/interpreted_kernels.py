@@ -37,6 +37,9 @@ def main() -> int:
         "a slice per program": dataclasses.replace(ONE_PROGRAM_PER_TILE, split_programs=True),
         # The interpreter runs no Gluon: a Gluon tile goes to its `tl.dot` twin.
         "a Gluon tile": dataclasses.replace(ONE_PROGRAM_PER_TILE, gluon="persistent"),
+        "a Gluon tile, a slice per program": dataclasses.replace(
+            ONE_PROGRAM_PER_TILE, split_programs=True, gluon="pipelined"
+        ),
     }
     # Program counts and sizes that cut chains between programs at many places, with one and two slices of K.
     for programs, split, m in itertools.product([4, 7, 12], [1, 2], [1, 65, 130, 257]):

@@ -153,6 +153,13 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
             128,
             "needs at least 4 K steps",
         ),
+        (
+            MatmulPlan(
+                2, ((1 << 62, MatmulTile(128, 128, 64, 8, 5, split_programs=True, gluon="persistent")),)
+            ),
+            6144,
+            "walks whole tiles",
+        ),
     ],
 )
 def test_a_plan_whose_tiles_could_reduce_in_different_orders_is_refused(
@@ -379,8 +386,11 @@ def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
     for blocks in _GLUON_BLOCKS:
         twin = MatmulTile(*blocks, tma=True)
         plan = MatmulPlan(split, ((1 << 62, twin),))
-        for kernel in ("specialized", "pipelined", "persistent"):
-            gluon = MatmulTile(*blocks, gluon=kernel)
+        # With slices of K, also each slice in a program of its own (not persistent programs, which walk tiles).
+        kernels = [("specialized", False), ("pipelined", False), ("persistent", False)]
+        kernels += [("specialized", True), ("pipelined", True)] if split > 1 else []
+        for kernel, split_programs in kernels:
+            gluon = MatmulTile(*blocks, split_programs=split_programs, gluon=kernel)
             try:
                 MatmulPlan(split, ((1 << 62, gluon),)).check(k)
             except ValueError:
@@ -422,6 +432,9 @@ def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
     strided = torch.empty(300, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
     strided.copy_(x[:300])
     assert torch.equal(matmul_with_plan(strided, w, plan, gluon), matmul_with_plan(x[:300], w, plan, gluon))
+    torch.cuda.synchronize()
+    counters = importlib.import_module("pinned_backend.kernels.triton.matmul")._ARRIVALS.get(x.device)
+    assert counters is None or int(counters.count_nonzero()) == 0, "a tile's slice counter was left set"
 
 
 @gpu

@@ -398,11 +398,18 @@ def matmul(
     out = torch.empty((m, n), device=device, dtype=x.dtype)
     if m == 0:
         return out
+    split = plan.split_k
+    programs_k = split if tile.split_programs and split > 1 else 1
+    tiles = -(-m // (tile.block_m + tile.tail)) * -(-n // tile.block_n)
+    partials = arrivals = out
+    if programs_k > 1:
+        partials = torch.empty((split, m, n), device=device, dtype=torch.float32)
+        arrivals = _arrival_counters(device, tiles)
     if tile.gluon:
         if _gluon_runs(x, w, out):
-            launch_gluon(x, w, out, plan.split_k, tile, _GROUP_M, _multiprocessors(device))
+            launch_gluon(x, w, out, split, tile, _GROUP_M, _multiprocessors(device), partials, arrivals)
             return out
-        # The same tile from a `tl.dot` kernel (all slices in one program, as the Gluon kernels take them), which
+        # The same tile from a `tl.dot` kernel (its slices in the same programs as the Gluon kernel's), which
         # gives the same bits wherever both run: under Triton's interpreter, which runs no Gluon, and for views the
         # copy engine cannot read. Off Hopper, where `wgmma` does not exist, served plans hold no Gluon tile; one
         # named explicitly runs as its twin.
@@ -410,13 +417,7 @@ def matmul(
     if tile.stream:
         _launch_stream(x, w, out, plan.split_k, tile)
         return out
-    split = plan.split_k
-    programs_k = split if tile.split_programs and split > 1 else 1
-    grid = (-(-m // (tile.block_m + tile.tail)) * -(-n // tile.block_n), programs_k)
-    partials = arrivals = out
-    if programs_k > 1:
-        partials = torch.empty((split, m, n), device=device, dtype=torch.float32)
-        arrivals = _arrival_counters(device, grid[0])
+    grid = (tiles, programs_k)
     dependent = launch_options(device)
     tma, x_desc, w_desc = _descriptors(x, w, tile)
     _LAUNCH(

@@ -8,6 +8,9 @@ the compiler. Here they are written out by hand, three ways a plan may choose by
 - `persistent`: `pipelined` with at most one program per multiprocessor, each walking several tiles, its copies
   running on into the next tile while it finishes and stores the current one.
 Each tile leaves through shared memory and the tensor-memory engine, which overlaps the store with what follows.
+With `MatmulTile.split_programs`, `specialized` and `pipelined` run each slice of K in a program of its own, which
+leaves its fp32 partial for the tile's last program to add in slice order, as matmul.py's tiled kernel does. A
+part-empty last row tile moves back to end at row M, so that no copy of x reads past its end.
 
 The arithmetic is the `tl.dot` tiles' to the bit, for the reasons matmul_plans.py gives: each slice of K is one
 chain of `wgmma` steps of K = 16 in K order into an fp32 accumulator whose first step adds to nothing (as Triton
@@ -52,7 +55,11 @@ if HAVE_GLUON:
         first_m = band * GROUP_M
         band_rows = gl.minimum(num_m - first_m, GROUP_M)
         in_band = tile % (GROUP_M * N_TILES)
-        return (first_m + in_band % band_rows) * BLOCK_M, (in_band // band_rows) * BLOCK_N
+        # A part-empty last row tile moves back to end at row M, so that no copy of x reaches past its end: such
+        # copies ran slower (bench/results/h200.md, run 57). The rows it shares with the tile before go through the
+        # same chains there and here, so both programs write them with the same bits.
+        row = gl.minimum((first_m + in_band % band_rows) * BLOCK_M, gl.maximum(M - BLOCK_M, 0))
+        return row, (in_band // band_rows) * BLOCK_N
 
     @gluon.constexpr_function
     def _acc_layout(block_m: int, block_n: int, num_warps: int) -> Any:
@@ -84,7 +91,39 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_stage)
 
     @gluon.jit
-    def _copy_stages(x_desc, w_desc, x_stages, w_stages, filled, emptied, off_m, off_n, STEPS: gl.constexpr):
+    def _finish_tile(
+        total, out_desc, out_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M, N, PROGRAMS_K: gl.constexpr
+    ):  # fmt: skip
+        """Store a tile, or with a slice of K in each of `PROGRAMS_K` programs, leave this one's fp32 partial; the
+        tile's last program to arrive adds them in slice order and stores the sum, as in matmul.py's tiled kernel."""
+        if PROGRAMS_K == 1:
+            _store_tile(total, out_desc, out_stage, off_m, off_n)
+        else:
+            layout: gl.constexpr = total.type.layout
+            rows = off_m + gl.arange(0, total.shape[0], layout=gl.SliceLayout(1, layout))
+            cols = off_n + gl.arange(0, total.shape[1], layout=gl.SliceLayout(0, layout))
+            offsets = rows.to(gl.int64)[:, None] * N + cols[None, :]
+            inside = (rows < M)[:, None] & (cols < N)[None, :]
+            # Slice s's partials are the s-th [M, N] block.
+            block = M.to(gl.int64) * N
+            gl.store(part_ptr + gl.program_id(1) * block + offsets, total, mask=inside)
+            # Every thread's partial before the arrival, which releases them to the program that sees the last one.
+            gl.thread_barrier()
+            arrived = gl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == PROGRAMS_K - 1:
+                # The others' partials were written on other multiprocessors: read past L1, which is not coherent.
+                total = gl.load(part_ptr + offsets, mask=inside, other=0.0, cache_modifier=".cg")
+                for s in gl.static_range(1, PROGRAMS_K):
+                    total += gl.load(
+                        part_ptr + s * block + offsets, mask=inside, other=0.0, cache_modifier=".cg"
+                    )
+                _store_tile(total, out_desc, out_stage, off_m, off_n)
+                gl.store(arrivals_ptr + tile, 0)
+
+    @gluon.jit
+    def _copy_stages(
+        x_desc, w_desc, x_stages, w_stages, filled, emptied, off_m, off_n, k_base, STEPS: gl.constexpr
+    ):  # fmt: skip
         """The copying warp: K step i into stage i % depth, once the tensor cores have finished with that stage."""
         depth: gl.constexpr = x_stages.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
@@ -95,16 +134,16 @@ if HAVE_GLUON:
             mbarrier.wait(emptied.index(stage), ((i // depth) & 1) ^ 1)
             mbarrier.expect(filled.index(stage), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(
-                x_desc, [off_m, i * block_k], filled.index(stage), x_stages.index(stage)
+                x_desc, [off_m, k_base + i * block_k], filled.index(stage), x_stages.index(stage)
             )
             tma.async_copy_global_to_shared(
-                w_desc, [off_n, i * block_k], filled.index(stage), w_stages.index(stage)
+                w_desc, [off_n, k_base + i * block_k], filled.index(stage), w_stages.index(stage)
             )
 
     @gluon.jit
     def _multiply_stages(
-        x_stages, w_stages, filled, emptied, out_desc, out_stage, off_m, off_n,
-        SLICES: gl.constexpr, STEPS: gl.constexpr, acc_layout: gl.constexpr,
+        x_stages, w_stages, filled, emptied, out_desc, out_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M, N,
+        SLICES: gl.constexpr, STEPS: gl.constexpr, PROGRAMS_K: gl.constexpr, acc_layout: gl.constexpr,
     ):  # fmt: skip
         """The tensor-core warps: each slice's chain of steps, the slices added in order, then the store."""
         depth: gl.constexpr = x_stages.shape[0]
@@ -130,19 +169,22 @@ if HAVE_GLUON:
                 mbarrier.arrive(emptied.index((i + depth - 1) % depth), pred=i > 0)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             total = acc if s == 0 else total + acc
-        _store_tile(total, out_desc, out_stage, off_m, off_n)
+        _finish_tile(total, out_desc, out_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M, N, PROGRAMS_K)
         tma.store_wait(0)
 
     @gluon.jit(do_not_specialize=["M"])
     def _specialized_kernel(
-        x_desc, w_desc, out_desc, M,
+        x_desc, w_desc, out_desc, part_ptr, arrivals_ptr, M, N,
         SLICES: gl.constexpr, STEPS: gl.constexpr, DEPTH: gl.constexpr, N_TILES: gl.constexpr,
-        GROUP_M: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+        GROUP_M: gl.constexpr, PROGRAMS_K: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         block_m: gl.constexpr = x_desc.block_type.shape[0]
         block_n: gl.constexpr = w_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
-        off_m, off_n = _tile_origin(gl.program_id(0), M, block_m, block_n, N_TILES, GROUP_M)
+        tile = gl.program_id(0)
+        off_m, off_n = _tile_origin(tile, M, block_m, block_n, N_TILES, GROUP_M)
+        # With a slice of K in each of PROGRAMS_K programs, this program's slice starts here.
+        k_base = gl.program_id(1) * STEPS * block_k
         x_stages = gl.allocate_shared_memory(x_desc.dtype, [DEPTH, block_m, block_k], x_desc.layout)
         w_stages = gl.allocate_shared_memory(w_desc.dtype, [DEPTH, block_n, block_k], w_desc.layout)
         filled = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
@@ -156,29 +198,34 @@ if HAVE_GLUON:
             [
                 (
                     _multiply_stages,
-                    (x_stages, w_stages, filled, emptied, out_desc, out_stage, off_m, off_n, SLICES, STEPS,
-                     _acc_layout(block_m, block_n, num_warps)),
+                    (x_stages, w_stages, filled, emptied, out_desc, out_stage, part_ptr, arrivals_ptr, tile, off_m,
+                     off_n, M, N, SLICES, STEPS, PROGRAMS_K, _acc_layout(block_m, block_n, num_warps)),
                 ),
-                (_copy_stages, (x_desc, w_desc, x_stages, w_stages, filled, emptied, off_m, off_n, STEPS)),
+                (
+                    _copy_stages,
+                    (x_desc, w_desc, x_stages, w_stages, filled, emptied, off_m, off_n, k_base, STEPS),
+                ),
             ],
             [1],
             [24],
         )  # fmt: skip
 
     @gluon.jit
-    def _copy_step(x_desc, w_desc, x_stages, w_stages, filled, step, off_m, off_n, STEPS: gl.constexpr):
+    def _copy_step(
+        x_desc, w_desc, x_stages, w_stages, filled, step, off_m, off_n, k_base, STEPS: gl.constexpr
+    ):  # fmt: skip
         depth: gl.constexpr = x_stages.shape[0]
         stage = step % depth
-        k_at = step % STEPS * x_desc.block_type.shape[1]
+        k_at = k_base + step % STEPS * x_desc.block_type.shape[1]
         mbarrier.expect(filled.index(stage), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [off_m, k_at], filled.index(stage), x_stages.index(stage))
         tma.async_copy_global_to_shared(w_desc, [off_n, k_at], filled.index(stage), w_stages.index(stage))
 
     @gluon.jit(do_not_specialize=["M"])
     def _pipelined_kernel(
-        x_desc, w_desc, out_desc, M,
+        x_desc, w_desc, out_desc, part_ptr, arrivals_ptr, M, N,
         SLICES: gl.constexpr, STEPS: gl.constexpr, DEPTH: gl.constexpr, N_TILES: gl.constexpr,
-        GROUP_M: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+        GROUP_M: gl.constexpr, PROGRAMS_K: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
     ):  # fmt: skip
         block_m: gl.constexpr = x_desc.block_type.shape[0]
         block_n: gl.constexpr = w_desc.block_type.shape[0]
@@ -190,6 +237,8 @@ if HAVE_GLUON:
         programs = gl.num_programs(0)
         my_tiles = gl.cdiv(gl.cdiv(M, block_m) * N_TILES - first, programs)
         my_steps = my_tiles * STEPS
+        # With a slice of K in each of PROGRAMS_K programs (never persistent), this program's slice starts here.
+        k_base = gl.program_id(1) * STEPS * block_k
         x_stages = gl.allocate_shared_memory(x_desc.dtype, [DEPTH, block_m, block_k], x_desc.layout)
         w_stages = gl.allocate_shared_memory(w_desc.dtype, [DEPTH, block_n, block_k], w_desc.layout)
         filled = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
@@ -202,7 +251,7 @@ if HAVE_GLUON:
         off_m, off_n = _tile_origin(first, M, block_m, block_n, N_TILES, GROUP_M)
         for p in gl.static_range(DEPTH - 1):
             if p < my_steps:
-                _copy_step(x_desc, w_desc, x_stages, w_stages, filled, p, off_m, off_n, STEPS)
+                _copy_step(x_desc, w_desc, x_stages, w_stages, filled, p, off_m, off_n, k_base, STEPS)
         # Where the copies DEPTH - 1 steps ahead are: worked out once a tile, not once a step.
         ahead_tile = first * 0 + (DEPTH - 1) // STEPS
         ahead_m, ahead_n = _tile_origin(first + ahead_tile * programs, M, block_m, block_n, N_TILES, GROUP_M)
@@ -228,11 +277,16 @@ if HAVE_GLUON:
                             ahead_m, ahead_n = _tile_origin(
                                 first + ahead_tile * programs, M, block_m, block_n, N_TILES, GROUP_M
                             )
-                        _copy_step(x_desc, w_desc, x_stages, w_stages, filled, ahead, ahead_m, ahead_n, STEPS)
+                        _copy_step(
+                            x_desc, w_desc, x_stages, w_stages, filled, ahead, ahead_m, ahead_n, k_base, STEPS
+                        )
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 total = acc if s == 0 else total + acc
-            off_m, off_n = _tile_origin(first + t * programs, M, block_m, block_n, N_TILES, GROUP_M)
-            _store_tile(total, out_desc, out_stage, off_m, off_n)
+            tile = first + t * programs
+            off_m, off_n = _tile_origin(tile, M, block_m, block_n, N_TILES, GROUP_M)
+            _finish_tile(
+                total, out_desc, out_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M, N, PROGRAMS_K
+            )
         tma.store_wait(0)
 
 
@@ -252,13 +306,20 @@ def launch_gluon(
     tile: MatmulTile,
     group_m: int,
     multiprocessors: int,
+    partials: torch.Tensor | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> None:
-    """out = x @ w.T by the Gluon kernel `tile.gluon`, all `split` slices of K of a tile in one program, tiles in
-    bands of `group_m` row tiles, a persistent launch on at most `multiprocessors` programs. The operands must be
-    on a Hopper GPU, with non-empty rows the tensor-memory engine can address (matmul.py sees to both)."""
+    """out = x @ w.T by the Gluon kernel `tile.gluon`, tiles in bands of `group_m` row tiles, a persistent launch on
+    at most `multiprocessors` programs. A tile's `split` slices of K run in one program, or with
+    `tile.split_programs` each in its own, which leaves its fp32 partial in `partials` [split, M, N] and counts its
+    arrival in `arrivals` (a zeroed counter per tile, which the tile's last program zeroes again). The operands must
+    be on a Hopper GPU, with non-empty rows the tensor-memory engine can address (matmul.py sees to both)."""
     (m, k), n = x.shape, w.shape[0]
     n_tiles = -(-n // tile.block_n)
     tiles = -(-m // tile.block_m) * n_tiles
+    programs_k = split if tile.split_programs else 1
+    if programs_k > 1 and (partials is None or arrivals is None):
+        raise ValueError(f"{tile}: slices in programs of their own need partials and arrival counters")
     launch = _specialized_kernel if tile.gluon == "specialized" else _pipelined_kernel
     programs = min(tiles, multiprocessors) if tile.gluon == "persistent" else tiles
     # Warp-specialised, the copying warp's group of four gives up all but 24 registers a thread to the others; the
@@ -269,9 +330,11 @@ def launch_gluon(
         else {}
     )
     dependent = launch_options(x.device)
-    launch[(programs,)](
+    launch[(programs, programs_k)](
         _descriptor(x, [tile.block_m, tile.block_k]), _descriptor(w, [tile.block_n, tile.block_k]),
-        _descriptor(out, [tile.block_m, tile.block_n]), m,
-        SLICES=split, STEPS=k // tile.block_k, DEPTH=tile.num_stages, N_TILES=n_tiles, GROUP_M=group_m,
-        PDL=dependent["PDL"], num_warps=tile.num_warps, launch_pdl=dependent["launch_pdl"], **registers,
+        _descriptor(out, [tile.block_m, tile.block_n]), out if partials is None else partials,
+        out if arrivals is None else arrivals, m, n,
+        SLICES=split // programs_k, STEPS=k // programs_k // tile.block_k, DEPTH=tile.num_stages,
+        N_TILES=n_tiles, GROUP_M=group_m, PROGRAMS_K=programs_k, PDL=dependent["PDL"],
+        num_warps=tile.num_warps, launch_pdl=dependent["launch_pdl"], **registers,
     )  # fmt: skip

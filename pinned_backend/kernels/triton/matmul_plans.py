@@ -92,10 +92,11 @@ class MatmulTile:
             raise ValueError(f"{self}: a streamed tile is not swapped, and its programs already cut K")
         if self.gluon not in _GLUON_KERNELS:
             raise ValueError(f"{self}: gluon must be one of {_GLUON_KERNELS}")
-        if self.gluon and (self.swap or self.stream or self.split_programs or self.block_m not in (64, 128)):
+        if self.gluon and (self.swap or self.stream or self.block_m not in (64, 128)):
+            raise ValueError(f"{self}: a Gluon tile has 64 or 128 rows of x, and is not swapped or streamed")
+        if self.gluon == "persistent" and self.split_programs:
             raise ValueError(
-                f"{self}: a Gluon tile has 64 or 128 rows of x, is not swapped or streamed, and reduces its slices"
-                " in one program"
+                f"{self}: a persistent Gluon program walks whole tiles, every slice of K in one program"
             )
         if self.gluon and _gluon_shared_bytes(self) > _SHARED_BYTES:
             raise ValueError(
@@ -132,8 +133,10 @@ class MatmulPlan:
         for _, tile in self.tiles:
             if not tile.gluon:
                 continue
-            # Each slice's accumulator and, past the first slice, the running total, in the threads' registers.
-            registers = tile.block_m * tile.block_n * min(self.split_k, 2) // (32 * tile.num_warps)
+            # Each slice's accumulator and, past a program's first slice, the running total, in the threads'
+            # registers.
+            slices = 1 if tile.split_programs else self.split_k
+            registers = tile.block_m * tile.block_n * min(slices, 2) // (32 * tile.num_warps)
             if registers > _GLUON_ACCUMULATOR_REGISTERS:
                 raise ValueError(
                     f"{tile}: {self.split_k} slices' accumulators take {registers} registers a thread, over"
@@ -182,10 +185,11 @@ def _tile(
 
 LARGE_M = 1 << 62
 
-# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, run 46;
-# the down projection's from run 45, since run 46's ran out of time before timing all of its tiles): for each
-# reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to
-# cuBLAS is smallest. Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
+# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, runs 57
+# and 58, after Gluon tiles got a slice of K per program and a part-empty last row tile moved back to end at M): for
+# each reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to
+# cuBLAS is smallest. Past M = 512, gate_up and lm_head keep run 52's tiles: run 58's, each chosen from one timing,
+# prefilled 3% slower end to end (runs 58 and 59). Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
 # (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches a served
 # step, though it makes an eager step of one prompt wait on the host. The down projection keeps at least two
 # slices of K: with K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode
@@ -196,16 +200,14 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
         (
             (32, _tile(16, 64, 128, 4, 6, split_programs=True, swap=True)),
             (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
-            (128, _tile(64, 64, 128, 4, 4, split_programs=True)),
-            (224, _tile(64, 128, 64, 4, 6, split_programs=True)),
+            (128, _tile(64, 64, 64, 4, 8, split_programs=True, gluon="specialized")),
             (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (272, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (288, _tile(64, 128, 64, 4, 6, gluon="pipelined")),
-            (320, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (448, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (480, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (512, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (LARGE_M, _tile(128, 128, 64, 8, 5, gluon="specialized")),
+            (320, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (352, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (384, _tile(64, 128, 128, 4, 4, gluon="specialized")),
+            (480, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (512, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (LARGE_M, _tile(128, 128, 64, 8, 5, tma=True)),
         ),
     ),  # down
     (2048, 2048): MatmulPlan(
@@ -213,16 +215,9 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
         (
             (64, _tile(16, 64, 128, 4, 6, swap=True)),
             (128, _tile(32, 64, 128, 4, 6, swap=True)),
-            (160, _tile(64, 64, 128, 4, 4)),
-            (192, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (224, _tile(64, 64, 128, 4, 4)),
             (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (272, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (288, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (448, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (480, _tile(64, 128, 64, 4, 6, tma=True)),
-            (512, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (2048, _tile(128, 256, 64, 8, 3, gluon="pipelined")),
+            (512, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (2048, _tile(128, 256, 64, 8, 3, gluon="specialized")),
             (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
     ),  # o_proj
@@ -233,16 +228,12 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (64, _tile(32, 64, 128, 4, 6, swap=True)),
             (96, _tile(64, 64, 128, 4, 4)),
             (128, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (160, _tile(64, 128, 64, 4, 6)),
-            (192, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (224, _tile(64, 128, 64, 4, 6)),
+            (144, _tile(64, 128, 128, 4, 4, gluon="specialized")),
             (256, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (320, _tile(64, 256, 64, 4, 4)),
-            (352, _tile(128, 128, 64, 8, 5, gluon="pipelined")),
-            (384, _tile(128, 128, 64, 8, 5, gluon="persistent")),
-            (448, _tile(64, 256, 64, 4, 4)),
-            (480, _tile(128, 128, 64, 8, 5, gluon="persistent")),
-            (512, _tile(128, 128, 64, 8, 5, gluon="pipelined")),
+            (352, _tile(128, 128, 64, 8, 5, gluon="specialized")),
+            (384, _tile(128, 128, 64, 8, 5, tma=True)),
+            (480, _tile(128, 128, 64, 8, 5, gluon="specialized")),
+            (512, _tile(128, 128, 64, 8, 5, tma=True)),
             (2048, _tile(128, 128, 64, 8, 3, tma=True)),
             (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
@@ -250,19 +241,17 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (12288, 2048): MatmulPlan(
         1,
         (
-            (1, _tile(64, 128, 64, 4, 6)),
+            (8, _tile(64, 64, 64, 4, 6)),
             (16, _tile(64, 128, 64, 4, 6, swap=True)),
             (32, _tile(64, 128, 64, 4, 6)),
             (64, _tile(64, 128, 64, 4, 6, gluon="persistent")),
-            (128, _tile(128, 128, 64, 8, 5)),
+            (96, _tile(128, 128, 64, 8, 5)),
+            (128, _tile(128, 128, 64, 8, 5, tma=True)),
             (160, _tile(64, 64, 64, 4, 4, swap=True, tail=16)),
             (192, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
-            (224, _tile(128, 128, 64, 8, 3, swap=True)),
             (256, _tile(64, 128, 128, 4, 4, gluon="persistent")),
             (320, _tile(64, 256, 64, 4, 4, gluon="persistent")),
-            (352, _tile(128, 128, 64, 8, 5, gluon="persistent")),
             (384, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (448, _tile(64, 256, 64, 4, 4, gluon="persistent")),
             (512, _tile(128, 128, 64, 8, 5, gluon="persistent")),
             (2048, _tile(128, 128, 64, 8, 3, tma=True)),
             (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
@@ -271,20 +260,19 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
     (151936, 2048): MatmulPlan(
         1,
         (
-            (1, _tile(16, 64, 128, 4, 6, swap=True)),
-            (16, _tile(16, 128, 128, 4, 4, swap=True)),
+            (8, _tile(16, 64, 128, 4, 6, swap=True)),
             (32, _tile(32, 128, 128, 4, 4, swap=True)),
-            (64, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (96, _tile(64, 128, 64, 4, 4, swap=True, tail=32)),
+            (96, _tile(64, 128, 128, 4, 4, gluon="persistent")),
             (128, _tile(128, 128, 64, 8, 5, gluon="persistent")),
             (144, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (160, _tile(128, 128, 64, 8, 3, swap=True, tail=32)),
-            (176, _tile(64, 256, 64, 4, 4, gluon="persistent")),
             (192, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (224, _tile(128, 256, 64, 8, 3, gluon="persistent")),
-            (256, _tile(128, 128, 64, 8, 5, gluon="persistent")),
-            (272, _tile(256, 128, 64, 8, 3, swap=True, tail=16)),
+            (256, _tile(128, 256, 64, 8, 3, gluon="persistent")),
+            (288, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
             (320, _tile(64, 256, 64, 4, 4, gluon="persistent")),
+            (384, _tile(128, 256, 64, 8, 3, tma=True, stream=True)),
+            (448, _tile(64, 256, 64, 4, 4, gluon="persistent")),
+            (512, _tile(128, 256, 64, 8, 3, tma=True, stream=True)),
             (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
     ),  # lm_head
