@@ -56,8 +56,8 @@ if HAVE_GLUON:
         band_rows = gl.minimum(num_m - first_m, GROUP_M)
         in_band = tile % (GROUP_M * N_TILES)
         # A part-empty last row tile moves back to end at row M, so that no copy of x reaches past its end: such
-        # copies ran slower (bench/results/h200.md, run 57). The rows it shares with the tile before go through the
-        # same chains there and here, so both programs write them with the same bits.
+        # copies ran slower (bench/results/h200.md, runs 55 and 57). The rows it shares with the tile before go
+        # through the same chains there and here, so both programs write them with the same bits.
         row = gl.minimum((first_m + in_band % band_rows) * BLOCK_M, gl.maximum(M - BLOCK_M, 0))
         return row, (in_band // band_rows) * BLOCK_N
 
