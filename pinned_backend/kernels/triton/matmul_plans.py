@@ -189,9 +189,9 @@ LARGE_M = 1 << 62
 # and 58, after Gluon tiles got a slice of K per program and a part-empty last row tile moved back to end at M): for
 # each reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to
 # cuBLAS is smallest. Past M = 512, gate_up and lm_head keep run 52's tiles: run 58's, each chosen from one timing,
-# prefilled 3% slower end to end (runs 58 and 59). Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
-# (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches a served
-# step, though it makes an eager step of one prompt wait on the host. The down projection keeps at least two
+# prefilled 3% slower end to end (runs 58 and 59). Tiles compete on GPU time alone: the backend replays its steps
+# from CUDA graphs (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches
+# a served step, though it makes an eager step of one prompt wait on the host. The down projection keeps at least two
 # slices of K: with K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode
 # (0.93-0.97 of default) than it won prefill (bench/results/h200.md).
 TUNED: dict[tuple[int, int], MatmulPlan] = {
