@@ -94,7 +94,6 @@ def _streamed_kernel(
 ):  # fmt: skip
     block_m: gl.constexpr = x_desc.block_type.shape[0]
     block_n: gl.constexpr = w_desc.block_type.shape[0]
-    block_k: gl.constexpr = x_desc.block_type.shape[1]
     pid = gl.program_id(0)
     units = gl.cdiv(M, block_m) * N_TILES * STEPS
     lo = pid * RUN
@@ -111,12 +110,7 @@ def _streamed_kernel(
     whole = lead_lo - carried_hi
     n = hi - lo
 
-    x_stages = gl.allocate_shared_memory(x_desc.dtype, [DEPTH, block_m, block_k], x_desc.layout)
-    w_stages = gl.allocate_shared_memory(w_desc.dtype, [DEPTH, block_n, block_k], w_desc.layout)
-    filled = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
-    out_stage = gl.allocate_shared_memory(out_desc.dtype, [block_m, block_n], out_desc.layout)
-    for i in gl.static_range(DEPTH):
-        mbarrier.init(filled.index(i), count=1)
+    x_stages, w_stages, filled, out_stage = mg._allocate_ring(x_desc, w_desc, out_desc, DEPTH)
     acc_layout: gl.constexpr = mg._acc_layout(block_m, block_n, num_warps)
     rows = gl.arange(0, block_m, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, block_n, layout=gl.SliceLayout(0, acc_layout))

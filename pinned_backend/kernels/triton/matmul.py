@@ -415,7 +415,7 @@ def matmul(
         # named explicitly runs as its twin.
         tile = dataclasses.replace(tile, gluon="", tma=True)
     if tile.stream:
-        _launch_stream(x, w, out, plan.split_k, tile)
+        _launch_stream(x, w, out, split, tile)
         return out
     grid = (tiles, programs_k)
     dependent = launch_options(device)

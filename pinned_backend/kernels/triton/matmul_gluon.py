@@ -91,6 +91,23 @@ if HAVE_GLUON:
         tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_stage)
 
     @gluon.jit
+    def _allocate_ring(x_desc, w_desc, out_desc, DEPTH: gl.constexpr):
+        """Shared memory for a ring of DEPTH stages of x's and w's K steps, each with a barrier its copies fill, and
+        for the output tile on its way out."""
+        block_k: gl.constexpr = x_desc.block_type.shape[1]
+        x_stages = gl.allocate_shared_memory(
+            x_desc.dtype, [DEPTH, x_desc.block_type.shape[0], block_k], x_desc.layout
+        )
+        w_stages = gl.allocate_shared_memory(
+            w_desc.dtype, [DEPTH, w_desc.block_type.shape[0], block_k], w_desc.layout
+        )
+        filled = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
+        out_stage = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        for i in gl.static_range(DEPTH):
+            mbarrier.init(filled.index(i), count=1)
+        return x_stages, w_stages, filled, out_stage
+
+    @gluon.jit
     def _finish_tile(
         total, out_desc, out_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M, N, PROGRAMS_K: gl.constexpr
     ):  # fmt: skip
@@ -185,13 +202,10 @@ if HAVE_GLUON:
         off_m, off_n = _tile_origin(tile, M, block_m, block_n, N_TILES, GROUP_M)
         # With a slice of K in each of PROGRAMS_K programs, this program's slice starts here.
         k_base = gl.program_id(1) * STEPS * block_k
-        x_stages = gl.allocate_shared_memory(x_desc.dtype, [DEPTH, block_m, block_k], x_desc.layout)
-        w_stages = gl.allocate_shared_memory(w_desc.dtype, [DEPTH, block_n, block_k], w_desc.layout)
-        filled = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
+        x_stages, w_stages, filled, out_stage = _allocate_ring(x_desc, w_desc, out_desc, DEPTH)
+        # The tensor cores' warps give each stage back to the copying warp through its own barrier.
         emptied = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
-        out_stage = gl.allocate_shared_memory(out_desc.dtype, [block_m, block_n], out_desc.layout)
         for i in gl.static_range(DEPTH):
-            mbarrier.init(filled.index(i), count=1)
             mbarrier.init(emptied.index(i), count=1)
         _start_as_dependent(PDL)
         gl.warp_specialize(
@@ -239,12 +253,7 @@ if HAVE_GLUON:
         my_steps = my_tiles * STEPS
         # With a slice of K in each of PROGRAMS_K programs (never persistent), this program's slice starts here.
         k_base = gl.program_id(1) * STEPS * block_k
-        x_stages = gl.allocate_shared_memory(x_desc.dtype, [DEPTH, block_m, block_k], x_desc.layout)
-        w_stages = gl.allocate_shared_memory(w_desc.dtype, [DEPTH, block_n, block_k], w_desc.layout)
-        filled = gl.allocate_shared_memory(gl.int64, [DEPTH, 1], mbarrier.MBarrierLayout())
-        out_stage = gl.allocate_shared_memory(out_desc.dtype, [block_m, block_n], out_desc.layout)
-        for i in gl.static_range(DEPTH):
-            mbarrier.init(filled.index(i), count=1)
+        x_stages, w_stages, filled, out_stage = _allocate_ring(x_desc, w_desc, out_desc, DEPTH)
         acc_layout: gl.constexpr = _acc_layout(block_m, block_n, num_warps)
         _start_as_dependent(PDL)
 
@@ -306,8 +315,8 @@ def launch_gluon(
     tile: MatmulTile,
     group_m: int,
     multiprocessors: int,
-    partials: torch.Tensor | None = None,
-    arrivals: torch.Tensor | None = None,
+    partials: torch.Tensor,
+    arrivals: torch.Tensor,
 ) -> None:
     """out = x @ w.T by the Gluon kernel `tile.gluon`, tiles in bands of `group_m` row tiles, a persistent launch on
     at most `multiprocessors` programs. A tile's `split` slices of K run in one program, or with
@@ -318,8 +327,6 @@ def launch_gluon(
     n_tiles = -(-n // tile.block_n)
     tiles = -(-m // tile.block_m) * n_tiles
     programs_k = split if tile.split_programs else 1
-    if programs_k > 1 and (partials is None or arrivals is None):
-        raise ValueError(f"{tile}: slices in programs of their own need partials and arrival counters")
     launch = _specialized_kernel if tile.gluon == "specialized" else _pipelined_kernel
     programs = min(tiles, multiprocessors) if tile.gluon == "persistent" else tiles
     # Warp-specialised, the copying warp's group of four gives up all but 24 registers a thread to the others; the
@@ -332,8 +339,7 @@ def launch_gluon(
     dependent = launch_options(x.device)
     launch[(programs, programs_k)](
         _descriptor(x, [tile.block_m, tile.block_k]), _descriptor(w, [tile.block_n, tile.block_k]),
-        _descriptor(out, [tile.block_m, tile.block_n]), out if partials is None else partials,
-        out if arrivals is None else arrivals, m, n,
+        _descriptor(out, [tile.block_m, tile.block_n]), partials, arrivals, m, n,
         SLICES=split // programs_k, STEPS=k // programs_k // tile.block_k, DEPTH=tile.num_stages,
         N_TILES=n_tiles, GROUP_M=group_m, PROGRAMS_K=programs_k, PDL=dependent["PDL"],
         num_warps=tile.num_warps, launch_pdl=dependent["launch_pdl"], **registers,

@@ -139,7 +139,7 @@ class MatmulPlan:
             registers = tile.block_m * tile.block_n * min(slices, 2) // (32 * tile.num_warps)
             if registers > _GLUON_ACCUMULATOR_REGISTERS:
                 raise ValueError(
-                    f"{tile}: {self.split_k} slices' accumulators take {registers} registers a thread, over"
+                    f"{tile}: {slices} slices' accumulators take {registers} registers a thread, over"
                     f" {_GLUON_ACCUMULATOR_REGISTERS}"
                 )
             # A persistent program copies its first stages before it has worked out where its second tile is.
