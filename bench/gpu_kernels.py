@@ -13,8 +13,9 @@
 4. cuBLAS's own invariance at the same shapes, for the record.
 
 Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--splits=down:2+3] [--budget-s=SECONDS]
-[--write-tuned]. Prints a short table last; `--splits` names the reduction orders to try for a shape in place of
-`SPLITS`'s; `--write-tuned` also rewrites `matmul_plans.TUNED` with the winning plans of the shapes swept.
+[--write-tuned | --committed]. Prints a short table last; `--splits` names the reduction orders to try for a shape in
+place of `SPLITS`'s; `--write-tuned` also rewrites `matmul_plans.TUNED` with the winning plans of the shapes swept;
+`--committed` sweeps nothing and runs step 3's checks and timings on the plans in `matmul_plans.TUNED`.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ SHAPES = {
 # the pipeline; in programs of their own they add a partials round trip). The down projection keeps two slices:
 # with K whole it lost more decode than it won prefill (bench/results/h200.md, run 16).
 SPLITS = {"down": [2], "o_proj": [1], "qkv": [1], "gate_up": [1], "lm_head": [1]}
-# Past M = 128 a tile's rows either fill its blocks or idle in the last one, so plans change tile often there.
-MID_M = [144, 160, 176, 192, 224, 256, 272, 288, 320, 352, 384, 416, 448, 480, 512]
+# Past M = 128 a tile's rows either fill its blocks or idle in the last one, so plans change tile often there; just
+# past a multiple of 64 (136, 200, 264, ...) a 64-row tile's last block idles most, and a plan's range must hold there.
+MID_M = [136, 144, 160, 176, 192, 200, 224, 240, 256, 264, 272, 288, 304, 320, 336, 352, 384, 400, 416, 448]
+MID_M += [464, 480, 496, 512]
 TIMED_M = [1, 8, 16, 32, 64, 96, 128, *MID_M]
-# Sizes between the timed ones, checked on the final plan only.
-BETWEEN_M = [3, 24, 48, 80, 112, 136, 200, 240, 264, 304, 336, 400, 464, 496]
+# Sizes between the timed ones, checked on the final plan only: a few below 129, and above it every multiple of 8.
+BETWEEN_M = [3, 24, 48, 80, 112] + [m for m in range(136, 513, 8) if m not in MID_M]
 PREFILL_M = [2048, 8192]  # chooses the tile past 512; timed for the record, outside the 1..512 target
 ROTATE_BYTES = 200 << 20  # weight copies cycled per timing: four times the H200's 50 MiB L2
 SMEM_BYTES = 220 * 1024
@@ -182,6 +185,42 @@ GLUON_SPLIT_PROGRAM_TILES = [
     (128, 256, 64, 8, 3),
 ]
 GLUON_SPLIT_PROGRAM_KERNELS = ("specialized", "pipelined")
+# Swapped Gluon tiles (`_swapped_kernel`): x's rows as the tensor cores' columns, so that a tile's rows of x fit M as
+# a main block and a tail (64 + 32 = 96: M = 264 in three tiles, not five of 64), for M = 129..512; and narrow ones
+# for decode sizes. Each keeps about 200 KB of copies in flight: run 61's rings of 120 KB fed a multiprocessor 77 GB/s
+# where unswapped tiles with 192 KB took 109, as a fixed latency would. (x's rows, weight rows, K step, warps, stages,
+# tail).
+GLUON_SWAP_TILES = [
+    (16, 64, 128, 4, 8, 0),
+    (32, 64, 128, 4, 8, 0),
+    (32, 128, 128, 4, 5, 0),
+    (64, 64, 128, 4, 5, 16),
+    (64, 64, 128, 4, 5, 32),
+    (64, 128, 64, 4, 7, 16),
+    (64, 128, 64, 4, 7, 32),
+    (64, 128, 64, 8, 7, 32),
+    (128, 64, 128, 4, 4, 16),
+    (128, 64, 64, 4, 7, 32),
+    (128, 128, 64, 8, 5, 16),
+    (128, 128, 64, 8, 5, 32),
+    (128, 128, 64, 8, 4, 64),
+]
+GLUON_SWAP_KERNELS = ("pipelined", "persistent")
+# Swapped Gluon tiles with a slice of K per program, for reduction orders of several slices: the down projection at
+# M = 257..384 as three tiles of 64 + 32 rows against 128 weight rows, two programs each (96 programs, about 130 MB
+# of operand copies, against five 64-row tiles' 190 MB in 80 programs).
+GLUON_SWAP_SPLIT_PROGRAM_TILES = [
+    (32, 64, 128, 4, 8, 0),
+    (64, 64, 128, 4, 5, 16),
+    (64, 64, 128, 4, 5, 32),
+    (64, 128, 64, 4, 7, 16),
+    (64, 128, 64, 4, 7, 32),
+    (64, 128, 64, 8, 7, 16),
+    (64, 128, 64, 8, 7, 32),
+    (128, 64, 128, 4, 4, 16),
+    (128, 128, 64, 8, 5, 16),
+    (128, 128, 64, 8, 5, 32),
+]
 # Tiles timed at the prefill sizes: those wide enough to be arithmetic-bound there.
 PREFILL_TILE_MIN_AREA = 128 * 128
 
@@ -194,6 +233,11 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
     tiles += [MatmulTile(*t, stream=True) for t in STREAM_TILES]
     tiles += [MatmulTile(*t, stream=True, tma=True) for t in STREAM_TMA_TILES]
     tiles += [MatmulTile(*t, gluon=kernel) for t in GLUON_TILES for kernel in GLUON_KERNELS]
+    tiles += [
+        MatmulTile(*t[:5], swap=True, tail=t[5], gluon=kernel)
+        for t in GLUON_SWAP_TILES
+        for kernel in GLUON_SWAP_KERNELS
+    ]
     if split > 1:
         tiles += [MatmulTile(*t, split_programs=True) for t in SPLIT_PROGRAM_TILES]
         tiles += [
@@ -203,6 +247,10 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
             MatmulTile(*t, split_programs=True, gluon=kernel)
             for t in GLUON_SPLIT_PROGRAM_TILES
             for kernel in GLUON_SPLIT_PROGRAM_KERNELS
+        ]
+        tiles += [
+            MatmulTile(*t[:5], split_programs=True, swap=True, tail=t[5], gluon="pipelined")
+            for t in GLUON_SWAP_SPLIT_PROGRAM_TILES
         ]
     return [t for t in tiles if slice_k % t.block_k == 0 and 8 <= n / t.block_n <= 2400 and fits(t, k, split)]
 
@@ -316,10 +364,7 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
     """Timing order matters on this chip: right after a large, arithmetic-bound product a small one runs up to 20%
     slower for a while. So every tile and cuBLAS are timed at M <= 512 first, in ascending M, and at the prefill
     sizes only after all of them; the final plan is timed with cuBLAS interleaved, M ascending."""
-    gen = torch.Generator(device="cuda").manual_seed(n + k)
-    x = torch.randn(max(PREFILL_M), k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
-    copies = weight_copies(w)
+    x, w, copies = operands(n, k)
     ref = x[:64].double() @ w.double().T
     cublas = lambda a, b: a @ b.T  # noqa: E731
     cublas_us = {m: time_rotating(cublas, x[:m], copies) for m in TIMED_M}
@@ -399,9 +444,24 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
     if not done:
         return result
     best = min(done, key=lambda g: (g["worst_ratio"], g["plan_ratio"][PREFILL_M[-1]]))
-    plan: MatmulPlan = best["_plan"]
-    # The winner as serving runs it: the tile picked by M, checked bitwise and timed between the timed points,
-    # each M next to cuBLAS.
+    result.update(check_plan(name, n, k, best["_plan"], x, w, copies))
+    return result
+
+
+def operands(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """A shape's seeded activations (enough rows for the prefill sizes), its weight, and the weight's copies."""
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(max(PREFILL_M), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    return x, w, weight_copies(w)
+
+
+def check_plan(
+    name: str, n: int, k: int, plan: MatmulPlan, x: torch.Tensor, w: torch.Tensor, copies: list[torch.Tensor]
+) -> dict[str, Any]:
+    """A plan as serving runs it: the tile picked by M, checked bitwise over M = 1..512 and past it, and timed at
+    the timed M and those between, each M next to cuBLAS."""
+    cublas = lambda a, b: a @ b.T  # noqa: E731
     serve = lambda a, b=w, p=plan: matmul(a, b, p)  # noqa: E731
     reference = serve(x[:512])
     final_bad = mismatches(serve, x, reference)
@@ -413,17 +473,14 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
         final_us[m] = time_rotating(lambda a, b, p=plan: matmul(a, b, p), x[:m], copies)
         final_cublas[m] = time_rotating(cublas, x[:m], copies)
     final_ratio = {m: final_us[m] / final_cublas[m] for m in final_us}
-    result.update(
-        {
-            "plan": plan_source(name, n, k, plan),
-            "plan_mismatches": final_bad,
-            "plan_us": final_us,
-            "plan_cublas_us": final_cublas,
-            "plan_ratio": final_ratio,
-            "worst_ratio_1_512": max(r for m, r in final_ratio.items() if m <= 512),
-        }
-    )
-    return result
+    return {
+        "plan": plan_source(name, n, k, plan),
+        "plan_mismatches": final_bad,
+        "plan_us": final_us,
+        "plan_cublas_us": final_cublas,
+        "plan_ratio": final_ratio,
+        "worst_ratio_1_512": max(r for m, r in final_ratio.items() if m <= 512),
+    }
 
 
 def provable(result: dict[str, Any]) -> bool:
@@ -485,6 +542,12 @@ def main() -> None:
     }
     for i, name in enumerate(names):
         n, k = SHAPES[name]
+        if "--committed" in sys.argv:
+            plan = importlib.import_module("pinned_backend.kernels.triton.matmul_plans").TUNED[(n, k)]
+            report["shapes"][name] = {"n": n, "k": k, **check_plan(name, n, k, plan, *operands(n, k))}
+            with open(out_path, "w") as f:
+                json.dump(report, f, indent=1)
+            continue
         # Each shape gets a share of what is left of the budget in proportion to its cost; what it leaves unused
         # goes to the shapes after it.
         share = cost[name] / sum(cost[later] for later in names[i:])
@@ -492,15 +555,23 @@ def main() -> None:
         report["shapes"][name] = tune_shape(name, n, k, deadline)
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
-    print("\nshape     N       K    worst ratio 1..512 (M at worst)   mismatches  cuBLAS-variant")
+    print(
+        "\nshape     N       K    worst ratio 1..512 (M at worst)   above 1.25 at 129..512   mismatches",
+        end="",
+    )
+    print("  cuBLAS-variant")
     for name, r in report["shapes"].items():
         if "plan" not in r:
             print(f"{name:8s} no proven tile")
             continue
         worst_m = max((m for m in r["plan_ratio"] if m <= 512), key=lambda m: r["plan_ratio"][m])
+        mid = [ratio for m, ratio in r["plan_ratio"].items() if 128 < m <= 512]
+        above = f"{sum(ratio > 1.25 for ratio in mid)} of {len(mid)}"
+        # A check of the committed plans (--committed) does not test cuBLAS.
+        variant = len(r["cublas_mismatches"]) if "cublas_mismatches" in r else "-"
         print(
             f"{name:8s} {r['n']:7d} {r['k']:5d}   {r['worst_ratio_1_512']:5.2f} ({worst_m})"
-            f"                   {len(r['plan_mismatches'])}           {len(r['cublas_mismatches'])}"
+            f"                   {above:24s} {len(r['plan_mismatches'])}           {variant}"
         )
     if "--write-tuned" in sys.argv:
         write_tuned({(r["n"], r["k"]): r["plan"] for r in report["shapes"].values() if provable(r)})

@@ -40,6 +40,12 @@ def main() -> int:
         "a Gluon tile, a slice per program": dataclasses.replace(
             ONE_PROGRAM_PER_TILE, split_programs=True, gluon="pipelined"
         ),
+        "a swapped Gluon tile with a tail": MatmulTile(
+            32, 64, 32, 4, 2, swap=True, tail=16, gluon="pipelined"
+        ),
+        "a swapped Gluon tile with a tail, a slice per program": MatmulTile(
+            32, 64, 32, 4, 2, split_programs=True, swap=True, tail=16, gluon="pipelined"
+        ),
     }
     # Program counts and sizes that cut chains between programs at many places, with one and two slices of K.
     for programs, split, m in itertools.product([4, 7, 12], [1, 2], [1, 65, 130, 257]):

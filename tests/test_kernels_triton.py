@@ -114,9 +114,41 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
             "gluon must be one of",
         ),
         (
-            MatmulPlan(1, ((1 << 62, MatmulTile(16, 64, 64, 4, 4, swap=True, gluon="pipelined")),)),
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, stream=True, gluon="pipelined")),)),
             2048,
-            "is not swapped or streamed",
+            "a Gluon tile is not streamed",
+        ),
+        (
+            MatmulPlan(
+                1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, swap=True, tail=16, gluon="specialized")),)
+            ),
+            2048,
+            "a swapped Gluon tile is pipelined or persistent",
+        ),
+        (
+            MatmulPlan(
+                2,
+                (
+                    (
+                        1 << 62,
+                        MatmulTile(64, 64, 64, 4, 4, split_programs=True, swap=True, gluon="persistent"),
+                    ),
+                ),
+            ),
+            6144,
+            "walks whole tiles",
+        ),
+        (
+            MatmulPlan(1, ((1 << 62, MatmulTile(64, 64, 64, 8, 4, swap=True, tail=16, gluon="pipelined")),)),
+            2048,
+            "wgmma steps 8 columns wide",
+        ),
+        (
+            MatmulPlan(
+                2, ((1 << 62, MatmulTile(128, 128, 64, 8, 4, swap=True, tail=32, gluon="pipelined")),)
+            ),
+            6144,
+            "take 160 registers a thread",
         ),
         (
             MatmulPlan(1, ((1 << 62, MatmulTile(128, 256, 64, 8, 4, gluon="pipelined")),)),
@@ -365,6 +397,26 @@ def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_p
     assert int(counters.count_nonzero()) == 0, "a carry flag or a slice counter was left set"
 
 
+def _assert_waits_for_the_kernel_writing_its_operand(
+    triton_ops, x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan, tile: MatmulTile, reference: MatmulTile
+) -> None:  # type: ignore[no-untyped-def]
+    """Launched right after the kernel that writes its operand, in a graph where both launch as programmatic
+    dependents, `tile` must wait for that kernel's writes: a stale operand, zeroed before the replay, would show."""
+    k = x.shape[1]
+    w_in = (torch.randn(k, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        operand = triton_ops.matmul(x, w_in)
+        chained = matmul_with_plan(operand, w, plan, tile)
+    operand.zero_()
+    chained.zero_()
+    graph.replay()
+    expected = matmul_with_plan(triton_ops.matmul(x, w_in), w, plan, reference)
+    assert torch.equal(chained, expected), (
+        f"{tile} read its operand before the kernel writing it had finished"
+    )
+
+
 # The Gluon tiles the plans serve, and one of each K step.
 _GLUON_BLOCKS = [
     (128, 128, 64, 8, 5),
@@ -414,24 +466,65 @@ def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
     # fp16 operands too.
     x16, w16 = x[:336].half(), w.half()
     assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, twin))
-    # Right after the kernel that writes its operand, in a graph where both launch as programmatic dependents: it
-    # must wait for that kernel's writes (a stale operand, zeroed before the replay, would show).
-    w_in = (torch.randn(k, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        operand = triton_ops.matmul(x[:264], w_in)
-        chained = matmul_with_plan(operand, w, plan, gluon)
-    operand.zero_()
-    chained.zero_()
-    graph.replay()
-    expected = matmul_with_plan(triton_ops.matmul(x[:264], w_in), w, plan, twin)
-    assert torch.equal(chained, expected), (
-        f"{gluon} read its operand before the kernel writing it had finished"
-    )
+    _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, twin)
     # Rows the copy engine cannot address (a stride of K + 1 elements) go to the twin, with the same bits.
     strided = torch.empty(300, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
     strided.copy_(x[:300])
     assert torch.equal(matmul_with_plan(strided, w, plan, gluon), matmul_with_plan(x[:300], w, plan, gluon))
+    torch.cuda.synchronize()
+    counters = importlib.import_module("pinned_backend.kernels.triton.matmul")._ARRIVALS.get(x.device)
+    assert counters is None or int(counters.count_nonzero()) == 0, "a tile's slice counter was left set"
+
+
+# Swapped Gluon tiles: x's rows in a main block and a tail (80, 96 and 160 rows a tile) and without one.
+_GLUON_SWAPPED_BLOCKS = [
+    (64, 64, 64, 4, 6, 32),
+    (64, 128, 64, 8, 4, 32),
+    (128, 128, 64, 8, 4, 16),
+    (128, 64, 64, 4, 4, 32),
+    (32, 64, 128, 4, 6, 0),
+]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(("n", "k", "split"), [(2048, 6144, 2), (12288, 2048, 1)])
+def test_a_swapped_gluon_tile_gives_every_row_the_bits_of_the_unswapped_tiles(
+    triton_ops, unwritten_elements_show: None, n: int, k: int, split: int
+) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+    plain = MatmulTile(128, 128, 64, 8, 5, tma=True)
+    plan = MatmulPlan(split, ((1 << 62, plain),))
+    expected = matmul_with_plan(x, w, plan, plain)
+    # With slices of K, also each slice in a program of its own (not persistent programs, which walk tiles).
+    kernels = [("pipelined", False), ("persistent", False)] + ([("pipelined", True)] if split > 1 else [])
+    for *blocks, tail in _GLUON_SWAPPED_BLOCKS:
+        for kernel, split_programs in kernels:
+            gluon = MatmulTile(*blocks, split_programs=split_programs, swap=True, tail=tail, gluon=kernel)
+            try:
+                MatmulPlan(split, ((1 << 62, gluon),)).check(k)
+            except ValueError:
+                continue  # its accumulators would not fit this many slices
+            # Fewer rows than the tail's start, a tile of main block and tail exactly, a part-filled last tile
+            # moved back to end at M, more tiles than multiprocessors.
+            for m in (1, 16, 80, 96, 130, 264, 336, 512, 2200):
+                assert torch.equal(matmul_with_plan(x[:m], w, plan, gluon), expected[:m]), (
+                    f"{gluon} at M = {m} gives other bits than {plain}"
+                )
+            # Rows in another place of the tile give the same bits.
+            assert torch.equal(matmul_with_plan(x[7:300], w, plan, gluon), expected[7:300])
+    gluon = MatmulTile(64, 64, 64, 4, 6, swap=True, tail=32, gluon="pipelined")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = matmul_with_plan(x[:264], w, plan, gluon)
+    replayed.zero_()
+    graph.replay()
+    assert torch.equal(replayed, expected[:264]), f"{gluon} replayed from a graph"
+    _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, plain)
+    # fp16 operands too.
+    x16, w16 = x[:264].half(), w.half()
+    assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, plain))
     torch.cuda.synchronize()
     counters = importlib.import_module("pinned_backend.kernels.triton.matmul")._ARRIVALS.get(x.device)
     assert counters is None or int(counters.count_nonzero()) == 0, "a tile's slice counter was left set"

@@ -413,7 +413,7 @@ def matmul(
         # gives the same bits wherever both run: under Triton's interpreter, which runs no Gluon, and for views the
         # copy engine cannot read. Off Hopper, where `wgmma` does not exist, served plans hold no Gluon tile; one
         # named explicitly runs as its twin.
-        tile = dataclasses.replace(tile, gluon="", tma=True)
+        tile = dataclasses.replace(tile, gluon="", tma=not tile.swap)
     if tile.stream:
         _launch_stream(x, w, out, split, tile)
         return out

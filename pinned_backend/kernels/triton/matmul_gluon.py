@@ -11,6 +11,9 @@ Each tile leaves through shared memory and the tensor-memory engine, which overl
 With `MatmulTile.split_programs`, `specialized` and `pipelined` run each slice of K in a program of its own, which
 leaves its fp32 partial for the tile's last program to add in slice order, as matmul.py's tiled kernel does. A
 part-empty last row tile moves back to end at row M, so that no copy of x reads past its end.
+A swapped tile (`MatmulTile.swap`) runs `pipelined` or `persistent` with the operands' roles exchanged
+(`_swapped_kernel`): the weight's rows are the tensor cores' rows, and x's rows their columns, which come in
+multiples of 8, so a tile's rows of x may be a main block and a tail (`MatmulTile.tail`) that fit M closely.
 
 The arithmetic is the `tl.dot` tiles' to the bit, for the reasons matmul_plans.py gives: each slice of K is one
 chain of `wgmma` steps of K = 16 in K order into an fp32 accumulator whose first step adds to nothing (as Triton
@@ -61,6 +64,20 @@ if HAVE_GLUON:
         row = gl.minimum((first_m + in_band % band_rows) * BLOCK_M, gl.maximum(M - BLOCK_M, 0))
         return row, (in_band // band_rows) * BLOCK_N
 
+    @gluon.jit
+    def _ahead_origin(
+        ahead, ahead_tile, ahead_m, ahead_n, first, programs, M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        N_TILES: gl.constexpr, GROUP_M: gl.constexpr, STEPS: gl.constexpr,
+    ):  # fmt: skip
+        """The tile of a program's step `ahead` (counted over all its tiles) and that tile's origin: worked out again
+        only when the step crosses into another tile, not once a step."""
+        if ahead // STEPS != ahead_tile:
+            ahead_tile = ahead // STEPS
+            ahead_m, ahead_n = _tile_origin(
+                first + ahead_tile * programs, M, BLOCK_M, BLOCK_N, N_TILES, GROUP_M
+            )
+        return ahead_tile, ahead_m, ahead_n
+
     @gluon.constexpr_function
     def _acc_layout(block_m: int, block_n: int, num_warps: int) -> Any:
         # Warps stacked along the tile's rows, 16 to a warp: a warpgroup's wgmma steps each cover 64 rows and up
@@ -108,6 +125,24 @@ if HAVE_GLUON:
         return x_stages, w_stages, filled, out_stage
 
     @gluon.jit
+    def _swapped_offsets(total, off_m, off_n, M, N):
+        """Where a swapped accumulator's elements go in one slice's partials, and which are inside out: partials
+        of swapped tiles are laid out [N, M], so that a thread's neighbouring columns are neighbours there too."""
+        layout: gl.constexpr = total.type.layout
+        w_rows = off_n + gl.arange(0, total.shape[0], layout=gl.SliceLayout(1, layout))
+        x_rows = off_m + gl.arange(0, total.shape[1], layout=gl.SliceLayout(0, layout))
+        offsets = w_rows.to(gl.int64)[:, None] * M + x_rows[None, :]
+        return offsets, (w_rows < N)[:, None] & (x_rows < M)[None, :]
+
+    @gluon.jit
+    def _sum_partials(part_ptr, offsets, inside, block, PROGRAMS_K: gl.constexpr):
+        # The others' partials were written on other multiprocessors: read past L1, which is not coherent.
+        total = gl.load(part_ptr + offsets, mask=inside, other=0.0, cache_modifier=".cg")
+        for s in gl.static_range(1, PROGRAMS_K):
+            total += gl.load(part_ptr + s * block + offsets, mask=inside, other=0.0, cache_modifier=".cg")
+        return total
+
+    @gluon.jit
     def _finish_tile(
         total, out_desc, out_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M, N, PROGRAMS_K: gl.constexpr
     ):  # fmt: skip
@@ -128,12 +163,7 @@ if HAVE_GLUON:
             gl.thread_barrier()
             arrived = gl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == PROGRAMS_K - 1:
-                # The others' partials were written on other multiprocessors: read past L1, which is not coherent.
-                total = gl.load(part_ptr + offsets, mask=inside, other=0.0, cache_modifier=".cg")
-                for s in gl.static_range(1, PROGRAMS_K):
-                    total += gl.load(
-                        part_ptr + s * block + offsets, mask=inside, other=0.0, cache_modifier=".cg"
-                    )
+                total = _sum_partials(part_ptr, offsets, inside, block, PROGRAMS_K)
                 _store_tile(total, out_desc, out_stage, off_m, off_n)
                 gl.store(arrivals_ptr + tile, 0)
 
@@ -281,11 +311,10 @@ if HAVE_GLUON:
                     gl.thread_barrier()
                     ahead = step + DEPTH - 1
                     if ahead < my_steps:
-                        if ahead // STEPS != ahead_tile:
-                            ahead_tile = ahead // STEPS
-                            ahead_m, ahead_n = _tile_origin(
-                                first + ahead_tile * programs, M, block_m, block_n, N_TILES, GROUP_M
-                            )
+                        ahead_tile, ahead_m, ahead_n = _ahead_origin(
+                            ahead, ahead_tile, ahead_m, ahead_n, first, programs, M, block_m, block_n, N_TILES,
+                            GROUP_M, STEPS,
+                        )  # fmt: skip
                         _copy_step(
                             x_desc, w_desc, x_stages, w_stages, filled, ahead, ahead_m, ahead_n, k_base, STEPS
                         )
@@ -296,6 +325,159 @@ if HAVE_GLUON:
             _finish_tile(
                 total, out_desc, out_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M, N, PROGRAMS_K
             )
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _copy_swapped_step(
+        w_desc, x_desc, xt_desc, w_stages, x_stages, xt_stages, filled, step, off_m, off_n, k_base,
+        STEPS: gl.constexpr, TAIL: gl.constexpr,
+    ):  # fmt: skip
+        depth: gl.constexpr = w_stages.shape[0]
+        block_k: gl.constexpr = w_desc.block_type.shape[1]
+        stage = step % depth
+        k_at = k_base + step % STEPS * block_k
+        nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+        if TAIL > 0:
+            mbarrier.expect(filled.index(stage), nbytes + xt_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(filled.index(stage), nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_n, k_at], filled.index(stage), w_stages.index(stage))
+        tma.async_copy_global_to_shared(x_desc, [off_m, k_at], filled.index(stage), x_stages.index(stage))
+        if TAIL > 0:
+            tma.async_copy_global_to_shared(
+                xt_desc, [off_m + x_desc.block_type.shape[0], k_at], filled.index(stage), xt_stages.index(stage)
+            )  # fmt: skip
+
+    @gluon.jit
+    def _finish_swapped(
+        total, total_t, out_desc, outt_desc, out_stage, outt_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M,
+        N, TAIL: gl.constexpr, PROGRAMS_K: gl.constexpr,
+    ):  # fmt: skip
+        """`_finish_tile` for a swapped tile, its main block and its tail. The accumulators are out's blocks
+        transposed, [weight rows, x's rows]: transposed in registers on their way to shared memory."""
+        block_m: gl.constexpr = out_desc.block_type.shape[0]
+        if PROGRAMS_K > 1:
+            block = M.to(gl.int64) * N
+            mine = part_ptr + gl.program_id(1) * block
+            offsets, inside = _swapped_offsets(total, off_m, off_n, M, N)
+            gl.store(mine + offsets, total, mask=inside)
+            if TAIL > 0:
+                offsets_t, inside_t = _swapped_offsets(total_t, off_m + block_m, off_n, M, N)
+                gl.store(mine + offsets_t, total_t, mask=inside_t)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == PROGRAMS_K - 1:
+                total = _sum_partials(part_ptr, offsets, inside, block, PROGRAMS_K)
+                _store_tile(gl.permute(total, (1, 0)), out_desc, out_stage, off_m, off_n)
+                if TAIL > 0:
+                    total_t = _sum_partials(part_ptr, offsets_t, inside_t, block, PROGRAMS_K)
+                    # Its stage is free: `_store_tile` waited for every copy out before.
+                    outt_stage.store(gl.permute(total_t, (1, 0)).to(outt_desc.dtype))
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(outt_desc, [off_m + block_m, off_n], outt_stage)
+                gl.store(arrivals_ptr + tile, 0)
+        else:
+            _store_tile(gl.permute(total, (1, 0)), out_desc, out_stage, off_m, off_n)
+            if TAIL > 0:
+                # Its stage is free: `_store_tile` waited for every copy out before, the last tile's tail's too.
+                outt_stage.store(gl.permute(total_t, (1, 0)).to(outt_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(outt_desc, [off_m + block_m, off_n], outt_stage)
+
+    @gluon.jit(do_not_specialize=["M"])
+    def _swapped_kernel(
+        w_desc, x_desc, xt_desc, out_desc, outt_desc, part_ptr, arrivals_ptr, M, N,
+        SLICES: gl.constexpr, STEPS: gl.constexpr, DEPTH: gl.constexpr, N_TILES: gl.constexpr,
+        GROUP_M: gl.constexpr, TAIL: gl.constexpr, PROGRAMS_K: gl.constexpr, PDL: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):  # fmt: skip
+        """`_pipelined_kernel` with the operands' roles swapped (out.T = w @ x.T): the weight's rows are the
+        tensor cores' rows and x's rows their columns, which come in multiples of 8. So a tile's rows of x are a main
+        block and an optional tail block of TAIL rows after it (M = 264 is three tiles of 64 + 32 rows, not five of
+        64), each block its own chain of steps against the same weight stage. With a slice of K in each of
+        PROGRAMS_K programs (never persistent), this program's slice starts at K step `program_id(1) * STEPS`."""
+        block_m: gl.constexpr = x_desc.block_type.shape[0]
+        block_n: gl.constexpr = w_desc.block_type.shape[0]
+        block_k: gl.constexpr = w_desc.block_type.shape[1]
+        chunk: gl.constexpr = block_m + TAIL
+        per_slice: gl.constexpr = STEPS // SLICES
+        first = gl.program_id(0)
+        programs = gl.num_programs(0)
+        my_tiles = gl.cdiv(gl.cdiv(M, chunk) * N_TILES - first, programs)
+        my_steps = my_tiles * STEPS
+        k_base = gl.program_id(1) * STEPS * block_k
+        w_stages, x_stages, filled, out_stage = _allocate_ring(w_desc, x_desc, out_desc, DEPTH)
+        # With no tail, x's stages stand in for the tail's, which nothing then reads.
+        xt_stages = x_stages
+        outt_stage = out_stage
+        if TAIL > 0:
+            xt_stages = gl.allocate_shared_memory(xt_desc.dtype, [DEPTH, TAIL, block_k], xt_desc.layout)
+            outt_stage = gl.allocate_shared_memory(
+                outt_desc.dtype, outt_desc.block_type.shape, outt_desc.layout
+            )
+        acc_layout: gl.constexpr = _acc_layout(block_n, block_m, num_warps)
+        tail_layout: gl.constexpr = _acc_layout(block_n, TAIL if TAIL > 0 else 16, num_warps)
+        _start_as_dependent(PDL)
+
+        off_m, off_n = _tile_origin(first, M, chunk, block_n, N_TILES, GROUP_M)
+        for p in gl.static_range(DEPTH - 1):
+            if p < my_steps:
+                _copy_swapped_step(
+                    w_desc, x_desc, xt_desc, w_stages, x_stages, xt_stages, filled, p, off_m, off_n, k_base, STEPS,
+                    TAIL,
+                )  # fmt: skip
+        ahead_tile = first * 0 + (DEPTH - 1) // STEPS
+        ahead_m, ahead_n = _tile_origin(first + ahead_tile * programs, M, chunk, block_n, N_TILES, GROUP_M)
+        total = gl.zeros((block_n, block_m), gl.float32, acc_layout)
+        if TAIL > 0:
+            total_t = gl.zeros((block_n, TAIL), gl.float32, tail_layout)
+        for t in range(my_tiles):
+            for s in gl.static_range(SLICES):
+                acc = gl.zeros((block_n, block_m), gl.float32, acc_layout)
+                if TAIL > 0:
+                    acc_t = gl.zeros((block_n, TAIL), gl.float32, tail_layout)
+                for j in range(per_slice):
+                    step = t * STEPS + s * per_slice + j
+                    stage = step % DEPTH
+                    mbarrier.wait(filled.index(stage), (step // DEPTH) & 1)
+                    acc = warpgroup_mma(
+                        w_stages.index(stage), x_stages.index(stage).permute((1, 0)), acc, use_acc=j > 0,
+                        is_async=True,
+                    )  # fmt: skip
+                    if TAIL > 0:
+                        acc_t = warpgroup_mma(
+                            w_stages.index(stage), xt_stages.index(stage).permute((1, 0)), acc_t, use_acc=j > 0,
+                            is_async=True,
+                        )  # fmt: skip
+                        # This step's two groups may still run; the step before has read its stage.
+                        acc, acc_t = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_t))
+                    else:
+                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    gl.thread_barrier()
+                    ahead = step + DEPTH - 1
+                    if ahead < my_steps:
+                        ahead_tile, ahead_m, ahead_n = _ahead_origin(
+                            ahead, ahead_tile, ahead_m, ahead_n, first, programs, M, chunk, block_n, N_TILES,
+                            GROUP_M, STEPS,
+                        )  # fmt: skip
+                        _copy_swapped_step(
+                            w_desc, x_desc, xt_desc, w_stages, x_stages, xt_stages, filled, ahead, ahead_m, ahead_n,
+                            k_base, STEPS, TAIL,
+                        )  # fmt: skip
+                if TAIL > 0:
+                    acc, acc_t = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_t))
+                    total_t = acc_t if s == 0 else total_t + acc_t
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                total = acc if s == 0 else total + acc
+            tile = first + t * programs
+            off_m, off_n = _tile_origin(tile, M, chunk, block_n, N_TILES, GROUP_M)
+            if TAIL == 0:
+                total_t = total  # stands in for the tail, which is then never read
+            _finish_swapped(
+                total, total_t, out_desc, outt_desc, out_stage, outt_stage, part_ptr, arrivals_ptr, tile, off_m,
+                off_n, M, N, TAIL, PROGRAMS_K,
+            )  # fmt: skip
         tma.store_wait(0)
 
 
@@ -325,10 +507,23 @@ def launch_gluon(
     be on a Hopper GPU, with non-empty rows the tensor-memory engine can address (matmul.py sees to both)."""
     (m, k), n = x.shape, w.shape[0]
     n_tiles = -(-n // tile.block_n)
-    tiles = -(-m // tile.block_m) * n_tiles
+    tiles = -(-m // (tile.block_m + tile.tail)) * n_tiles
+    dependent = launch_options(x.device)
     programs_k = split if tile.split_programs else 1
-    launch = _specialized_kernel if tile.gluon == "specialized" else _pipelined_kernel
     programs = min(tiles, multiprocessors) if tile.gluon == "persistent" else tiles
+    if tile.swap:
+        # With no tail, x's and out's descriptors stand in for the tail's, which the kernel then never uses.
+        tail = tile.tail or tile.block_m
+        _swapped_kernel[(programs, programs_k)](
+            _descriptor(w, [tile.block_n, tile.block_k]), _descriptor(x, [tile.block_m, tile.block_k]),
+            _descriptor(x, [tail, tile.block_k]), _descriptor(out, [tile.block_m, tile.block_n]),
+            _descriptor(out, [tail, tile.block_n]), partials, arrivals, m, n, SLICES=split // programs_k,
+            STEPS=k // programs_k // tile.block_k, DEPTH=tile.num_stages, N_TILES=n_tiles, GROUP_M=group_m,
+            TAIL=tile.tail, PROGRAMS_K=programs_k, PDL=dependent["PDL"], num_warps=tile.num_warps,
+            launch_pdl=dependent["launch_pdl"],
+        )  # fmt: skip
+        return
+    launch = _specialized_kernel if tile.gluon == "specialized" else _pipelined_kernel
     # Warp-specialised, the copying warp's group of four gives up all but 24 registers a thread to the others; the
     # limit keeps all the program's warps within the register file.
     registers = (
@@ -336,7 +531,6 @@ def launch_gluon(
         if tile.gluon == "specialized"
         else {}
     )
-    dependent = launch_options(x.device)
     launch[(programs, programs_k)](
         _descriptor(x, [tile.block_m, tile.block_k]), _descriptor(w, [tile.block_n, tile.block_k]),
         _descriptor(out, [tile.block_m, tile.block_n]), partials, arrivals, m, n,

@@ -70,8 +70,9 @@ class MatmulTile:
     # row tile's (column tile, slice, K step) units, a chain cut between two programs carrying its fp32
     # accumulator from one to the next (`_matmul_stream_kernel`).
     stream: bool = False
-    # Run by a Gluon kernel written below `tl.dot` (matmul_gluon.py): "specialized", "pipelined" or "persistent";
-    # "" for the `tl.dot` kernels. Operands arrive through the tensor-memory engine whatever `tma` says.
+    # Run by a Gluon kernel written below `tl.dot` (matmul_gluon.py): "specialized", "pipelined" or "persistent"
+    # (swapped: "pipelined" or "persistent"); "" for the `tl.dot` kernels. Operands arrive through the
+    # tensor-memory engine whatever `tma` says.
     gluon: str = ""
 
     def check(self) -> None:
@@ -92,8 +93,10 @@ class MatmulTile:
             raise ValueError(f"{self}: a streamed tile is not swapped, and its programs already cut K")
         if self.gluon not in _GLUON_KERNELS:
             raise ValueError(f"{self}: gluon must be one of {_GLUON_KERNELS}")
-        if self.gluon and (self.swap or self.stream or self.block_m not in (64, 128)):
-            raise ValueError(f"{self}: a Gluon tile has 64 or 128 rows of x, and is not swapped or streamed")
+        if self.gluon and (self.stream or (not self.swap and self.block_m not in (64, 128))):
+            raise ValueError(f"{self}: a Gluon tile is not streamed, and unswapped has 64 or 128 rows of x")
+        if self.gluon == "specialized" and self.swap:
+            raise ValueError(f"{self}: a swapped Gluon tile is pipelined or persistent")
         if self.gluon == "persistent" and self.split_programs:
             raise ValueError(
                 f"{self}: a persistent Gluon program walks whole tiles, every slice of K in one program"
@@ -136,7 +139,7 @@ class MatmulPlan:
             # Each slice's accumulator and, past a program's first slice, the running total, in the threads'
             # registers.
             slices = 1 if tile.split_programs else self.split_k
-            registers = tile.block_m * tile.block_n * min(slices, 2) // (32 * tile.num_warps)
+            registers = (tile.block_m + tile.tail) * tile.block_n * min(slices, 2) // (32 * tile.num_warps)
             if registers > _GLUON_ACCUMULATOR_REGISTERS:
                 raise ValueError(
                     f"{tile}: {slices} slices' accumulators take {registers} registers a thread, over"
@@ -156,15 +159,22 @@ class MatmulPlan:
 
 
 def gluon_wgmma_cols(tile: MatmulTile) -> int:
-    """The columns of one wgmma step of a Gluon tile's warpgroup: warps stack along the tile's rows, 16 to a warp,
-    and those left over split its columns (matmul_gluon.py)."""
-    warps_m = min(tile.num_warps, tile.block_m // 16)
-    return min(256, tile.block_n // (tile.num_warps // warps_m))
+    """The columns of the narrowest wgmma step of a Gluon tile's warpgroup: warps stack along the tile's rows, 16 to
+    a warp, and those left over split its columns (matmul_gluon.py). Swapped, the rows are the weight's, and x's main
+    block and its tail are each a step's columns."""
+    rows, cols = (
+        (tile.block_n, min(tile.block_m, tile.tail or tile.block_m))
+        if tile.swap
+        else (tile.block_m, tile.block_n)
+    )
+    warps_m = min(tile.num_warps, rows // 16)
+    return min(256, cols // (tile.num_warps // warps_m))
 
 
 def _gluon_shared_bytes(tile: MatmulTile) -> int:
     """Shared memory a Gluon tile takes in 16-bit operands: its ring of stages and its output tile."""
-    return ((tile.block_m + tile.block_n) * tile.block_k * tile.num_stages + tile.block_m * tile.block_n) * 2
+    rows = tile.block_m + tile.tail
+    return ((rows + tile.block_n) * tile.block_k * tile.num_stages + rows * tile.block_n) * 2
 
 
 def _tile(
