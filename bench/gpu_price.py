@@ -224,7 +224,14 @@ def step_profile(model: Transformer, cache: PagedKVCache) -> dict[str, Any]:
 
 
 _FAMILIES = {
-    "matmul (Triton)": ("_matmul_kernel",),
+    # The `tl.dot` kernels and the Gluon ones (matmul_gluon.py).
+    "matmul (Triton)": (
+        "_matmul_kernel",
+        "_matmul_stream_kernel",
+        "_specialized_kernel",
+        "_pipelined_kernel",
+        "_swapped_kernel",
+    ),
     "matmul (cuBLAS)": ("gemm", "gemv", "nvjet", "cutlass", "splitk"),
     "attention": ("_paged_attention",),
     "rms_norm and residual add": ("_rms_norm", "_add_rms_norm"),
