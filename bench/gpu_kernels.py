@@ -208,7 +208,8 @@ GLUON_SWAP_TILES = [
 GLUON_SWAP_KERNELS = ("pipelined", "persistent")
 # Swapped Gluon tiles with a slice of K per program, for reduction orders of several slices: the down projection at
 # M = 257..384 as three tiles of 64 + 32 rows against 128 weight rows, two programs each (96 programs, about 130 MB
-# of operand copies, against five 64-row tiles' 190 MB in 80 programs).
+# of operand copies, against five 64-row tiles' 190 MB in 80 programs). In run 63 they fed each multiprocessor
+# about half the bytes a second of their whole-K twins and won no size above M = 32.
 GLUON_SWAP_SPLIT_PROGRAM_TILES = [
     (32, 64, 128, 4, 8, 0),
     (64, 64, 128, 4, 5, 16),
@@ -556,10 +557,9 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
     print(
-        "\nshape     N       K    worst ratio 1..512 (M at worst)   above 1.25 at 129..512   mismatches",
-        end="",
+        "\nshape     N       K    worst ratio 1..512 (M at worst)   above 1.25 at 129..512   mismatches"
+        "  cuBLAS-variant"
     )
-    print("  cuBLAS-variant")
     for name, r in report["shapes"].items():
         if "plan" not in r:
             print(f"{name:8s} no proven tile")

@@ -15,7 +15,7 @@ for stage in $stages; do
     start=$(date +%s)
     case $stage in
     tests)
-        python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_triton.py \
+        python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_triton.py tests/test_kernels_triton_gluon.py \
             tests/test_kernels_triton_fused.py tests/test_attention_triton_split.py tests/test_step_graphs.py \
             tests/test_dependent_launch.py \
             tests/test_backend_cuda.py >"$out/pytest.log" 2>&1

@@ -11,8 +11,9 @@ import pytest
 from proxy.logs import configure_logging
 from tests.fake_replica import FakeReplica
 
-# The chart's fixtures (`rendered`, `variant`) live beside its helpers.
-pytest_plugins = ["tests.helm_chart"]
+# The chart's fixtures (`rendered`, `variant`) live beside its helpers; the GPU kernels' (`triton_ops`,
+# `unwritten_elements_show`) in a module of their own.
+pytest_plugins = ["tests.helm_chart", "tests.triton_fixtures"]
 
 
 @pytest.fixture(autouse=True)

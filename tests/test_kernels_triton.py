@@ -264,16 +264,6 @@ def test_a_kv_split_the_gpu_attention_cannot_walk_is_refused_when_the_kernels_ar
         TritonKernels(kv_split_size=split)
 
 
-@pytest.fixture
-def triton_ops():  # type: ignore[no-untyped-def]
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    import pinned_backend.kernels.triton as ops
-
-    return ops
-
-
 @gpu
 @needs_cuda
 def test_default_mode_on_cuda_is_cublas_over_the_same_triton_kernels(triton_ops) -> None:  # type: ignore[no-untyped-def]
@@ -285,23 +275,6 @@ def test_default_mode_on_cuda_is_cublas_over_the_same_triton_kernels(triton_ops)
     x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(kernels.matmul(x, w), torch.nn.functional.linear(x, w))
-
-
-class _NanTorch:
-    """torch, except that `empty` hands out memory filled with NaN, so that an element no program writes shows (the
-    caching allocator would otherwise hand back the previous call's block, holding the very bits expected)."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.empty(*args, **kwargs).fill_(float("nan"))
-
-
-@pytest.fixture
-def unwritten_elements_show(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importlib.import_module("pinned_backend.kernels.triton.matmul"), "torch", _NanTorch())
 
 
 @gpu
@@ -395,139 +368,6 @@ def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_p
             assert torch.equal(replayed, matmul_with_plan(x[:336], w, plan, plain))
     counters = matmul_module._ARRIVALS[x.device]
     assert int(counters.count_nonzero()) == 0, "a carry flag or a slice counter was left set"
-
-
-def _assert_waits_for_the_kernel_writing_its_operand(
-    triton_ops, x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan, tile: MatmulTile, reference: MatmulTile
-) -> None:  # type: ignore[no-untyped-def]
-    """Launched right after the kernel that writes its operand, in a graph where both launch as programmatic
-    dependents, `tile` must wait for that kernel's writes: a stale operand, zeroed before the replay, would show."""
-    k = x.shape[1]
-    w_in = (torch.randn(k, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        operand = triton_ops.matmul(x, w_in)
-        chained = matmul_with_plan(operand, w, plan, tile)
-    operand.zero_()
-    chained.zero_()
-    graph.replay()
-    expected = matmul_with_plan(triton_ops.matmul(x, w_in), w, plan, reference)
-    assert torch.equal(chained, expected), (
-        f"{tile} read its operand before the kernel writing it had finished"
-    )
-
-
-# The Gluon tiles the plans serve, and one of each K step.
-_GLUON_BLOCKS = [
-    (128, 128, 64, 8, 5),
-    (128, 256, 64, 8, 3),
-    (64, 128, 64, 4, 6),
-    (64, 128, 128, 4, 4),
-    (64, 64, 64, 4, 8),
-]
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize(("n", "k", "split"), [(2048, 6144, 2), (12288, 2048, 1), (2048, 2048, 1)])
-def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
-    triton_ops, unwritten_elements_show: None, n: int, k: int, split: int
-) -> None:  # type: ignore[no-untyped-def]
-    x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-    for blocks in _GLUON_BLOCKS:
-        twin = MatmulTile(*blocks, tma=True)
-        plan = MatmulPlan(split, ((1 << 62, twin),))
-        # With slices of K, also each slice in a program of its own (not persistent programs, which walk tiles).
-        kernels = [("specialized", False), ("pipelined", False), ("persistent", False)]
-        kernels += [("specialized", True), ("pipelined", True)] if split > 1 else []
-        for kernel, split_programs in kernels:
-            gluon = MatmulTile(*blocks, split_programs=split_programs, gluon=kernel)
-            try:
-                MatmulPlan(split, ((1 << 62, gluon),)).check(k)
-            except ValueError:
-                continue  # its accumulators would not fit this many slices
-            # One row, a part-empty last row tile, more tiles than multiprocessors, and bands of row tiles.
-            for m in (1, 64, 130, 264, 336, 512, 700, 2200):
-                assert torch.equal(
-                    matmul_with_plan(x[:m], w, plan, gluon), matmul_with_plan(x[:m], w, plan, twin)
-                ), f"{gluon} at M = {m} gives other bits than {twin}"
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                replayed = matmul_with_plan(x[:336], w, plan, gluon)
-            replayed.zero_()
-            graph.replay()
-            assert torch.equal(replayed, matmul_with_plan(x[:336], w, plan, twin)), (
-                f"{gluon} replayed from a graph"
-            )
-    gluon = MatmulTile(128, 128, 64, 8, 5, gluon="persistent")
-    plan = MatmulPlan(split, ((1 << 62, gluon),))
-    twin = MatmulTile(128, 128, 64, 8, 5, tma=True)
-    # fp16 operands too.
-    x16, w16 = x[:336].half(), w.half()
-    assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, twin))
-    _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, twin)
-    # Rows the copy engine cannot address (a stride of K + 1 elements) go to the twin, with the same bits.
-    strided = torch.empty(300, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
-    strided.copy_(x[:300])
-    assert torch.equal(matmul_with_plan(strided, w, plan, gluon), matmul_with_plan(x[:300], w, plan, gluon))
-    torch.cuda.synchronize()
-    counters = importlib.import_module("pinned_backend.kernels.triton.matmul")._ARRIVALS.get(x.device)
-    assert counters is None or int(counters.count_nonzero()) == 0, "a tile's slice counter was left set"
-
-
-# Swapped Gluon tiles: x's rows in a main block and a tail (80, 96 and 160 rows a tile) and without one.
-_GLUON_SWAPPED_BLOCKS = [
-    (64, 64, 64, 4, 6, 32),
-    (64, 128, 64, 8, 4, 32),
-    (128, 128, 64, 8, 4, 16),
-    (128, 64, 64, 4, 4, 32),
-    (32, 64, 128, 4, 6, 0),
-]
-
-
-@gpu
-@needs_cuda
-@pytest.mark.parametrize(("n", "k", "split"), [(2048, 6144, 2), (12288, 2048, 1)])
-def test_a_swapped_gluon_tile_gives_every_row_the_bits_of_the_unswapped_tiles(
-    triton_ops, unwritten_elements_show: None, n: int, k: int, split: int
-) -> None:  # type: ignore[no-untyped-def]
-    x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
-    plain = MatmulTile(128, 128, 64, 8, 5, tma=True)
-    plan = MatmulPlan(split, ((1 << 62, plain),))
-    expected = matmul_with_plan(x, w, plan, plain)
-    # With slices of K, also each slice in a program of its own (not persistent programs, which walk tiles).
-    kernels = [("pipelined", False), ("persistent", False)] + ([("pipelined", True)] if split > 1 else [])
-    for *blocks, tail in _GLUON_SWAPPED_BLOCKS:
-        for kernel, split_programs in kernels:
-            gluon = MatmulTile(*blocks, split_programs=split_programs, swap=True, tail=tail, gluon=kernel)
-            try:
-                MatmulPlan(split, ((1 << 62, gluon),)).check(k)
-            except ValueError:
-                continue  # its accumulators would not fit this many slices
-            # Fewer rows than the tail's start, a tile of main block and tail exactly, a part-filled last tile
-            # moved back to end at M, more tiles than multiprocessors.
-            for m in (1, 16, 80, 96, 130, 264, 336, 512, 2200):
-                assert torch.equal(matmul_with_plan(x[:m], w, plan, gluon), expected[:m]), (
-                    f"{gluon} at M = {m} gives other bits than {plain}"
-                )
-            # Rows in another place of the tile give the same bits.
-            assert torch.equal(matmul_with_plan(x[7:300], w, plan, gluon), expected[7:300])
-    gluon = MatmulTile(64, 64, 64, 4, 6, swap=True, tail=32, gluon="pipelined")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = matmul_with_plan(x[:264], w, plan, gluon)
-    replayed.zero_()
-    graph.replay()
-    assert torch.equal(replayed, expected[:264]), f"{gluon} replayed from a graph"
-    _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, plain)
-    # fp16 operands too.
-    x16, w16 = x[:264].half(), w.half()
-    assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, plain))
-    torch.cuda.synchronize()
-    counters = importlib.import_module("pinned_backend.kernels.triton.matmul")._ARRIVALS.get(x.device)
-    assert counters is None or int(counters.count_nonzero()) == 0, "a tile's slice counter was left set"
 
 
 @gpu

@@ -349,40 +349,48 @@ if HAVE_GLUON:
             )  # fmt: skip
 
     @gluon.jit
+    def _store_swapped(
+        total, total_t, out_desc, outt_desc, out_stage, outt_stage, off_m, off_n, TAIL: gl.constexpr
+    ):  # fmt: skip
+        """`_store_tile` for a swapped tile's main block and its tail. The accumulators are out's blocks transposed,
+        [weight rows, x's rows]: transposed in registers on their way to shared memory."""
+        tma.store_wait(0)
+        out_stage.store(gl.permute(total, (1, 0)).to(out_desc.dtype))
+        if TAIL > 0:
+            outt_stage.store(gl.permute(total_t, (1, 0)).to(outt_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], out_stage)
+        if TAIL > 0:
+            tma.async_copy_shared_to_global(
+                outt_desc, [off_m + out_desc.block_type.shape[0], off_n], outt_stage
+            )
+
+    @gluon.jit
     def _finish_swapped(
         total, total_t, out_desc, outt_desc, out_stage, outt_stage, part_ptr, arrivals_ptr, tile, off_m, off_n, M,
         N, TAIL: gl.constexpr, PROGRAMS_K: gl.constexpr,
     ):  # fmt: skip
-        """`_finish_tile` for a swapped tile, its main block and its tail. The accumulators are out's blocks
-        transposed, [weight rows, x's rows]: transposed in registers on their way to shared memory."""
-        block_m: gl.constexpr = out_desc.block_type.shape[0]
-        if PROGRAMS_K > 1:
+        """`_finish_tile` for a swapped tile, its main block and its tail."""
+        if PROGRAMS_K == 1:
+            _store_swapped(total, total_t, out_desc, outt_desc, out_stage, outt_stage, off_m, off_n, TAIL)
+        else:
             block = M.to(gl.int64) * N
             mine = part_ptr + gl.program_id(1) * block
             offsets, inside = _swapped_offsets(total, off_m, off_n, M, N)
             gl.store(mine + offsets, total, mask=inside)
             if TAIL > 0:
-                offsets_t, inside_t = _swapped_offsets(total_t, off_m + block_m, off_n, M, N)
+                offsets_t, inside_t = _swapped_offsets(
+                    total_t, off_m + out_desc.block_type.shape[0], off_n, M, N
+                )
                 gl.store(mine + offsets_t, total_t, mask=inside_t)
             gl.thread_barrier()
             arrived = gl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == PROGRAMS_K - 1:
                 total = _sum_partials(part_ptr, offsets, inside, block, PROGRAMS_K)
-                _store_tile(gl.permute(total, (1, 0)), out_desc, out_stage, off_m, off_n)
                 if TAIL > 0:
                     total_t = _sum_partials(part_ptr, offsets_t, inside_t, block, PROGRAMS_K)
-                    # Its stage is free: `_store_tile` waited for every copy out before.
-                    outt_stage.store(gl.permute(total_t, (1, 0)).to(outt_desc.dtype))
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(outt_desc, [off_m + block_m, off_n], outt_stage)
+                _store_swapped(total, total_t, out_desc, outt_desc, out_stage, outt_stage, off_m, off_n, TAIL)
                 gl.store(arrivals_ptr + tile, 0)
-        else:
-            _store_tile(gl.permute(total, (1, 0)), out_desc, out_stage, off_m, off_n)
-            if TAIL > 0:
-                # Its stage is free: `_store_tile` waited for every copy out before, the last tile's tail's too.
-                outt_stage.store(gl.permute(total_t, (1, 0)).to(outt_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(outt_desc, [off_m + block_m, off_n], outt_stage)
 
     @gluon.jit(do_not_specialize=["M"])
     def _swapped_kernel(

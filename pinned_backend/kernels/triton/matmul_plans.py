@@ -195,11 +195,13 @@ def _tile(
 
 LARGE_M = 1 << 62
 
-# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md, runs 62
-# and 63, after Gluon tiles could be swapped with a tail of x's rows): for each reduction order, the fastest proven
-# tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS is smallest. Past M = 512 every
-# weight keeps the tiles that run 59 measured end to end: the sweep picks those from one timing each at M = 2048 and
-# 8192, too little to choose between tiles a few percent apart (run 58's, so chosen, prefilled 3% slower). Tiles
+# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
+# reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS
+# is smallest. The tiles at M = 129..512 are runs 62's and 63's, after Gluon tiles could be swapped with a tail of
+# x's rows. At M <= 128 the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run 64).
+# Past M = 512 every weight keeps the tiles that run 59 measured end to end: the sweep picks those from one timing
+# each at M = 2048 and 8192, too little to choose between tiles a few percent apart (run 58's, so chosen, prefilled
+# 3% slower). Tiles
 # compete on GPU time alone: the backend replays its steps from CUDA graphs (step_graphs.py), so a TMA tile's host
 # cost (two descriptors a launch, up to 150 us) never reaches a served step, though it makes an eager step of one
 # prompt wait on the host. The down projection keeps at least two slices of K: with K whole it is 1.3x of cuBLAS at
