@@ -23,6 +23,7 @@ sweep and the GPU tests prove it as they prove every tile (bench/results/h200.md
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -497,6 +498,58 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> Any:
     return TensorDescriptor.from_tensor(t, block, _shared_layout(block, t.dtype))
 
 
+@dataclass(frozen=True)
+class GluonLaunch:
+    """What a Gluon tile's launch is made of, but for its tensors and grid: the kernel, the operand ("x", "w" or
+    "out") and block of each tensor descriptor it takes first, in order, its compile-time constants, and the register
+    limit it is compiled with, if any. After the descriptors come the partials, the arrival counters, M and N."""
+
+    kernel: Any
+    descriptors: tuple[tuple[str, tuple[int, int]], ...]
+    constants: dict[str, int]
+    maxnreg: int | None = None
+
+
+def gluon_launch(tile: MatmulTile, split: int, n: int, k: int, group_m: int, dependent: bool) -> GluonLaunch:
+    """The launch of `tile` over a weight [N, K] reduced in `split` slices (see `launch_gluon`), as programmatic
+    dependents or not."""
+    programs_k = split if tile.split_programs else 1
+    constants = {
+        "SLICES": split // programs_k,
+        "STEPS": k // programs_k // tile.block_k,
+        "DEPTH": tile.num_stages,
+        "N_TILES": -(-n // tile.block_n),
+        "GROUP_M": group_m,
+        "PROGRAMS_K": programs_k,
+        "PDL": dependent,
+        "num_warps": tile.num_warps,
+    }
+    if tile.swap:
+        # With no tail, x's and out's main blocks stand in for the tail's, which the kernel then never uses.
+        tail = tile.tail or tile.block_m
+        descriptors = (
+            ("w", (tile.block_n, tile.block_k)),
+            ("x", (tile.block_m, tile.block_k)),
+            ("x", (tail, tile.block_k)),
+            ("out", (tile.block_m, tile.block_n)),
+            ("out", (tail, tile.block_n)),
+        )
+        return GluonLaunch(_swapped_kernel, descriptors, {**constants, "TAIL": tile.tail})
+    descriptors = (
+        ("x", (tile.block_m, tile.block_k)),
+        ("w", (tile.block_n, tile.block_k)),
+        ("out", (tile.block_m, tile.block_n)),
+    )
+    if tile.gluon == "specialized":
+        # The copying warp's group of four gives up all but 24 registers a thread to the others; a limit keeps all
+        # the program's warps within the register file. With 4 multiplying warps none is needed, as every thread
+        # may take ptxas's most, 255: the limit of 256 that Triton then sets for 8 warps is ignored (ptxas says so),
+        # and the code is the one an explicit 256 gave.
+        limit = 65536 // ((tile.num_warps + 4) * 32) // 8 * 8
+        return GluonLaunch(_specialized_kernel, descriptors, constants, limit if limit < 255 else None)
+    return GluonLaunch(_pipelined_kernel, descriptors, constants)
+
+
 def launch_gluon(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -514,35 +567,20 @@ def launch_gluon(
     arrival in `arrivals` (a zeroed counter per tile, which the tile's last program zeroes again). The operands must
     be on a Hopper GPU, with non-empty rows the tensor-memory engine can address (matmul.py sees to both)."""
     (m, k), n = x.shape, w.shape[0]
-    n_tiles = -(-n // tile.block_n)
-    tiles = -(-m // (tile.block_m + tile.tail)) * n_tiles
     dependent = launch_options(x.device)
-    programs_k = split if tile.split_programs else 1
+    launch = gluon_launch(tile, split, n, k, group_m, dependent["PDL"])
+    tiles = -(-m // (tile.block_m + tile.tail)) * launch.constants["N_TILES"]
     programs = min(tiles, multiprocessors) if tile.gluon == "persistent" else tiles
-    if tile.swap:
-        # With no tail, x's and out's descriptors stand in for the tail's, which the kernel then never uses.
-        tail = tile.tail or tile.block_m
-        _swapped_kernel[(programs, programs_k)](
-            _descriptor(w, [tile.block_n, tile.block_k]), _descriptor(x, [tile.block_m, tile.block_k]),
-            _descriptor(x, [tail, tile.block_k]), _descriptor(out, [tile.block_m, tile.block_n]),
-            _descriptor(out, [tail, tile.block_n]), partials, arrivals, m, n, SLICES=split // programs_k,
-            STEPS=k // programs_k // tile.block_k, DEPTH=tile.num_stages, N_TILES=n_tiles, GROUP_M=group_m,
-            TAIL=tile.tail, PROGRAMS_K=programs_k, PDL=dependent["PDL"], num_warps=tile.num_warps,
-            launch_pdl=dependent["launch_pdl"],
-        )  # fmt: skip
-        return
-    launch = _specialized_kernel if tile.gluon == "specialized" else _pipelined_kernel
-    # Warp-specialised, the copying warp's group of four gives up all but 24 registers a thread to the others; the
-    # limit keeps all the program's warps within the register file.
-    registers = (
-        {"maxnreg": min(256, 65536 // ((tile.num_warps + 4) * 32)) // 8 * 8}
-        if tile.gluon == "specialized"
-        else {}
+    operands = {"x": x, "w": w, "out": out}
+    descriptors = [_descriptor(operands[name], list(block)) for name, block in launch.descriptors]
+    registers = {"maxnreg": launch.maxnreg} if launch.maxnreg else {}
+    launch.kernel[(programs, launch.constants["PROGRAMS_K"])](
+        *descriptors,
+        partials,
+        arrivals,
+        m,
+        n,
+        **launch.constants,
+        launch_pdl=dependent["launch_pdl"],
+        **registers,
     )
-    launch[(programs, programs_k)](
-        _descriptor(x, [tile.block_m, tile.block_k]), _descriptor(w, [tile.block_n, tile.block_k]),
-        _descriptor(out, [tile.block_m, tile.block_n]), partials, arrivals, m, n,
-        SLICES=split // programs_k, STEPS=k // programs_k // tile.block_k, DEPTH=tile.num_stages,
-        N_TILES=n_tiles, GROUP_M=group_m, PROGRAMS_K=programs_k, PDL=dependent["PDL"],
-        num_warps=tile.num_warps, launch_pdl=dependent["launch_pdl"], **registers,
-    )  # fmt: skip
