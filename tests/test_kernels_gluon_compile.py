@@ -32,9 +32,9 @@ def _served() -> dict[str, GluonLaunch]:
         for _, tile in plan.tiles:
             if tile.gluon:
                 launch = gluon_launch(tile, plan.split_k, n, k, _GROUP_M, dependent=True)
-                blocks = " ".join(f"{operand} {rows}x{cols}" for operand, (rows, cols) in launch.descriptors)
-                constants = ", ".join(f"{key} {value}" for key, value in sorted(launch.constants.items()))
-                launches[f"{launch.kernel.fn.__name__}: {blocks}; {constants}"] = launch
+                blocks = "-".join(f"{operand}{rows}x{cols}" for operand, (rows, cols) in launch.descriptors)
+                constants = "-".join(f"{key}{value}" for key, value in sorted(launch.constants.items()))
+                launches[f"{launch.kernel.fn.__name__.strip('_')}-{blocks}-{constants}"] = launch
     return launches
 
 
@@ -60,7 +60,7 @@ def _compile_ptx(launch: GluonLaunch) -> str:
 SERVED = _served()
 
 
-@pytest.mark.parametrize("name", sorted(SERVED))
+@pytest.mark.parametrize("name", sorted(SERVED), ids=sorted(SERVED))
 def test_a_served_gluon_tile_compiles_for_hopper_with_no_spill_and_no_ptxas_warning(name: str) -> None:
     ptx = _compile_ptx(SERVED[name])
     with tempfile.TemporaryDirectory() as folder:
