@@ -66,6 +66,19 @@ if HAVE_GLUON:
         return row, (in_band // band_rows) * BLOCK_N
 
     @gluon.jit
+    def _program_walk(
+        M, ROWS: gl.constexpr, N_TILES: gl.constexpr, STEPS: gl.constexpr, BLOCK_K: gl.constexpr
+    ):
+        """A program's walk over the launch's tiles of ROWS rows of x: tiles first, first + programs, ... of the launch
+        order, so that the programs running at once share weight tiles through L2, and its K steps counted over all
+        of them. With a slice of K in each of several programs (never persistent), its slice starts at `k_base`."""
+        first = gl.program_id(0)
+        programs = gl.num_programs(0)
+        my_tiles = gl.cdiv(gl.cdiv(M, ROWS) * N_TILES - first, programs)
+        k_base = gl.program_id(1) * STEPS * BLOCK_K
+        return first, programs, my_tiles, my_tiles * STEPS, k_base
+
+    @gluon.jit
     def _ahead_origin(
         ahead, ahead_tile, ahead_m, ahead_n, first, programs, M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         N_TILES: gl.constexpr, GROUP_M: gl.constexpr, STEPS: gl.constexpr,
@@ -276,14 +289,7 @@ if HAVE_GLUON:
         block_n: gl.constexpr = w_desc.block_type.shape[0]
         block_k: gl.constexpr = x_desc.block_type.shape[1]
         per_slice: gl.constexpr = STEPS // SLICES
-        # Tiles first, first + programs, ... of the launch order, so that the programs running at once share
-        # weight tiles through L2; steps are counted over all of a program's tiles.
-        first = gl.program_id(0)
-        programs = gl.num_programs(0)
-        my_tiles = gl.cdiv(gl.cdiv(M, block_m) * N_TILES - first, programs)
-        my_steps = my_tiles * STEPS
-        # With a slice of K in each of PROGRAMS_K programs (never persistent), this program's slice starts here.
-        k_base = gl.program_id(1) * STEPS * block_k
+        first, programs, my_tiles, my_steps, k_base = _program_walk(M, block_m, N_TILES, STEPS, block_k)
         x_stages, w_stages, filled, out_stage = _allocate_ring(x_desc, w_desc, out_desc, DEPTH)
         acc_layout: gl.constexpr = _acc_layout(block_m, block_n, num_warps)
         _start_as_dependent(PDL)
@@ -410,11 +416,7 @@ if HAVE_GLUON:
         block_k: gl.constexpr = w_desc.block_type.shape[1]
         chunk: gl.constexpr = block_m + TAIL
         per_slice: gl.constexpr = STEPS // SLICES
-        first = gl.program_id(0)
-        programs = gl.num_programs(0)
-        my_tiles = gl.cdiv(gl.cdiv(M, chunk) * N_TILES - first, programs)
-        my_steps = my_tiles * STEPS
-        k_base = gl.program_id(1) * STEPS * block_k
+        first, programs, my_tiles, my_steps, k_base = _program_walk(M, chunk, N_TILES, STEPS, block_k)
         w_stages, x_stages, filled, out_stage = _allocate_ring(w_desc, x_desc, out_desc, DEPTH)
         # With no tail, x's stages stand in for the tail's, which nothing then reads.
         xt_stages = x_stages
