@@ -13,9 +13,12 @@
 4. cuBLAS's own invariance at the same shapes, for the record.
 
 Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--splits=down:2+3] [--budget-s=SECONDS]
-[--write-tuned | --committed]. Prints a short table last; `--splits` names the reduction orders to try for a shape in
-place of `SPLITS`'s; `--write-tuned` also rewrites `matmul_plans.TUNED` with the winning plans of the shapes swept;
-`--committed` sweeps nothing and runs step 3's checks and timings on the plans in `matmul_plans.TUNED`.
+[--within=LOW:HIGH] [--candidates=committed+partitioned] [--write-tuned | --committed]. Prints a short table last;
+`--splits` names the reduction orders to try for a shape in place of `SPLITS`'s; `--within` times and chooses tiles
+at the timed M from LOW to HIGH only, the committed plans keeping theirs at the other M (and their reduction orders);
+`--candidates` tries only the tile families named (`candidate_tiles`); `--write-tuned` also rewrites
+`matmul_plans.TUNED` with the winning plans of the shapes swept; `--committed` sweeps nothing and runs step 3's
+checks and timings on the plans in `matmul_plans.TUNED`.
 """
 
 from __future__ import annotations
@@ -222,12 +225,55 @@ GLUON_SWAP_SPLIT_PROGRAM_TILES = [
     (128, 128, 64, 8, 5, 16),
     (128, 128, 64, 8, 5, 32),
 ]
+# Swapped specialized Gluon tiles (`_swapped_specialized_kernel`): a warpgroup of its own for each 64 weight rows, so
+# that a tile may have 192 of them, as cuBLAS's 192 x 176 blocks for gate_up at M = 336 do (128 of them: one round
+# on 132 multiprocessors, where 128- and 256-row tiles leave a quarter idle or take two). Each with the deepest ring
+# that fits. The narrowest, of 64 weight rows or of 32 + 16 of x's rows, give the down projection 96 to 128 tiles at
+# M = 129..320, as cuBLAS's 64 x 88 blocks at 264 do. (x's rows, weight rows, K step, warps a partition, stages,
+# tail).
+GLUON_PARTITIONED_TILES = [
+    (32, 64, 64, 4, 15, 16),
+    (64, 64, 64, 4, 13, 0),
+    (64, 64, 64, 4, 11, 16),
+    (64, 64, 64, 4, 10, 32),
+    (32, 128, 64, 4, 9, 16),
+    (64, 128, 64, 4, 8, 0),
+    (64, 128, 64, 4, 7, 16),
+    (64, 128, 64, 4, 7, 32),
+    (64, 128, 64, 4, 6, 64),
+    (128, 128, 64, 4, 6, 0),
+    (128, 128, 64, 4, 5, 16),
+    (128, 128, 64, 4, 5, 32),
+    (128, 128, 64, 4, 4, 64),
+    (64, 192, 64, 4, 6, 0),
+    (64, 192, 64, 4, 5, 16),
+    (64, 192, 64, 4, 5, 32),
+    (64, 192, 64, 4, 4, 64),
+    (128, 192, 64, 4, 4, 0),
+    (128, 192, 64, 4, 4, 16),
+    (128, 192, 64, 4, 3, 32),
+    (128, 192, 64, 4, 3, 64),
+    (64, 256, 64, 4, 4, 32),
+    (128, 256, 64, 4, 3, 0),
+]
 # Tiles timed at the prefill sizes: those wide enough to be arithmetic-bound there.
 PREFILL_TILE_MIN_AREA = 128 * 128
 
 
-def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
-    slice_k = k // split
+def partitioned_tiles() -> list[MatmulTile]:
+    return [MatmulTile(*t[:5], swap=True, tail=t[5], gluon="specialized") for t in GLUON_PARTITIONED_TILES]
+
+
+def candidate_tiles(n: int, k: int, split: int, families: str = "all") -> list[MatmulTile]:
+    """The tiles a sweep tries for a weight [N, K] in `split` slices: every family above ("all"), or those named,
+    joined by "+": "committed" (the committed plan's tiles) and "partitioned" (GLUON_PARTITIONED_TILES)."""
+    if families != "all":
+        named = {
+            "committed": lambda: [tile for _, tile in committed_plan(n, k).tiles],
+            "partitioned": partitioned_tiles,
+        }
+        tiles = [tile for family in families.split("+") for tile in named[family]()]
+        return usable(list(dict.fromkeys(tiles)), n, k, split)
     tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES]
     tiles += [MatmulTile(*t, tma=True) for t in TMA_TILES] + [MatmulTile(*t, swap=True) for t in SWAP_TILES]
     tiles += [MatmulTile(*t[:5], swap=True, tail=t[5]) for t in WIDE_SWAP_TILES]
@@ -253,7 +299,16 @@ def candidate_tiles(n: int, k: int, split: int) -> list[MatmulTile]:
             MatmulTile(*t[:5], split_programs=True, swap=True, tail=t[5], gluon="pipelined")
             for t in GLUON_SWAP_SPLIT_PROGRAM_TILES
         ]
+    return usable(tiles + partitioned_tiles(), n, k, split)
+
+
+def usable(tiles: list[MatmulTile], n: int, k: int, split: int) -> list[MatmulTile]:
+    slice_k = k // split
     return [t for t in tiles if slice_k % t.block_k == 0 and 8 <= n / t.block_n <= 2400 and fits(t, k, split)]
+
+
+def committed_plan(n: int, k: int) -> MatmulPlan:
+    return importlib.import_module("pinned_backend.kernels.triton.matmul_plans").TUNED[(n, k)]
 
 
 def fits(tile: MatmulTile, k: int, split: int) -> bool:
@@ -325,11 +380,14 @@ def mismatches(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, full
     return bad
 
 
-def plan_from(rows: list[dict[str, Any]], split: int) -> tuple[MatmulPlan, dict[int, float]]:
-    """The fastest tile at each timed M, as a plan of M ranges (a range ends at a timed M), and its times."""
+def plan_from(
+    rows: list[dict[str, Any]], split: int, sizes: list[int]
+) -> tuple[MatmulPlan, dict[int, float]]:
+    """The fastest tile at each timed M of `sizes`, as a plan of M ranges (a range ends at a timed M), and its
+    times."""
     chosen: list[tuple[int, MatmulTile]] = []
     times: dict[int, float] = {}
-    for m in TIMED_M + PREFILL_M:
+    for m in sizes:
         # Tiles not timed at an M (narrow ones at the prefill sizes) have an infinite time.
         best = min(rows, key=lambda r: r["us"][m])
         tile = MatmulTile(**best["tile"])
@@ -340,6 +398,20 @@ def plan_from(rows: list[dict[str, Any]], split: int) -> tuple[MatmulPlan, dict[
             chosen.append((m, tile))
     chosen[-1] = (LARGE_M, chosen[-1][1])
     return MatmulPlan(split, tuple(chosen)), times
+
+
+def splice(outer: MatmulPlan, inner: MatmulPlan, low: int, high: int) -> MatmulPlan:
+    """`inner`'s tiles for M = low..high, `outer`'s for the other M."""
+    ends = sorted({low - 1, high} | {max_m for max_m, _ in outer.tiles + inner.tiles if max_m >= 1})
+    chosen: list[tuple[int, MatmulTile]] = []
+    for end in ends:
+        tile = (inner if low <= end <= high else outer).tile_for(end)
+        if chosen and chosen[-1][1] == tile:
+            chosen[-1] = (end, tile)
+        else:
+            chosen.append((end, tile))
+    chosen[-1] = (LARGE_M, chosen[-1][1])
+    return MatmulPlan(outer.split_k, tuple(chosen))
 
 
 def plan_expression(plan: MatmulPlan) -> str:
@@ -361,21 +433,26 @@ def plan_source(name: str, n: int, k: int, plan: MatmulPlan) -> str:
     return f"    ({n}, {k}): {plan_expression(plan)},  # {name}"
 
 
-def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
+def tune_shape(
+    name: str, n: int, k: int, deadline: float, within: tuple[int, int] = (1, LARGE_M), families: str = "all"
+) -> dict[str, Any]:
     """Timing order matters on this chip: right after a large, arithmetic-bound product a small one runs up to 20%
     slower for a while. So every tile and cuBLAS are timed at M <= 512 first, in ascending M, and at the prefill
-    sizes only after all of them; the final plan is timed with cuBLAS interleaved, M ascending."""
+    sizes only after all of them; the final plan is timed with cuBLAS interleaved, M ascending. Tiles are timed
+    and chosen at the timed M `within` (low, high) only; the committed plan keeps the other M."""
+    timed = [m for m in TIMED_M if within[0] <= m <= within[1]]
+    prefill = [m for m in PREFILL_M if within[0] <= m <= within[1]]
     x, w, copies = operands(n, k)
     ref = x[:64].double() @ w.double().T
     cublas = lambda a, b: a @ b.T  # noqa: E731
-    cublas_us = {m: time_rotating(cublas, x[:m], copies) for m in TIMED_M}
+    cublas_us = {m: time_rotating(cublas, x[:m], copies) for m in timed}
     cublas_bad = mismatches(lambda a: a @ w.T, x, x[:512] @ w.T)
     groups: dict[int, dict[str, Any]] = {}
     for split in SPLITS[name]:
         rows: list[dict[str, Any]] = []
         failed: list[dict[str, Any]] = []
         reference: torch.Tensor | None = None
-        for tile in candidate_tiles(n, k, split):
+        for tile in candidate_tiles(n, k, split, families):
             if time.time() > deadline:
                 failed.append({"tile": tile.__dict__, "error": "skipped: time budget spent"})
                 continue
@@ -390,7 +467,7 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
                 bad = mismatches(run, x, reference)
                 us = {
                     m: time_rotating(lambda a, b, p=plan, t=tile: matmul(a, b, p, t), x[:m], copies)
-                    for m in TIMED_M
+                    for m in timed
                 }
             except Exception as exc:  # a tile that does not fit is a result, not a crash
                 failed.append({"tile": tile.__dict__, "error": repr(exc)[:300]})
@@ -406,16 +483,16 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
             print(name, split, tile, f"bad {len(bad)} err {err:.1e}", f"{time.time() - t0:.1f}s", flush=True)
         groups[split] = {"tiles": rows, "failed": failed}
     # cuBLAS again, after the tiles: the smaller of its two times, so that warm-up order never favours us.
-    for m in TIMED_M:
+    for m in timed:
         cublas_us[m] = min(cublas_us[m], time_rotating(cublas, x[:m], copies))
-    for m in PREFILL_M:
+    for m in prefill:
         cublas_us[m] = time_rotating(cublas, x[:m], copies)
     for split, group in groups.items():
         for row in group["tiles"]:
             tile = MatmulTile(**row["tile"])
             single = MatmulPlan(split, ((LARGE_M, tile),))
             wide = tile.tma or bool(tile.gluon) or tile.block_m * tile.block_n >= PREFILL_TILE_MIN_AREA
-            for m in PREFILL_M:
+            for m in prefill:
                 row["us"][m] = (
                     time_rotating(lambda a, b, p=single, t=tile: matmul(a, b, p, t), x[:m], copies)
                     if wide
@@ -424,13 +501,15 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
     for split, group in groups.items():
         if not group["tiles"]:
             continue
-        plan, times = plan_from(group["tiles"], split)
-        ratios = {m: times[m] / cublas_us[m] for m in TIMED_M + PREFILL_M}
+        plan, times = plan_from(group["tiles"], split, timed + prefill)
+        if within != (1, LARGE_M):
+            plan = splice(committed_plan(n, k), plan, *within)
+        ratios = {m: times[m] / cublas_us[m] for m in timed + prefill}
         group.update(
             {
                 "plan": plan_source(name, n, k, plan),
                 "plan_ratio": ratios,
-                "worst_ratio": max(ratios[m] for m in TIMED_M),
+                "worst_ratio": max(ratios[m] for m in timed),
                 "_plan": plan,
             }
         )
@@ -444,7 +523,7 @@ def tune_shape(name: str, n: int, k: int, deadline: float) -> dict[str, Any]:
     }
     if not done:
         return result
-    best = min(done, key=lambda g: (g["worst_ratio"], g["plan_ratio"][PREFILL_M[-1]]))
+    best = min(done, key=lambda g: (g["worst_ratio"], g["plan_ratio"].get(PREFILL_M[-1], 0.0)))
     result.update(check_plan(name, n, k, best["_plan"], x, w, copies))
     return result
 
@@ -518,6 +597,15 @@ def main() -> None:
         name, orders = entry.split(":")
         SPLITS[name] = [int(order) for order in orders.split("+")]
     budget = float(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--budget-s=")), "1e9"))
+    families = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--candidates=")), "all")
+    low, _, high = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--within=")), "").partition(
+        ":"
+    )
+    within = (int(low), int(high)) if low else (1, LARGE_M)
+    if low:
+        # The committed plan keeps the M outside the range, so tiles within it must reduce in its order.
+        for name, (n, k) in SHAPES.items():
+            SPLITS[name] = [committed_plan(n, k).split_k]
     start = time.time()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -538,7 +626,8 @@ def main() -> None:
     # longer the longer its K chains (the down projection's, K = 6144, took 1.2 to 1.7 s a tile in runs 45 and 46,
     # the others' 0.4 to 1.2 s; by tile count alone, run 46's share for it ran out 21 tiles short).
     cost = {
-        name: SHAPES[name][1] * sum(len(candidate_tiles(*SHAPES[name], split)) for split in SPLITS[name])
+        name: SHAPES[name][1]
+        * sum(len(candidate_tiles(*SHAPES[name], split, families)) for split in SPLITS[name])
         for name in names
     }
     for i, name in enumerate(names):
@@ -553,7 +642,7 @@ def main() -> None:
         # goes to the shapes after it.
         share = cost[name] / sum(cost[later] for later in names[i:])
         deadline = time.time() + (start + budget - time.time()) * share
-        report["shapes"][name] = tune_shape(name, n, k, deadline)
+        report["shapes"][name] = tune_shape(name, n, k, deadline, within, families)
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
     print(

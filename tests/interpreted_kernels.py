@@ -51,6 +51,10 @@ def main() -> int:
         "a swapped Gluon tile with a tail, a slice per program": MatmulTile(
             32, 64, 32, 4, 2, split_programs=True, swap=True, tail=16, gluon="pipelined"
         ),
+        # Its twin takes one partition's 64 weight rows a tile.
+        "a swapped specialized Gluon tile of three partitions": MatmulTile(
+            32, 192, 32, 4, 2, swap=True, tail=16, gluon="specialized"
+        ),
     }
     exact_x = (torch.randint(-8, 9, x.shape, generator=gen) / 8).to(torch.float16)
     exact_w = (torch.randint(-8, 9, w.shape, generator=gen) / 8).to(torch.float16)

@@ -118,12 +118,25 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
             2048,
             "a Gluon tile is not streamed",
         ),
+        *[
+            (
+                MatmulPlan(1, ((1 << 62, tile),)),
+                2048,
+                "a warpgroup of 4 warps for each 64, and every slice of K in one program",
+            )
+            for tile in (
+                MatmulTile(64, 128, 64, 8, 4, swap=True, gluon="specialized"),
+                MatmulTile(64, 96, 64, 4, 4, swap=True, gluon="specialized"),
+                MatmulTile(64, 320, 64, 4, 2, swap=True, gluon="specialized"),
+                MatmulTile(64, 128, 64, 4, 4, split_programs=True, swap=True, gluon="specialized"),
+            )
+        ],
         (
             MatmulPlan(
-                1, ((1 << 62, MatmulTile(64, 64, 64, 4, 4, swap=True, tail=16, gluon="specialized")),)
+                2, ((1 << 62, MatmulTile(128, 192, 64, 4, 2, swap=True, tail=64, gluon="specialized")),)
             ),
-            2048,
-            "a swapped Gluon tile is pipelined or persistent",
+            6144,
+            "take 192 registers a thread, over 96",
         ),
         (
             MatmulPlan(

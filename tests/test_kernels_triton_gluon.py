@@ -103,6 +103,15 @@ _GLUON_SWAPPED_BLOCKS = [
     (128, 64, 64, 4, 4, 32),
     (32, 64, 128, 4, 6, 0),
 ]
+# Swapped specialized tiles: one to four partitions of 64 weight rows (the 192-row tile's three among them), with
+# and without a tail.
+_GLUON_PARTITIONED_BLOCKS = [
+    (64, 64, 64, 4, 8, 32),
+    (128, 128, 64, 4, 4, 0),
+    (128, 192, 64, 4, 4, 16),
+    (64, 192, 64, 4, 5, 32),
+    (64, 256, 64, 4, 3, 32),
+]
 
 
 @gpu
@@ -118,8 +127,10 @@ def test_a_swapped_gluon_tile_gives_every_row_the_bits_of_the_unswapped_tiles(
     expected = matmul_with_plan(x, w, plan, plain)
     # With slices of K, also each slice in a program of its own (not persistent programs, which walk tiles).
     kernels = [("pipelined", False), ("persistent", False)] + ([("pipelined", True)] if split > 1 else [])
-    for *blocks, tail in _GLUON_SWAPPED_BLOCKS:
-        for kernel, split_programs in kernels:
+    cases = [(blocks, kernels) for blocks in _GLUON_SWAPPED_BLOCKS]
+    cases += [(blocks, [("specialized", False)]) for blocks in _GLUON_PARTITIONED_BLOCKS]
+    for (*blocks, tail), kernels_of_blocks in cases:
+        for kernel, split_programs in kernels_of_blocks:
             gluon = MatmulTile(*blocks, split_programs=split_programs, swap=True, tail=tail, gluon=kernel)
             try:
                 MatmulPlan(split, ((1 << 62, gluon),)).check(k)
@@ -133,17 +144,24 @@ def test_a_swapped_gluon_tile_gives_every_row_the_bits_of_the_unswapped_tiles(
                 )
             # Rows in another place of the tile give the same bits.
             assert torch.equal(matmul_with_plan(x[7:300], w, plan, gluon), expected[7:300])
-    gluon = MatmulTile(64, 64, 64, 4, 6, swap=True, tail=32, gluon="pipelined")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = matmul_with_plan(x[:264], w, plan, gluon)
-    replayed.zero_()
-    graph.replay()
-    assert torch.equal(replayed, expected[:264]), f"{gluon} replayed from a graph"
-    _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, plain)
-    # fp16 operands too.
-    x16, w16 = x[:264].half(), w.half()
-    assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, plain))
+    for gluon in (
+        MatmulTile(64, 64, 64, 4, 6, swap=True, tail=32, gluon="pipelined"),
+        MatmulTile(64, 192, 64, 4, 5, swap=True, tail=32, gluon="specialized"),
+    ):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = matmul_with_plan(x[:264], w, plan, gluon)
+        replayed.zero_()
+        graph.replay()
+        assert torch.equal(replayed, expected[:264]), f"{gluon} replayed from a graph"
+        _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, plain)
+        # fp16 operands too.
+        x16, w16 = x[:264].half(), w.half()
+        assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, plain))
+        # Rows the copy engine cannot address go to the `tl.dot` twin (of 64 weight rows, for a partitioned tile).
+        strided = torch.empty(300, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
+        strided.copy_(x[:300])
+        assert torch.equal(matmul_with_plan(strided, w, plan, gluon), expected[:300]), f"{gluon}'s twin"
     torch.cuda.synchronize()
     counters = importlib.import_module("pinned_backend.kernels.triton.matmul")._ARRIVALS.get(x.device)
     assert counters is None or int(counters.count_nonzero()) == 0, "a tile's slice counter was left set"

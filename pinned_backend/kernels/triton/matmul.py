@@ -23,7 +23,7 @@ import torch
 from ._compat import HAVE_TRITON, interpreted, tl, triton
 from .dependent_launch import launch_options, start_as_dependent
 from .matmul_gluon import HAVE_GLUON, launch_gluon
-from .matmul_plans import LARGE_M, MatmulPlan, MatmulTile, matmul_plan
+from .matmul_plans import LARGE_M, SWAPPED_PARTITION_ROWS, MatmulPlan, MatmulTile, matmul_plan
 from .reused_launch import ReusedLaunch
 
 if HAVE_TRITON:
@@ -413,7 +413,12 @@ def matmul(
         # gives the same bits wherever both run: under Triton's interpreter, which runs no Gluon, and for views the
         # copy engine cannot read. Off Hopper, where `wgmma` does not exist, served plans hold no Gluon tile; one
         # named explicitly runs as its twin.
-        tile = dataclasses.replace(tile, gluon="", tma=not tile.swap)
+        twin = dataclasses.replace(tile, gluon="", tma=not tile.swap)
+        if tile.partitions:
+            # One partition's weight rows: a `tl.dot` tile's blocks are powers of two, and its rows' bits the same.
+            twin = dataclasses.replace(twin, block_n=SWAPPED_PARTITION_ROWS)
+            tiles = -(-m // (tile.block_m + tile.tail)) * -(-n // twin.block_n)
+        tile = twin
     if tile.stream:
         _launch_stream(x, w, out, split, tile)
         return out

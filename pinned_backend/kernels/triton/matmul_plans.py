@@ -43,6 +43,14 @@ _SHARED_BYTES = 227 * 1024
 _GLUON_ACCUMULATOR_REGISTERS = 128
 # The narrowest wgmma step a Gluon tile's warpgroup may take (its columns); narrower ones do not compile.
 _GLUON_MIN_WGMMA_COLS = 16
+# A swapped `specialized` Gluon tile's weight rows come in partitions of one warpgroup each, this many rows apiece,
+# up to four of them: a warpgroup's wgmma steps take 64 rows, and a program of five warpgroups (a copying warp's
+# among them) leaves each thread 102 registers.
+SWAPPED_PARTITION_ROWS = 64
+_SWAPPED_PARTITIONS = (1, 2, 3, 4)
+# Registers a thread of a Gluon tile needs beside its accumulators (addresses, counters, barriers' phases); a
+# 3-partition tile with 96 accumulator registers a thread compiled to 128 without spilling, for sm_90a.
+_GLUON_OTHER_REGISTERS = 32
 # Without a split, fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
 _TARGET_PROGRAMS = 128
 
@@ -70,14 +78,31 @@ class MatmulTile:
     # row tile's (column tile, slice, K step) units, a chain cut between two programs carrying its fp32
     # accumulator from one to the next (`_matmul_stream_kernel`).
     stream: bool = False
-    # Run by a Gluon kernel written below `tl.dot` (matmul_gluon.py): "specialized", "pipelined" or "persistent"
-    # (swapped: "pipelined" or "persistent"); "" for the `tl.dot` kernels. Operands arrive through the
-    # tensor-memory engine whatever `tma` says.
+    # Run by a Gluon kernel written below `tl.dot` (matmul_gluon.py): "specialized", "pipelined" or "persistent";
+    # "" for the `tl.dot` kernels. Operands arrive through the tensor-memory engine whatever `tma` says. A swapped
+    # "specialized" tile has a partition of 4 warps for each 64 of its weight rows (so 192 rows take 12 warps, where
+    # `num_warps` alone must be a power of two), and its programs walk tiles as persistent ones do.
     gluon: str = ""
+
+    @property
+    def partitions(self) -> int:
+        """The warpgroups of a swapped `specialized` Gluon tile, each multiplying its own 64 weight rows; else 0."""
+        return -(-self.block_n // SWAPPED_PARTITION_ROWS) if self.swap and self.gluon == "specialized" else 0
 
     def check(self) -> None:
         rows, cols = (self.block_n, self.block_m) if self.swap else (self.block_m, self.block_n)
-        if rows not in _WGMMA_ROWS or self.num_warps not in _WGMMA_WARPS:
+        if self.partitions:
+            if (
+                self.block_n % SWAPPED_PARTITION_ROWS
+                or self.partitions not in _SWAPPED_PARTITIONS
+                or self.num_warps != 4
+                or self.split_programs
+            ):
+                raise ValueError(
+                    f"{self}: a swapped specialized Gluon tile has 64, 128, 192 or 256 weight rows, a warpgroup of"
+                    " 4 warps for each 64, and every slice of K in one program"
+                )
+        elif rows not in _WGMMA_ROWS or self.num_warps not in _WGMMA_WARPS:
             raise ValueError(f"{self}: tiles must have 64, 128 or 256 rows and 4 or 8 warps (wgmma shapes)")
         if self.swap and (cols < _SWAP_MIN_COLS or self.tma):
             raise ValueError(
@@ -95,8 +120,6 @@ class MatmulTile:
             raise ValueError(f"{self}: gluon must be one of {_GLUON_KERNELS}")
         if self.gluon and (self.stream or (not self.swap and self.block_m not in (64, 128))):
             raise ValueError(f"{self}: a Gluon tile is not streamed, and unswapped has 64 or 128 rows of x")
-        if self.gluon == "specialized" and self.swap:
-            raise ValueError(f"{self}: a swapped Gluon tile is pipelined or persistent")
         if self.gluon == "persistent" and self.split_programs:
             raise ValueError(
                 f"{self}: a persistent Gluon program walks whole tiles, every slice of K in one program"
@@ -140,10 +163,15 @@ class MatmulPlan:
             # registers.
             slices = 1 if tile.split_programs else self.split_k
             registers = (tile.block_m + tile.tail) * tile.block_n * min(slices, 2) // (32 * tile.num_warps)
-            if registers > _GLUON_ACCUMULATOR_REGISTERS:
+            limit = _GLUON_ACCUMULATOR_REGISTERS
+            if tile.partitions:
+                # Each warpgroup holds its own 64 weight rows' accumulators, within its even share of the registers.
+                registers //= tile.partitions
+                share = 65536 // (32 * 4 * (tile.partitions + 1))
+                limit = min(limit, share - _GLUON_OTHER_REGISTERS)
+            if registers > limit:
                 raise ValueError(
-                    f"{tile}: {slices} slices' accumulators take {registers} registers a thread, over"
-                    f" {_GLUON_ACCUMULATOR_REGISTERS}"
+                    f"{tile}: {slices} slices' accumulators take {registers} registers a thread, over {limit}"
                 )
             # A persistent program copies its first stages before it has worked out where its second tile is.
             if k // tile.block_k < tile.num_stages - 1:
