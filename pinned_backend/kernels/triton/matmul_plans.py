@@ -225,39 +225,17 @@ LARGE_M = 1 << 62
 
 # (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
 # reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS
-# is smallest. The tiles at M = 129..512 are runs 62's and 63's, after Gluon tiles could be swapped with a tail of
-# x's rows. At M <= 128 the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run 64).
-# Past M = 512 every weight keeps the tiles that run 59 measured end to end: the sweep picks those from one timing
-# each at M = 2048 and 8192, too little to choose between tiles a few percent apart (run 58's, so chosen, prefilled
-# 3% slower). Tiles
-# compete on GPU time alone: the backend replays its steps from CUDA graphs (step_graphs.py), so a TMA tile's host
+# is smallest. The tiles at M = 129..512 are run 73's (the down projection's run 76's), swept there alone
+# (`--within=129:512`) against the tiles the plans held, once swapped Gluon tiles could take a warpgroup for each 64
+# weight rows. At M <= 128 the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run
+# 64). Past M = 512 every weight keeps the tiles that run 59 measured end to end: the sweep picks those from one
+# timing each at M = 2048 and 8192, too little to choose between tiles a few percent apart (run 58's, so chosen,
+# prefilled 3% slower). Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs (step_graphs.py), so a TMA tile's host
 # cost (two descriptors a launch, up to 150 us) never reaches a served step, though it makes an eager step of one
 # prompt wait on the host. The down projection keeps at least two slices of K: with K whole it is 1.3x of cuBLAS at
 # decode sizes, and measured end to end that lost more decode (0.93-0.97 of default) than it won prefill
 # (bench/results/h200.md).
 TUNED: dict[tuple[int, int], MatmulPlan] = {
-    (2048, 6144): MatmulPlan(
-        2,
-        (
-            (32, _tile(16, 64, 128, 4, 6, split_programs=True, swap=True)),
-            (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
-            (128, _tile(64, 64, 64, 4, 8, split_programs=True, gluon="specialized")),
-            (176, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (192, _tile(64, 128, 64, 4, 6, split_programs=True)),
-            (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (272, _tile(64, 64, 128, 4, 5, swap=True, tail=32, gluon="pipelined")),
-            (288, _tile(64, 64, 128, 4, 5, swap=True, tail=16, gluon="persistent")),
-            (304, _tile(64, 64, 128, 4, 5, swap=True, tail=16, gluon="pipelined")),
-            (320, _tile(64, 64, 128, 4, 5, swap=True, tail=16, gluon="persistent")),
-            (336, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (352, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (384, _tile(64, 64, 128, 4, 5, swap=True, tail=32, gluon="persistent")),
-            (480, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (496, _tile(64, 128, 128, 4, 4, gluon="specialized")),
-            (512, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (LARGE_M, _tile(128, 128, 64, 8, 5, tma=True)),
-        ),
-    ),  # down
     (2048, 2048): MatmulPlan(
         1,
         (
@@ -265,11 +243,14 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (128, _tile(32, 64, 128, 4, 6, swap=True)),
             (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
             (384, _tile(64, 64, 128, 4, 5, swap=True, tail=32, gluon="persistent")),
+            (448, _tile(64, 128, 64, 4, 8, swap=True, gluon="specialized")),
+            (480, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (496, _tile(64, 128, 64, 4, 8, swap=True, gluon="specialized")),
             (512, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
             (2048, _tile(128, 256, 64, 8, 3, gluon="specialized")),
             (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
-    ),  # o_proj
+    ),
     (4096, 2048): MatmulPlan(
         1,
         (
@@ -278,20 +259,16 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (96, _tile(64, 64, 128, 4, 4)),
             (128, _tile(64, 64, 64, 4, 8, gluon="specialized")),
             (192, _tile(64, 64, 128, 4, 5, swap=True, tail=32, gluon="pipelined")),
-            (200, _tile(64, 128, 128, 4, 4, gluon="specialized")),
-            (224, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (256, _tile(64, 128, 128, 4, 4, gluon="specialized")),
-            (264, _tile(128, 64, 128, 4, 4, swap=True, tail=16, gluon="pipelined")),
+            (256, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (272, _tile(128, 64, 128, 4, 4, swap=True, tail=16, gluon="pipelined")),
             (288, _tile(128, 64, 128, 4, 4, swap=True, tail=16, gluon="persistent")),
-            (320, _tile(128, 64, 64, 4, 7, swap=True, tail=32, gluon="persistent")),
-            (336, _tile(128, 128, 64, 8, 5, gluon="specialized")),
-            (384, _tile(128, 128, 64, 8, 5, tma=True)),
-            (448, _tile(64, 256, 64, 4, 4)),
-            (512, _tile(128, 128, 64, 8, 5, tma=True)),
+            (320, _tile(64, 128, 64, 4, 7, swap=True, tail=16, gluon="specialized")),
+            (384, _tile(64, 128, 64, 4, 7, swap=True, tail=32, gluon="specialized")),
+            (512, _tile(128, 128, 64, 4, 6, swap=True, gluon="specialized")),
             (2048, _tile(128, 128, 64, 8, 3, tma=True)),
             (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
-    ),  # qkv
+    ),
     (12288, 2048): MatmulPlan(
         1,
         (
@@ -301,18 +278,22 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (64, _tile(64, 128, 64, 4, 6, gluon="persistent")),
             (96, _tile(128, 128, 64, 8, 5)),
             (128, _tile(128, 128, 64, 8, 5, tma=True)),
-            (144, _tile(128, 64, 128, 4, 4, swap=True, tail=16, gluon="persistent")),
-            (160, _tile(64, 64, 64, 4, 4, swap=True, tail=16)),
-            (192, _tile(64, 64, 128, 4, 5, swap=True, tail=32, gluon="persistent")),
-            (256, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (288, _tile(128, 64, 128, 4, 4, swap=True, tail=16, gluon="persistent")),
+            (144, _tile(128, 128, 64, 4, 5, swap=True, tail=16, gluon="specialized")),
+            (160, _tile(128, 128, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
+            (192, _tile(64, 192, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
+            (256, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
+            (288, _tile(128, 192, 64, 4, 4, swap=True, tail=16, gluon="specialized")),
+            (304, _tile(64, 128, 64, 4, 7, swap=True, tail=16, gluon="specialized")),
             (320, _tile(64, 256, 64, 4, 4, gluon="persistent")),
-            (352, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (512, _tile(128, 128, 64, 8, 5, gluon="persistent")),
+            (384, _tile(64, 192, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
+            (416, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
+            (448, _tile(64, 128, 64, 4, 6, swap=True, tail=64, gluon="specialized")),
+            (496, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
+            (512, _tile(64, 128, 64, 4, 6, swap=True, tail=64, gluon="specialized")),
             (2048, _tile(128, 128, 64, 8, 3, tma=True)),
             (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
-    ),  # gate_up
+    ),
     (151936, 2048): MatmulPlan(
         1,
         (
@@ -320,18 +301,37 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (32, _tile(32, 128, 128, 4, 4, swap=True)),
             (96, _tile(64, 128, 128, 4, 4, gluon="persistent")),
             (128, _tile(128, 128, 64, 8, 5, gluon="persistent")),
-            (144, _tile(128, 64, 128, 4, 4, swap=True, tail=16, gluon="persistent")),
-            (160, _tile(128, 64, 64, 4, 7, swap=True, tail=32, gluon="persistent")),
-            (192, _tile(128, 128, 64, 8, 4, swap=True, tail=64, gluon="persistent")),
-            (256, _tile(128, 256, 64, 8, 3, gluon="persistent")),
-            (264, _tile(128, 128, 64, 8, 3, swap=True, tail=16)),
-            (272, _tile(256, 128, 64, 8, 3, swap=True, tail=16)),
-            (320, _tile(64, 256, 64, 4, 4, gluon="persistent")),
-            (384, _tile(128, 256, 64, 8, 3, tma=True, stream=True)),
-            (448, _tile(64, 256, 64, 4, 4, gluon="persistent")),
+            (144, _tile(128, 128, 64, 4, 5, swap=True, tail=16, gluon="specialized")),
+            (160, _tile(128, 128, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
+            (192, _tile(128, 128, 64, 4, 4, swap=True, tail=64, gluon="specialized")),
+            (200, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
+            (256, _tile(128, 128, 64, 4, 6, swap=True, gluon="specialized")),
+            (288, _tile(128, 192, 64, 4, 4, swap=True, tail=16, gluon="specialized")),
+            (320, _tile(128, 128, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
+            (384, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
+            (416, _tile(128, 192, 64, 4, 4, swap=True, tail=16, gluon="specialized")),
+            (512, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
             (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
         ),
-    ),  # lm_head
+    ),
+    (2048, 6144): MatmulPlan(
+        2,
+        (
+            (32, _tile(16, 64, 128, 4, 6, split_programs=True, swap=True)),
+            (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
+            (128, _tile(64, 64, 64, 4, 8, split_programs=True, gluon="specialized")),
+            (192, _tile(64, 64, 64, 4, 13, swap=True, gluon="specialized")),
+            (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
+            (288, _tile(64, 64, 64, 4, 10, swap=True, tail=32, gluon="specialized")),
+            (304, _tile(64, 64, 64, 4, 11, swap=True, tail=16, gluon="specialized")),
+            (384, _tile(64, 64, 64, 4, 10, swap=True, tail=32, gluon="specialized")),
+            (448, _tile(64, 128, 64, 4, 8, swap=True, gluon="specialized")),
+            (464, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (496, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
+            (512, _tile(64, 128, 128, 4, 4, gluon="persistent")),
+            (LARGE_M, _tile(128, 128, 64, 8, 5, tma=True)),
+        ),
+    ),  # down
 }
 
 
