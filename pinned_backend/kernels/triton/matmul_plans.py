@@ -230,11 +230,11 @@ LARGE_M = 1 << 62
 # weight rows. At M <= 128 the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run
 # 64). Past M = 512 every weight keeps the tiles that run 59 measured end to end: the sweep picks those from one
 # timing each at M = 2048 and 8192, too little to choose between tiles a few percent apart (run 58's, so chosen,
-# prefilled 3% slower). Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs (step_graphs.py), so a TMA tile's host
-# cost (two descriptors a launch, up to 150 us) never reaches a served step, though it makes an eager step of one
-# prompt wait on the host. The down projection keeps at least two slices of K: with K whole it is 1.3x of cuBLAS at
-# decode sizes, and measured end to end that lost more decode (0.93-0.97 of default) than it won prefill
-# (bench/results/h200.md).
+# prefilled 3% slower). Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
+# (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches a served step,
+# though it makes an eager step of one prompt wait on the host. The down projection keeps at least two slices of K:
+# with K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode (0.93-0.97 of
+# default) than it won prefill (bench/results/h200.md).
 TUNED: dict[tuple[int, int], MatmulPlan] = {
     (2048, 2048): MatmulPlan(
         1,
