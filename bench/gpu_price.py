@@ -224,7 +224,8 @@ def step_profile(model: Transformer, cache: PagedKVCache) -> dict[str, Any]:
 
 
 _FAMILIES = {
-    # The `tl.dot` kernels and the Gluon ones (matmul_gluon.py).
+    # The `tl.dot` kernels and the Gluon ones (matmul_gluon.py, matmul_gluon_swapped.py: "_specialized_kernel" names
+    # "_swapped_specialized_kernel" too).
     "matmul (Triton)": (
         "_matmul_kernel",
         "_matmul_stream_kernel",

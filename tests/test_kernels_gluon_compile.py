@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from pinned_backend.kernels.triton.matmul import _GROUP_M  # noqa: E402
-from pinned_backend.kernels.triton.matmul_gluon import GluonLaunch, gluon_launch  # noqa: E402
+from pinned_backend.kernels.triton.matmul_gluon_launch import GluonLaunch, gluon_launch  # noqa: E402
 from pinned_backend.kernels.triton.matmul_plans import TUNED, MatmulPlan, MatmulTile  # noqa: E402
 
 # Swapped specialized tiles of each number of partitions, whether or not a plan serves them: the largest
@@ -158,24 +158,26 @@ def test_launch_gluon_launches_gluon_launch_s_kernel_over_the_tiles(
     m: int,
     grid: tuple[int, int],
 ) -> None:
-    matmul_gluon = importlib.import_module("pinned_backend.kernels.triton.matmul_gluon")
+    kernels = importlib.import_module("pinned_backend.kernels.triton.matmul_gluon")
+    swapped = importlib.import_module("pinned_backend.kernels.triton.matmul_gluon_swapped")
+    launch_module = importlib.import_module("pinned_backend.kernels.triton.matmul_gluon_launch")
     launched: list[tuple[Any, ...]] = []
 
     class Recorder:
         def __getitem__(self, grid: tuple[int, int]) -> Any:
             return lambda *args, **kwargs: launched.append((grid, args, kwargs))
 
-    for kernel in (
-        "_specialized_kernel",
-        "_pipelined_kernel",
-        "_swapped_kernel",
-        "_swapped_specialized_kernel",
+    for module, kernel in (
+        (kernels, "_specialized_kernel"),
+        (kernels, "_pipelined_kernel"),
+        (swapped, "_swapped_kernel"),
+        (swapped, "_swapped_specialized_kernel"),
     ):
-        monkeypatch.setattr(matmul_gluon, kernel, Recorder())
+        monkeypatch.setattr(module, kernel, Recorder())
     x = torch.zeros(m, k, dtype=torch.bfloat16)
     w = torch.zeros(n, k, dtype=torch.bfloat16)
     out = torch.zeros(m, n, dtype=torch.bfloat16)
-    matmul_gluon.launch_gluon(x, w, out, split, tile, _GROUP_M, 132, out, out)
+    launch_module.launch_gluon(x, w, out, split, tile, _GROUP_M, 132, out, out)
     expected = gluon_launch(tile, split, n, k, _GROUP_M, dependent=False)
     [(launched_grid, args, kwargs)] = launched
     assert launched_grid == grid

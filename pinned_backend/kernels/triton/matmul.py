@@ -7,9 +7,9 @@ The kernels that run a plan's tiles (matmul_plans.py says what decides a result'
 - `_matmul_stream_kernel`: up to one program per multiprocessor, each an equal run of one row tile's K steps, a
   chain cut between two programs carrying its fp32 accumulator from one to the next; plain loads or the
   tensor-memory engine.
-A plan may also name a tile run by one of the Gluon kernels of matmul_gluon.py. `matmul` takes the plan for the
-weight's shape on the device's compute capability and the tile for M, and launches it. This module knows nothing of
-models or of scheduling.
+A plan may also name a tile run by one of the Gluon kernels of matmul_gluon.py and matmul_gluon_swapped.py.
+`matmul` takes the plan for the weight's shape on the device's compute capability and the tile for M, and launches
+it. This module knows nothing of models or of scheduling.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 
 from ._compat import HAVE_TRITON, interpreted, tl, triton
 from .dependent_launch import launch_options, start_as_dependent
-from .matmul_gluon import HAVE_GLUON, launch_gluon
+from .matmul_gluon import HAVE_GLUON
+from .matmul_gluon_launch import launch_gluon
 from .matmul_plans import LARGE_M, SWAPPED_PARTITION_ROWS, MatmulPlan, MatmulTile, matmul_plan
 from .reused_launch import ReusedLaunch
 
