@@ -400,20 +400,6 @@ def plan_from(
     return MatmulPlan(split, tuple(chosen)), times
 
 
-def splice(outer: MatmulPlan, inner: MatmulPlan, low: int, high: int) -> MatmulPlan:
-    """`inner`'s tiles for M = low..high, `outer`'s for the other M."""
-    ends = sorted({low - 1, high} | {max_m for max_m, _ in outer.tiles + inner.tiles if max_m >= 1})
-    chosen: list[tuple[int, MatmulTile]] = []
-    for end in ends:
-        tile = (inner if low <= end <= high else outer).tile_for(end)
-        if chosen and chosen[-1][1] == tile:
-            chosen[-1] = (end, tile)
-        else:
-            chosen.append((end, tile))
-    chosen[-1] = (LARGE_M, chosen[-1][1])
-    return MatmulPlan(outer.split_k, tuple(chosen))
-
-
 def plan_expression(plan: MatmulPlan) -> str:
     """`plan` as the Python that `matmul_plans.TUNED` holds."""
     tiles = []
@@ -503,7 +489,7 @@ def tune_shape(
             continue
         plan, times = plan_from(group["tiles"], split, timed + prefill)
         if within != (1, LARGE_M):
-            plan = splice(committed_plan(n, k), plan, *within)
+            plan = committed_plan(n, k).spliced(plan, *within)
         ratios = {m: times[m] / cublas_us[m] for m in timed + prefill}
         group.update(
             {

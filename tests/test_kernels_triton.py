@@ -66,6 +66,24 @@ def test_a_gpu_whose_tiles_no_sweep_has_proven_gets_one_plain_tile_for_every_m(n
     unproven.check(k)
 
 
+def test_a_spliced_plan_takes_the_inner_plan_s_tiles_within_its_range_and_its_own_elsewhere() -> None:
+    a, b, c = (
+        MatmulTile(64, 64, 64, 4, 4),
+        MatmulTile(128, 128, 64, 8, 3),
+        MatmulTile(64, 128, 64, 4, 4, swap=True),
+    )
+    outer = MatmulPlan(1, ((64, a), (1 << 62, b)))
+    inner = MatmulPlan(1, ((200, c), (1 << 62, a)))
+    spliced = outer.spliced(inner, 129, 512)
+    assert spliced.tiles == ((64, a), (128, b), (200, c), (512, a), (1 << 62, b))
+    for m in range(1, 1100):
+        assert spliced.tile_for(m) == (inner if 129 <= m <= 512 else outer).tile_for(m)
+    # From M = 1 no range ends at 0, and neighbouring ranges of one tile merge.
+    assert outer.spliced(inner, 1, 100).tiles == ((100, c), (1 << 62, b))
+    with pytest.raises(ValueError, match="reduces K in 2 slices, this plan in 1"):
+        outer.spliced(MatmulPlan(2, ((1 << 62, a),)), 1, 8)
+
+
 def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> None:
     narrow = rule_plan(2048, 2048)
     assert -(-2048 // narrow.tile_for(1).block_n) >= 128

@@ -151,6 +151,21 @@ class MatmulPlan:
                 return tile
         return self.tiles[-1][1]
 
+    def spliced(self, inner: MatmulPlan, low: int, high: int) -> MatmulPlan:
+        """This plan with `inner`'s tiles for M = low..high; both must reduce in one order."""
+        if inner.split_k != self.split_k:
+            raise ValueError(f"{inner} reduces K in {inner.split_k} slices, this plan in {self.split_k}")
+        ends = sorted({low - 1, high} | {max_m for max_m, _ in self.tiles + inner.tiles})
+        chosen: list[tuple[int, MatmulTile]] = []
+        for end in (end for end in ends if end >= 1):
+            tile = (inner if low <= end <= high else self).tile_for(end)
+            if chosen and chosen[-1][1] == tile:
+                chosen[-1] = (end, tile)
+            else:
+                chosen.append((end, tile))
+        chosen[-1] = (LARGE_M, chosen[-1][1])
+        return MatmulPlan(self.split_k, tuple(chosen))
+
     def check(self, k: int) -> None:
         """Raise unless every tile reduces K in this plan's one order. A ragged end of K (zero-padded loads) is
         allowed only to a plan of one `tl.dot` tile and one slice: padding steps of different tiles would differ."""
