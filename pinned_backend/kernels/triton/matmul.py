@@ -401,11 +401,10 @@ def matmul(
         return out
     split = plan.split_k
     programs_k = split if tile.split_programs and split > 1 else 1
-    tiles = -(-m // (tile.block_m + tile.tail)) * -(-n // tile.block_n)
     partials = arrivals = out
     if programs_k > 1:
         partials = torch.empty((split, m, n), device=device, dtype=torch.float32)
-        arrivals = _arrival_counters(device, tiles)
+        arrivals = _arrival_counters(device, tile.tiles(m, n))
     if tile.gluon:
         if _gluon_runs(x, w, out):
             launch_gluon(x, w, out, split, tile, _GROUP_M, _multiprocessors(device), partials, arrivals)
@@ -418,12 +417,11 @@ def matmul(
         if tile.partitions:
             # One partition's weight rows: a `tl.dot` tile's blocks are powers of two, and its rows' bits the same.
             twin = dataclasses.replace(twin, block_n=SWAPPED_PARTITION_ROWS)
-            tiles = -(-m // (tile.block_m + tile.tail)) * -(-n // twin.block_n)
         tile = twin
     if tile.stream:
         _launch_stream(x, w, out, split, tile)
         return out
-    grid = (tiles, programs_k)
+    grid = (tile.tiles(m, n), programs_k)
     dependent = launch_options(device)
     tma, x_desc, w_desc = _descriptors(x, w, tile)
     _LAUNCH(

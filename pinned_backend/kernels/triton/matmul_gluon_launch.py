@@ -39,10 +39,11 @@ def gluon_launch(tile: MatmulTile, split: int, n: int, k: int, group_m: int, dep
         "PDL": dependent,
         "num_warps": tile.num_warps,
     }
-    if tile.swap and tile.gluon == "specialized":
-        # Each partition copies, multiplies and stores its own 64 weight rows.
+    if tile.swap:
+        # With no tail, x's and out's main blocks stand in for the tail's, which the kernel then never uses. A
+        # partitioned tile's partitions each copy, multiply and store their own 64 weight rows.
         tail = tile.tail or tile.block_m
-        rows = SWAPPED_PARTITION_ROWS
+        rows = SWAPPED_PARTITION_ROWS if tile.partitions else tile.block_n
         descriptors = (
             ("w", (rows, tile.block_k)),
             ("x", (tile.block_m, tile.block_k)),
@@ -50,24 +51,14 @@ def gluon_launch(tile: MatmulTile, split: int, n: int, k: int, group_m: int, dep
             ("out", (tile.block_m, rows)),
             ("out", (tail, rows)),
         )
+        constants["TAIL"] = tile.tail
+        if not tile.partitions:
+            return GluonLaunch(matmul_gluon_swapped._swapped_kernel, descriptors, constants)
         del constants["PROGRAMS_K"]
         return GluonLaunch(
             matmul_gluon_swapped._swapped_specialized_kernel,
             descriptors,
-            {**constants, "TAIL": tile.tail, "PARTS": tile.block_n // rows},
-        )
-    if tile.swap:
-        # With no tail, x's and out's main blocks stand in for the tail's, which the kernel then never uses.
-        tail = tile.tail or tile.block_m
-        descriptors = (
-            ("w", (tile.block_n, tile.block_k)),
-            ("x", (tile.block_m, tile.block_k)),
-            ("x", (tail, tile.block_k)),
-            ("out", (tile.block_m, tile.block_n)),
-            ("out", (tail, tile.block_n)),
-        )
-        return GluonLaunch(
-            matmul_gluon_swapped._swapped_kernel, descriptors, {**constants, "TAIL": tile.tail}
+            {**constants, "PARTS": tile.partitions},
         )
     descriptors = (
         ("x", (tile.block_m, tile.block_k)),
@@ -105,7 +96,7 @@ def launch_gluon(
     (m, k), n = x.shape, w.shape[0]
     dependent = launch_options(x.device)
     launch = gluon_launch(tile, split, n, k, group_m, dependent["PDL"])
-    tiles = -(-m // (tile.block_m + tile.tail)) * launch.constants["N_TILES"]
+    tiles = tile.tiles(m, n)
     walks = tile.gluon == "persistent" or tile.partitions > 0
     programs = min(tiles, multiprocessors) if walks else tiles
     operands = {"x": x, "w": w, "out": out}

@@ -84,6 +84,10 @@ class MatmulTile:
     # `num_warps` alone must be a power of two), and its programs walk tiles as persistent ones do.
     gluon: str = ""
 
+    def tiles(self, m: int, n: int) -> int:
+        """How many tiles cover an [M, N] output: blocks of x's rows (main block and tail) by blocks of w's."""
+        return -(-m // (self.block_m + self.tail)) * -(-n // self.block_n)
+
     @property
     def partitions(self) -> int:
         """The warpgroups of a swapped `specialized` Gluon tile, each multiplying its own 64 weight rows; else 0."""
