@@ -160,7 +160,7 @@ if HAVE_GLUON:
             block = M.to(gl.int64) * N
             gl.store(part_ptr + gl.program_id(1) * block + offsets, total, mask=inside)
             # Every thread's partial before the arrival, which releases them to the program that sees the last one.
-            gl.thread_barrier()
+            gl.barrier()
             arrived = gl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == PROGRAMS_K - 1:
                 total = _sum_partials(part_ptr, offsets, inside, block, PROGRAMS_K)
@@ -301,7 +301,7 @@ if HAVE_GLUON:
                     )  # fmt: skip
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                     # Every warpgroup's step before this one has finished: its stage takes the copy DEPTH - 1 ahead.
-                    gl.thread_barrier()
+                    gl.barrier()
                     ahead = step + DEPTH - 1
                     if ahead < my_steps:
                         ahead_tile, ahead_m, ahead_n = _ahead_origin(

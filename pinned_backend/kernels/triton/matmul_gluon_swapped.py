@@ -107,7 +107,7 @@ if HAVE_GLUON:
                     total_t, off_m + out_desc.block_type.shape[0], off_n, M, N
                 )
                 gl.store(mine + offsets_t, total_t, mask=inside_t)
-            gl.thread_barrier()
+            gl.barrier()
             arrived = gl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == PROGRAMS_K - 1:
                 total = _sum_partials(part_ptr, offsets, inside, block, PROGRAMS_K)
@@ -195,7 +195,7 @@ if HAVE_GLUON:
                     acc, acc_t = _swapped_step(
                         w_stages.index(stage), x_stages.index(stage), xt_stages.index(stage), acc, acc_t, j, TAIL
                     )  # fmt: skip
-                    gl.thread_barrier()
+                    gl.barrier()
                     ahead = step + DEPTH - 1
                     if ahead < my_steps:
                         ahead_tile, ahead_m, ahead_n = _ahead_origin(
