@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from gpu_kernels import time_rotating, weight_copies
+from gpu_kernels import time_interleaved, weight_copies
 
 from pinned_backend.checkpoint import ModelConfig, expected_shapes
 from pinned_backend.engine import Engine, EngineConfig, EngineError, TokenOutput
@@ -110,19 +110,18 @@ def matmul_table(model: Transformer) -> list[dict[str, Any]]:
         copies = weight_copies(w)
         for m in MATMUL_M:
             flop = 2 * m * n * k
-            t_inv = time_rotating(matmul, x[:m], copies) / 1e3
-            t_ref = time_rotating(F.linear, x[:m], copies) / 1e3
+            us_inv, us_ref = time_interleaved([matmul, F.linear], x[:m], copies)
             rows.append(
                 {
                     "weight": name,
                     "n": n,
                     "k": k,
                     "m": m,
-                    "invariant_us": t_inv * 1e3,
-                    "cublas_us": t_ref * 1e3,
-                    "invariant_tflops": flop / t_inv / 1e9,
-                    "cublas_tflops": flop / t_ref / 1e9,
-                    "ratio": t_inv / t_ref,
+                    "invariant_us": us_inv,
+                    "cublas_us": us_ref,
+                    "invariant_tflops": flop / us_inv / 1e6,
+                    "cublas_tflops": flop / us_ref / 1e6,
+                    "ratio": us_inv / us_ref,
                 }
             )
     return rows
