@@ -45,6 +45,9 @@ except ImportError:
     HAVE_GLUON = False
 
 if HAVE_GLUON:
+    # Every warp of the program at one point: `gl.barrier` from Triton 3.7 on, `gl.thread_barrier` in 3.6, which
+    # older CUDA builds of torch install (the stack names the Triton version, so a replay runs under the same one).
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.jit
     def _tile_origin(tile, M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, N_TILES: gl.constexpr,
@@ -160,7 +163,7 @@ if HAVE_GLUON:
             block = M.to(gl.int64) * N
             gl.store(part_ptr + gl.program_id(1) * block + offsets, total, mask=inside)
             # Every thread's partial before the arrival, which releases them to the program that sees the last one.
-            gl.barrier()
+            _cta_barrier()
             arrived = gl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == PROGRAMS_K - 1:
                 total = _sum_partials(part_ptr, offsets, inside, block, PROGRAMS_K)
@@ -301,7 +304,7 @@ if HAVE_GLUON:
                     )  # fmt: skip
                     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                     # Every warpgroup's step before this one has finished: its stage takes the copy DEPTH - 1 ahead.
-                    gl.barrier()
+                    _cta_barrier()
                     ahead = step + DEPTH - 1
                     if ahead < my_steps:
                         ahead_tile, ahead_m, ahead_n = _ahead_origin(

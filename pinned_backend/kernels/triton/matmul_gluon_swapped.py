@@ -28,6 +28,7 @@ if HAVE_GLUON:
         _acc_layout,
         _ahead_origin,
         _allocate_ring,
+        _cta_barrier,
         _program_walk,
         _start_as_dependent,
         _sum_partials,
@@ -107,7 +108,7 @@ if HAVE_GLUON:
                     total_t, off_m + out_desc.block_type.shape[0], off_n, M, N
                 )
                 gl.store(mine + offsets_t, total_t, mask=inside_t)
-            gl.barrier()
+            _cta_barrier()
             arrived = gl.atomic_add(arrivals_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if arrived == PROGRAMS_K - 1:
                 total = _sum_partials(part_ptr, offsets, inside, block, PROGRAMS_K)
@@ -195,7 +196,7 @@ if HAVE_GLUON:
                     acc, acc_t = _swapped_step(
                         w_stages.index(stage), x_stages.index(stage), xt_stages.index(stage), acc, acc_t, j, TAIL
                     )  # fmt: skip
-                    gl.barrier()
+                    _cta_barrier()
                     ahead = step + DEPTH - 1
                     if ahead < my_steps:
                         ahead_tile, ahead_m, ahead_n = _ahead_origin(
