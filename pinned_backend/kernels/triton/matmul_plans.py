@@ -246,7 +246,7 @@ LARGE_M = 1 << 62
 # reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS
 # is smallest. The tiles at M = 129..512 are run 73's (the down projection's run 76's), swept there alone
 # (`--within=129:512`) against the tiles the plans held, once swapped Gluon tiles could take a warpgroup for each 64
-# weight rows. At M <= 128 the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run
+# weight rows; gate_up's at 289..352 and o_proj's at 257..304 are run 82's, swept there under Triton 3.7. At M <= 128 the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run
 # 64). Past M = 512 every weight keeps the tiles that run 59 measured end to end: the sweep picks those from one
 # timing each at M = 2048 and 8192, too little to choose between tiles a few percent apart (run 58's, so chosen,
 # prefilled 3% slower). Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
@@ -261,6 +261,8 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (64, _tile(16, 64, 128, 4, 6, swap=True)),
             (128, _tile(32, 64, 128, 4, 6, swap=True)),
             (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
+            (288, _tile(64, 64, 64, 4, 10, swap=True, tail=32, gluon="specialized")),
+            (304, _tile(64, 64, 64, 4, 11, swap=True, tail=16, gluon="specialized")),
             (384, _tile(64, 64, 128, 4, 5, swap=True, tail=32, gluon="persistent")),
             (448, _tile(64, 128, 64, 4, 8, swap=True, gluon="specialized")),
             (480, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
@@ -303,7 +305,8 @@ TUNED: dict[tuple[int, int], MatmulPlan] = {
             (256, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
             (288, _tile(128, 192, 64, 4, 4, swap=True, tail=16, gluon="specialized")),
             (304, _tile(64, 128, 64, 4, 7, swap=True, tail=16, gluon="specialized")),
-            (320, _tile(64, 256, 64, 4, 4, gluon="persistent")),
+            (320, _tile(64, 192, 64, 4, 5, swap=True, tail=16, gluon="specialized")),
+            (352, _tile(64, 192, 64, 4, 6, swap=True, gluon="specialized")),
             (384, _tile(64, 192, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
             (416, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
             (448, _tile(64, 128, 64, 4, 6, swap=True, tail=64, gluon="specialized")),
