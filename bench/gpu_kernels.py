@@ -84,8 +84,8 @@ def time_interleaved(
     fns: list[Callable[..., Any]], x: torch.Tensor, weights: list[torch.Tensor], replays: int = 5
 ) -> list[float]:
     """`time_rotating` for several functions at once, their replays taken in turn: each median then comes from the
-    same stretch of the GPU's clocks, which drift by a few percent within a run (run 82: both of gate_up's tiles and
-    cuBLAS took 5% longer at M = 304 and 312 in the second of two checks)."""
+    same stretch of the GPU's clocks, which drift by a few percent within a run (run 82, timed back to back: in the
+    second of two checks gate_up's tile took 5% longer at M = 312 and cuBLAS 2%)."""
     graphs = []
     for fn in fns:
         for w in weights[:2]:

@@ -243,17 +243,18 @@ def _tile(
 LARGE_M = 1 << 62
 
 # (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
-# reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS
-# is smallest. The tiles at M = 129..512 are run 73's (the down projection's run 76's), swept there alone
+# reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS is
+# smallest. The tiles at M = 129..512 are run 73's (the down projection's run 76's), swept there alone
 # (`--within=129:512`) against the tiles the plans held, once swapped Gluon tiles could take a warpgroup for each 64
-# weight rows; gate_up's at 289..352 and o_proj's at 257..304 are run 82's, swept there under Triton 3.7. At M <= 128 the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run
-# 64). Past M = 512 every weight keeps the tiles that run 59 measured end to end: the sweep picks those from one
-# timing each at M = 2048 and 8192, too little to choose between tiles a few percent apart (run 58's, so chosen,
-# prefilled 3% slower). Tiles compete on GPU time alone: the backend replays its steps from CUDA graphs
-# (step_graphs.py), so a TMA tile's host cost (two descriptors a launch, up to 150 us) never reaches a served step,
-# though it makes an eager step of one prompt wait on the host. The down projection keeps at least two slices of K:
-# with K whole it is 1.3x of cuBLAS at decode sizes, and measured end to end that lost more decode (0.93-0.97 of
-# default) than it won prefill (bench/results/h200.md).
+# weight rows; gate_up's at 289..352 and o_proj's at 257..304 are run 82's, swept there under Triton 3.7. At M <= 128
+# the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run 64). Past M = 512 every
+# weight keeps the tiles that run 59 measured end to end: the sweep picks those from one timing each at M = 2048 and
+# 8192, too little to choose between tiles a few percent apart (run 58's, so chosen, prefilled 3% slower). Tiles
+# compete on GPU time alone: the backend replays its steps from CUDA graphs (step_graphs.py), so a TMA tile's host
+# cost (two descriptors a launch, up to 150 us) never reaches a served step, though it makes an eager step of one
+# prompt wait on the host. The down projection keeps at least two slices of K: with K whole it is 1.3x of cuBLAS at
+# decode sizes, and measured end to end that lost more decode (0.93-0.97 of default) than it won prefill
+# (bench/results/h200.md).
 TUNED: dict[tuple[int, int], MatmulPlan] = {
     (2048, 2048): MatmulPlan(
         1,
