@@ -4,8 +4,8 @@ This is the in-process registry, the embedded default. It holds state only; the 
 replicas say, and the router reads it. A replica enters rotation only once its stack is known: declared in
 configuration for an upstream API, or proved at `GET /v1/stack` for a pinned_backend. A replica whose proved stack
 changes is quarantined: out of rotation until an operator restarts the proxy (in fleet mode: lifts the quarantine,
-`stackpin fleet lift`), because every answer it gave since its last good check is now suspect (DESIGN.md,
-invariant 3). A lift returns it as if new; the records it marked stay marked.
+`stackpin fleet lift`), because every answer it gave since its last good check is now suspect (invariant 3,
+docs/invariants.md). A lift returns it as if new; the records it marked stay marked.
 
 In fleet mode (`[fleet] redis_url`) this registry stays the router's only view: `proxy/fleet/sync.py` keeps it in
 step with the leases, quarantines and outstanding counts that every proxy shares in Redis.
