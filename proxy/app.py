@@ -3,7 +3,7 @@
 Resources, acquired in order and released in reverse: the audit store, the HTTP client for replicas, the embedded
 local backend (when configured), the replica registry with its health monitor, which checks every replica
 before the first request is accepted, and the fleet (proxy/fleet/runtime.py): rate limits, and in fleet mode the
-shared view in Redis.
+shared view in Redis. The audit page (proxy/ui/) is a sub-application at /ui over the same resources.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.prompts import PromptBook
 from proxy.registry import Registry, Replica
 from proxy.serving import Proxy
+from proxy.ui import ui_app
 
 log = structlog.get_logger("stackpin.app")
 
@@ -65,6 +66,8 @@ def create_app(
     app[ROUTES] = settings.route_pins()
     app[PROMPTS] = PromptBook.from_config(settings.prompts)
     app.add_routes(routes())
+    if settings.ui.enabled:
+        app.add_subapp("/ui", ui_app(settings, secrets))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         metrics = ProxyMetrics(CollectorRegistry())

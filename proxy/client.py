@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
-from collections import Counter
 from typing import Any
 
 import aiohttp
 
 from proxy.pins import parse_pin_header
+from proxy.probe import Reply, probe_body, run_probe
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
 
@@ -86,52 +85,21 @@ async def probe(target: tuple[str, str | None], args: argparse.Namespace) -> int
     headers = _headers(api_key)
     if args.pin:
         headers["Stackpin-Pin"] = args.pin
-    body = {
-        "model": args.model,
-        "messages": [{"role": "user", "content": args.prompt}],
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-    }
-    semaphore = asyncio.Semaphore(max(1, args.concurrency))
-    answers: Counter[str] = Counter()  # by token ids (or text, from replicas that give no ids)
-    bitwise: Counter[str] = Counter()  # by token ids and the bits of their logprobs
-    failures: Counter[str] = Counter()
-    stacks: set[str] = set()
+    body = probe_body(args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)
 
-    async def one(session: aiohttp.ClientSession) -> None:
-        async with (
-            semaphore,
-            session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response,
-        ):
-            result = await response.json(content_type=None)
-            if response.status != 200:
-                failures[str(result.get("error", {}).get("message", response.status))] += 1
-                return
-            stacks.add(response.headers.get("Stackpin-Stack", "?"))
-            extension = result.get("stackpin") or {}
-            text = result["choices"][0]["message"]["content"]
-            ids = extension.get("token_ids")
-            key = json.dumps(ids) if ids is not None else text
-            answers[key] += 1
-            bits = [float(lp).hex() for lp in extension.get("token_logprobs") or []]
-            bitwise[json.dumps([key, bits])] += 1
+    async def send(session: aiohttp.ClientSession) -> Reply:
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+            return response.status, response.headers, await response.json(content_type=None)
 
     try:
         async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(one(session) for _ in range(args.requests)))
+            result = await run_probe(
+                lambda: send(session), requests=args.requests, concurrency=args.concurrency
+            )
     except aiohttp.ClientError as e:
         print(f"stackpin: cannot reach the proxy at {url}: {e}", file=sys.stderr)
         return EXIT_ERROR
-    summary = {
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "answered": sum(answers.values()),
-        "distinct_completions": len(answers),
-        "distinct_bitwise": len(bitwise),
-        "largest_group": max(answers.values(), default=0),
-        "stacks": sorted(stacks),
-        "failures": dict(failures),
-    }
+    summary = result.summary()
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:
@@ -140,6 +108,12 @@ async def probe(target: tuple[str, str | None], args: argparse.Namespace) -> int
             f"{summary['distinct_completions']} distinct completion(s), {summary['distinct_bitwise']} distinct "
             f"counting logprob bits; stacks {', '.join(summary['stacks'])}"
         )
-        for message, count in failures.items():
+        for variant in result.variants[1:]:
+            print(
+                f"  {variant.count} diverged from the most common answer at "
+                f"{'token' if variant.tokens.token_ids is not None else 'character'} {variant.diverges_at} "
+                f"({variant.reason})"
+            )
+        for message, count in result.failures.items():
             print(f"  {count} failed: {message}")
-    return EXIT_OK if not failures else EXIT_ERROR
+    return EXIT_OK if not result.failures else EXIT_ERROR

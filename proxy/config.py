@@ -129,6 +129,16 @@ class TenantSettings(_Section):
         return self
 
 
+class UiSettings(_Section):
+    """The audit page under /ui (proxy/ui/): who may log in as an operator, and how its sessions are kept."""
+
+    enabled: bool = True
+    operators: list[str] = Field(default_factory=list)  # tenants whose keys see every tenant's records there
+    session_key_env: str | None = None  # shared by a fleet's proxies; unset: a key of this process's own
+    session_max_age_s: int = Field(default=8 * 3600, ge=60)
+    secure_cookie: bool | None = None  # None: Secure when the server listens beyond loopback
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STACKPIN_", env_nested_delimiter="__", extra="forbid")
 
@@ -137,6 +147,7 @@ class Settings(BaseSettings):
     health: HealthSettings = HealthSettings()
     local_backend: LocalBackendSettings = LocalBackendSettings()
     fleet: FleetSettings = FleetSettings()
+    ui: UiSettings = UiSettings()
     replicas: list[ReplicaSettings] = Field(default_factory=list)
     prompts: dict[str, str] = Field(default_factory=dict)
     routes: dict[str, dict[str, str]] = Field(default_factory=dict)
@@ -186,6 +197,11 @@ class Settings(BaseSettings):
         names = [r.name for r in self.replicas]
         if len(names) != len(set(names)):
             raise ValueError("replica names must be unique")
+        unknown_operators = set(self.ui.operators) - {t.name for t in self.tenants}
+        if unknown_operators:
+            raise ValueError(
+                f"ui.operators names {sorted(unknown_operators)}, which [[tenants]] does not define"
+            )
         for name, keys in self.routes.items():
             prompt = keys.get("prompt")
             if prompt is not None and prompt not in self.prompts:
@@ -203,6 +219,7 @@ class Secrets(BaseModel):
 
     replica_keys: dict[str, SecretStr] = Field(default_factory=dict)  # replica name -> upstream key
     tenant_key_hashes: dict[str, str] = Field(default_factory=dict)  # sha256(client key) -> tenant name
+    ui_session_key: SecretStr | None = None  # signs and encrypts the audit page's session cookies
 
 
 def hash_api_key(key: str) -> str:
@@ -248,12 +265,22 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str]) -> Secrets:
                     f"tenants {tenant_key_hashes[digest]!r} and {tenant.name!r} share an API key"
                 )
             tenant_key_hashes[digest] = tenant.name
+    ui_session_key = None
+    if settings.ui.session_key_env:
+        if not environ.get(settings.ui.session_key_env):
+            raise ConfigError(
+                f"ui.session_key_env: environment variable {settings.ui.session_key_env} is not set "
+                "(it holds the key of the audit page's session cookies)"
+            )
+        ui_session_key = SecretStr(environ[settings.ui.session_key_env])
     if not tenant_key_hashes and not settings.server.loopback_only:
         raise ConfigError(
             f"server.host is {settings.server.host!r}, which is reachable from other machines, and no [[tenants]] "
             "are configured: add a tenant with api_key_env, or bind to 127.0.0.1"
         )
-    return Secrets(replica_keys=replica_keys, tenant_key_hashes=tenant_key_hashes)
+    return Secrets(
+        replica_keys=replica_keys, tenant_key_hashes=tenant_key_hashes, ui_session_key=ui_session_key
+    )
 
 
 def _required_env(environ: Mapping[str, str], variable: str, owner: str) -> str:

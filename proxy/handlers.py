@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.audit import AuditRecord
 from proxy.auth import authenticate
 from proxy.compare import Comparison
-from proxy.errors import NotFound, PayloadTooLarge, StackpinError
+from proxy.errors import BadRequest, NotFound, PayloadTooLarge, StackpinError
 from proxy.forward import ReplicaRejected
 from proxy.keys import PROMPTS, PROXY, ROUTES
-from proxy.pins import parse_pin_body
+from proxy.pins import Pin, parse_pin_body
 from proxy.records import Served
 from proxy.replay import replay
 from proxy.requests import CHAT, COMPLETIONS, parse_body, read_request
@@ -69,23 +71,36 @@ def _count_error(request: web.Request, error: str) -> None:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY]
-    started = time.perf_counter()
-    received_at = proxy.clock()
     tenant = authenticate(request.headers, proxy.secrets)
     endpoint = CHAT if request.path == CHAT else COMPLETIONS
     body = parse_body(await request.read())
+    pin_header = request.headers.get("Stackpin-Pin")
+    return await serve_completion(request.config_dict, tenant, endpoint, body, pin_header, request)
+
+
+async def serve_completion(
+    config: Mapping[Any, Any],
+    tenant: str,
+    endpoint: str,
+    body: dict[str, Any],
+    pin_header: str | None,
+    http_request: web.Request | None,
+) -> web.StreamResponse:
+    """The path every completion takes once its tenant is known: the API's, and the audit page's probe (which
+    never streams, so it passes no `http_request`). `config` is the application's, or a sub-application's view."""
+    proxy = config[PROXY]
+    started = time.perf_counter()
+    received_at = proxy.clock()
     client_request = read_request(
-        endpoint,
-        body,
-        pin_header=request.headers.get("Stackpin-Pin"),
-        routes=request.app[ROUTES],
-        prompts=request.app[PROMPTS],
+        endpoint, body, pin_header=pin_header, routes=config[ROUTES], prompts=config[PROMPTS]
     )
     if proxy.fleet is not None:
         await proxy.fleet.limiter.admit(tenant)
     response: web.StreamResponse
     if client_request.stream:
-        served, response = await proxy.stream(client_request, tenant, received_at, request)
+        if http_request is None:
+            raise BadRequest("this caller cannot stream; send 'stream': false", param="stream")
+        served, response = await proxy.stream(client_request, tenant, received_at, http_request)
     else:
         served, answer = await proxy.complete(client_request, tenant, received_at)
         response = proxy.answer_response(served, answer)
@@ -151,12 +166,19 @@ async def replay_record(request: web.Request) -> web.Response:
     raw = await request.read()
     options = parse_body(raw) if raw.strip() else {}
     on = parse_pin_body(options["on"]) if options.get("on") is not None else None
+    replay_id, comparison, fingerprint = await counted_replay(proxy, record, tenant, on)
+    return web.json_response(_replay_json(record.id, replay_id, comparison, fingerprint))
+
+
+async def counted_replay(
+    proxy: Proxy, record: AuditRecord, tenant: str, on: Pin | None
+) -> tuple[str, Comparison, str]:
+    """A replay, a failed one counted; the API and the audit page replay through it."""
     try:
-        replay_id, comparison, fingerprint = await replay(proxy, record, tenant, on)
+        return await replay(proxy, record, tenant, on)
     except StackpinError:
         proxy.metrics.replays.labels("error").inc()
         raise
-    return web.json_response(_replay_json(record.id, replay_id, comparison, fingerprint))
 
 
 def _replay_json(original: str, replay_id: str, comparison: Comparison, fingerprint: str) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 It speaks docs/protocol.md: `GET /v1/stack`, token ids and raw logprobs in the `stackpin` extension, the
 fingerprint in `system_fingerprint` and the `Stackpin-Stack` header, streaming and not. Its completion is a pure
 function of the prompt, the seed and the temperature, unless a test makes it nondeterministic (it then perturbs one
-logprob's last bit, as batch-dependent kernels do), changes its stack, or makes it fail.
+logprob's last bit, as batch-dependent kernels do), makes it diverge from a token on, changes its stack or its
+words, or makes it fail.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def _unit(*parts: Any) -> float:
 class FakeReplica:
     stack: dict[str, Any] = field(default_factory=tiny_stack)
     nondeterministic: bool = False
+    diverge_from: int | None = None  # every token from this position on is another one, as on another stack
+    words: list[str] = field(default_factory=lambda: list(WORDS))  # what its completions are made of
     chunk_delay_s: float = 0.0  # pause between streamed chunks, as a model's decode steps would
     failure: str | None = (
         None  # None, "500", "401", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int"
@@ -108,13 +111,15 @@ class FakeReplica:
         if seed is None and temperature > 0:
             seed = random.randrange(2**31)
         n = int(body.get("max_tokens") or 8)
-        ids = [int(_unit(prompt, seed, temperature, k) * len(WORDS)) for k in range(n)]
+        ids = [int(_unit(prompt, seed, temperature, k) * len(self.words)) for k in range(n)]
+        if self.diverge_from is not None:
+            ids = [i if k < self.diverge_from else (i + 1) % len(self.words) for k, i in enumerate(ids)]
         logprobs = [-(_unit(prompt, "lp", k) * 5) for k in range(n)]
         if self.nondeterministic and n:
             k = random.randrange(n)
             (bits,) = struct.unpack(">Q", struct.pack(">d", logprobs[k]))
             logprobs[k] = struct.unpack(">d", struct.pack(">Q", bits ^ 1))[0]
-        text = " ".join(WORDS[i] for i in ids)
+        text = " ".join(self.words[i] for i in ids)
         return ids, logprobs, text, seed
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
@@ -161,7 +166,12 @@ class FakeReplica:
         if body.get("logprobs"):
             choice["logprobs"] = {
                 "content": [
-                    {"token": WORDS[i], "logprob": lp, "bytes": list(WORDS[i].encode()), "top_logprobs": []}
+                    {
+                        "token": self.words[i],
+                        "logprob": lp,
+                        "bytes": list(self.words[i].encode()),
+                        "top_logprobs": [],
+                    }
                     for i, lp in zip(ids, logprobs, strict=True)
                 ]
             }
@@ -192,9 +202,8 @@ class FakeReplica:
             headers={"Content-Type": "text/event-stream", "Stackpin-Stack": fingerprint}
         )
         await response.prepare(request)
-        words = text.split(" ")
         for k, (token, logprob) in enumerate(zip(ids, logprobs, strict=True)):
-            piece = words[k] if k == 0 else " " + words[k]
+            piece = self.words[token] if k == 0 else " " + self.words[token]
             choice: dict[str, Any] = {"index": 0, "finish_reason": None}
             if chat:
                 choice["delta"] = {"content": piece}

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from proxy.audit import AuditStore, DuplicateEntry, StoreClosed, UnknownStack, stack_fingerprint
+from proxy.audit import (
+    AuditStore,
+    DuplicateEntry,
+    RecordCounts,
+    RecordFilter,
+    RecordSummary,
+    StoreClosed,
+    UnknownStack,
+    stack_fingerprint,
+)
 from proxy.audit.chain import GENESIS_SHA256
 from tests.audit_databases import KINDS, STACK, T0, AuditDatabase, audit_database, entry
 
@@ -263,6 +272,53 @@ async def test_listing_filters_by_stack_model_and_time(store: AuditStore) -> Non
         await store.list_records(limit=0)
     with pytest.raises(ValueError, match="time zone"):
         await store.list_records(since=T0.replace(tzinfo=None))
+
+
+async def test_listing_filters_by_fingerprint_prefix_replays_and_flags_and_counts_them(
+    store: AuditStore,
+) -> None:
+    other_stack = {**STACK, "kernel_mode": "default"}
+    other = stack_fingerprint(other_stack)
+    await store.append(entry("orig", seconds=0))
+    await store.append(entry("again", seconds=1, replay_of="orig", with_stack=False, fingerprint=FINGERPRINT))
+    await store.append(entry("elsewhere", seconds=2, stack=other_stack))
+    await store.append(entry("theirs", seconds=3, tenant="globex", replay_of="orig"))
+    await store.append(entry("orig", part="flag", status="stack_changed", seconds=4, content={}))
+
+    def ids(records: list[RecordSummary]) -> list[str]:
+        return [r.id for r in records]
+
+    assert ids(await store.list_records(fingerprint=other[:8])) == ["elsewhere"]
+    assert ids(await store.list_records(fingerprint=FINGERPRINT[:12])) == ["theirs", "again", "orig"]
+    assert ids(await store.list_records(replays_only=True, tenant="acme")) == ["again"]
+    assert ids(await store.list_records(replay_of="orig")) == ["theirs", "again"]
+    assert ids(await store.list_records(flagged_only=True)) == ["orig"]
+    assert await store.count_records(RecordFilter()) == RecordCounts(total=4, replays=2, flagged=1)
+    assert await store.count_records(RecordFilter(tenant="acme", fingerprint=FINGERPRINT)) == RecordCounts(
+        total=2, replays=1, flagged=1
+    )
+    with pytest.raises(ValueError, match="lowercase hex"):
+        await store.list_records(fingerprint="9A%")
+    with pytest.raises(TypeError, match="not both"):
+        await store.list_records(RecordFilter(), tenant="acme")
+
+
+async def test_pages_are_keyset_pages_that_appends_do_not_shift(store: AuditStore) -> None:
+    for i in range(7):
+        await store.append(entry(f"r{i}", seconds=i))
+
+    first = await store.list_records(limit=3)
+    assert [r.id for r in first] == ["r6", "r5", "r4"]
+    await store.append(entry("newest", seconds=100))
+    second = await store.list_records(limit=3, before=first[-1].id)
+    assert [r.id for r in second] == ["r3", "r2", "r1"]
+    assert [r.id for r in await store.list_records(limit=3, before=second[-1].id)] == ["r0"]
+    assert [r.id for r in await store.list_records(limit=3, after=second[0].id)] == ["r6", "r5", "r4"], (
+        "the page just newer, newest first"
+    )
+    assert [r.id for r in await store.list_records(limit=3, after="r5")] == ["newest", "r6"]
+    with pytest.raises(ValueError, match="no record 'nope' to page from"):
+        await store.list_records(before="nope")
 
 
 async def test_listing_is_newest_first_by_time_not_by_arrival(store: AuditStore) -> None:

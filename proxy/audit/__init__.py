@@ -16,6 +16,7 @@ from proxy.audit.errors import (
     StoreClosed,
     UnknownStack,
 )
+from proxy.audit.listing import RecordFilter
 from proxy.audit.schema import HEAD_REVISION, schema_revision, upgrade_database
 from proxy.audit.store import AuditStore
 from proxy.audit.values import (
@@ -23,6 +24,7 @@ from proxy.audit.values import (
     EntryView,
     LinkCheck,
     NewEntry,
+    RecordCounts,
     RecordSummary,
     StoredEntry,
     VerifyReport,
@@ -40,6 +42,8 @@ __all__ = [
     "EntryView",
     "LinkCheck",
     "NewEntry",
+    "RecordCounts",
+    "RecordFilter",
     "RecordSummary",
     "SchemaError",
     "SchemaOutdated",

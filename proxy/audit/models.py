@@ -122,6 +122,7 @@ class Entry(Base):
         Index("ix_entries_model_created", "model", "created_at"),
         Index("ix_entries_replica_created", "replica", "created_at"),
         Index("ix_entries_created_at", "created_at"),
+        Index("ix_entries_replay_of_created", "replay_of", "created_at"),
     )
 
 

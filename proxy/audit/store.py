@@ -16,10 +16,12 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from proxy.audit import listing
 from proxy.audit.chain import load_canonical
 from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import Durability, describe, make_engine, make_writer, parse_url
 from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew
+from proxy.audit.listing import RecordFilter
 from proxy.audit.models import Entry, Prompt, Stack
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
 from proxy.audit.values import (
@@ -27,6 +29,7 @@ from proxy.audit.values import (
     EntryView,
     LinkCheck,
     NewEntry,
+    RecordCounts,
     RecordSummary,
     StoredEntry,
     VerifyReport,
@@ -38,7 +41,17 @@ ENTRIES = Entry.__table__
 STACKS = Stack.__table__
 PROMPTS = Prompt.__table__
 LIST_LIMIT_MAX = 1000
-SUMMARY_COLUMNS = ("record_id", "tenant", "created_at", "model", "fingerprint", "status", "replay_of", "part")
+SUMMARY_COLUMNS = (
+    "record_id",
+    "position",
+    "tenant",
+    "created_at",
+    "model",
+    "fingerprint",
+    "status",
+    "replay_of",
+    "part",
+)
 
 
 class AuditStore:
@@ -152,38 +165,55 @@ class AuditStore:
 
     async def list_records(
         self,
+        selected: RecordFilter | None = None,
         *,
-        tenant: str | None = None,
-        fingerprint: str | None = None,
-        model: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
         limit: int = 100,
+        before: str | None = None,
+        after: str | None = None,
+        **filters: Any,
     ) -> list[RecordSummary]:
         """Records newest first (by the time of their first entry, `answer` or `opened`).
 
-        `since` is inclusive, `until` exclusive; both must carry a time zone.
+        Select with a `RecordFilter` or its fields as keywords (`tenant=...`); `since` is inclusive, `until`
+        exclusive, and both must carry a time zone. `before`/`after` name a record: the page is the records just
+        older (or just newer) than it, newest first either way.
         """
         if not 1 <= limit <= LIST_LIMIT_MAX:
             raise ValueError(f"limit must be between 1 and {LIST_LIMIT_MAX}, got {limit}")
-        for name, moment in (("since", since), ("until", until)):
-            if moment is not None and moment.tzinfo is None:
-                raise ValueError(f"{name} must carry a time zone (for example {name}=...+00:00)")
+        if selected is not None and filters:
+            raise TypeError("give a RecordFilter or its fields as keywords, not both")
+        selected = selected or RecordFilter(**filters)
         listed = [ENTRIES.c[name] for name in SUMMARY_COLUMNS]  # never the content: it can be large
-        query = select(*listed).where(ENTRIES.c.part.in_(("answer", "opened")))
-        for column, wanted in (("tenant", tenant), ("fingerprint", fingerprint), ("model", model)):
-            if wanted is not None:
-                query = query.where(ENTRIES.c[column] == wanted)
-        if since is not None:
-            query = query.where(ENTRIES.c.created_at >= since)
-        if until is not None:
-            query = query.where(ENTRIES.c.created_at < until)
-        # By time first, so that a filter on tenant, stack or model can walk its (column, created_at) index.
-        query = query.order_by(ENTRIES.c.created_at.desc(), ENTRIES.c.position.desc()).limit(limit)
         async with self._reader.connect() as connection:
-            starts = (await connection.execute(query)).mappings().all()
+            cursors = {}
+            for name, record_id in (("before", before), ("after", after)):
+                if record_id is not None:
+                    cursors[name] = await self._cursor(connection, record_id)
+            query = listing.page(listed, selected, limit=limit, **cursors)
+            starts = list((await connection.execute(query)).mappings().all())
+            if after is not None:
+                starts.reverse()
             later = await self._later_parts(connection, [row["record_id"] for row in starts])
         return [_summary(row, later.get(row["record_id"], [])) for row in starts]
+
+    async def count_records(self, selected: RecordFilter) -> RecordCounts:
+        """How many records `selected` selects, and how many of those are replays and flagged."""
+        async with self._reader.connect() as connection:
+            total, replays, flagged = (await connection.execute(listing.counts(selected))).one()
+        return RecordCounts(total=total, replays=replays, flagged=int(flagged))
+
+    @staticmethod
+    async def _cursor(connection: Any, record_id: str) -> tuple[datetime, int]:
+        row = (
+            await connection.execute(
+                select(ENTRIES.c.created_at, ENTRIES.c.position).where(
+                    ENTRIES.c.record_id == record_id, ENTRIES.c.part.in_(listing.FIRST_PARTS)
+                )
+            )
+        ).one_or_none()
+        if row is None:
+            raise ValueError(f"no record {record_id!r} to page from")
+        return row.created_at, row.position
 
     @staticmethod
     async def _later_parts(connection: Any, record_ids: Sequence[str]) -> dict[str, list[RowMapping]]:
@@ -289,6 +319,7 @@ def _summary(start: RowMapping, later: list[RowMapping]) -> RecordSummary:
     closed = [row for row in later if row["part"] == "closed"]
     return RecordSummary(
         id=start["record_id"],
+        position=start["position"],
         tenant=start["tenant"],
         created_at=start["created_at"],
         model=start["model"],

@@ -159,6 +159,7 @@ class RecordSummary(BaseModel):
     """One line of a listing; `part` is the record's latest non-flag part (`opened`: a stream not closed)."""
 
     id: str
+    position: int = Field(description="the chain position of the record's first entry")
     tenant: str
     created_at: datetime
     model: str | None
@@ -167,6 +168,14 @@ class RecordSummary(BaseModel):
     replay_of: str | None
     part: Part
     flagged: bool
+
+
+class RecordCounts(BaseModel):
+    """How many records a filter selects; of those, how many are replays and how many carry a flag."""
+
+    total: int
+    replays: int
+    flagged: int
 
 
 class VerifyReport(BaseModel):

@@ -1,0 +1,168 @@
+"""Probing: send one request N times at concurrency C and count the distinct answers that come back.
+
+Answers are grouped twice: by their tokens (token ids, or the text where a replica gives no ids), which is what a
+reader sees, and by their tokens and the bits of every logprob, which is what reproducibility means. Each distinct
+answer is compared with the most common one by the replay comparison (`proxy/compare.py`), which says where it
+diverged. How a request is sent is the caller's: `stackpin probe` posts to a proxy over HTTP, the audit page
+calls the proxy's serving path in process. Everything here but `run_probe` is pure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.answers import Tokens, tokens_of
+from proxy.compare import compare
+
+SAMPLE_RECORDS = 5  # record ids kept per distinct answer, to open a few of them
+
+Reply = tuple[int, Mapping[str, str], Any]  # status, headers, JSON body
+Send = Callable[[], Awaitable[Reply]]
+
+
+def probe_body(model: str, prompt: str, *, max_tokens: int, temperature: float) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
+
+
+@dataclass
+class Variant:
+    """One distinct answer, bit for bit, and how often it came back."""
+
+    tokens: Tokens
+    count: int = 0
+    records: list[str] = field(default_factory=list)
+    completion: int = 0  # which distinct completion (by tokens) it is; 0 is the most common
+    diverges_at: int | None = None  # where it leaves the most common answer; None for that answer itself
+    reason: str | None = None  # "token", "logprob", "length" or "text", as a replay would say
+
+    @property
+    def length(self) -> int:
+        ids = self.tokens.token_ids
+        return len(ids) if ids is not None else len(self.tokens.text)
+
+
+@dataclass
+class ProbeResult:
+    requests: int
+    concurrency: int
+    variants: list[Variant]  # most common first
+    stacks: list[str]
+    failures: dict[str, int]
+
+    @property
+    def answered(self) -> int:
+        return sum(v.count for v in self.variants)
+
+    @property
+    def distinct_completions(self) -> int:
+        return len({v.completion for v in self.variants})
+
+    def summary(self) -> dict[str, Any]:
+        by_completion: Counter[int] = Counter()
+        for variant in self.variants:
+            by_completion[variant.completion] += variant.count
+        return {
+            "requests": self.requests,
+            "concurrency": self.concurrency,
+            "answered": self.answered,
+            "distinct_completions": self.distinct_completions,
+            "distinct_bitwise": len(self.variants),
+            "largest_group": max(by_completion.values(), default=0),
+            "stacks": self.stacks,
+            "failures": self.failures,
+            "variants": [
+                {
+                    "count": v.count,
+                    "completion": v.completion,
+                    "diverges_at": v.diverges_at,
+                    "reason": v.reason,
+                    "text": v.tokens.text,
+                    "records": v.records,
+                }
+                for v in self.variants
+            ],
+        }
+
+
+@dataclass
+class Tally:
+    """Answers as they arrive, grouped bit for bit."""
+
+    variants: dict[str, Variant] = field(default_factory=dict)
+    stacks: set[str] = field(default_factory=set)
+    failures: Counter[str] = field(default_factory=Counter)
+
+    def add(self, reply: Reply) -> None:
+        status, headers, body = reply
+        if status != 200 or not isinstance(body, dict):
+            error = body.get("error", {}) if isinstance(body, dict) else {}
+            message = error.get("message") if isinstance(error, dict) else None
+            self.failures[str(message or f"HTTP {status}")] += 1
+            return
+        try:
+            tokens = tokens_of(body)
+        except (KeyError, IndexError, TypeError):
+            self.failures["the answer holds no choice"] += 1
+            return
+        self.stacks.add(headers.get("Stackpin-Stack", "?"))
+        variant = self.variants.setdefault(_bitwise_key(tokens), Variant(tokens))
+        variant.count += 1
+        record = headers.get("Stackpin-Record")
+        if record is not None and len(variant.records) < SAMPLE_RECORDS:
+            variant.records.append(record)
+
+    def result(self, requests: int, concurrency: int) -> ProbeResult:
+        return ProbeResult(
+            requests=requests,
+            concurrency=concurrency,
+            variants=rank(list(self.variants.values())),
+            stacks=sorted(self.stacks),
+            failures=dict(self.failures),
+        )
+
+
+def rank(variants: list[Variant]) -> list[Variant]:
+    """Most common first (ties: first seen); each compared with the first, and numbered by its tokens."""
+    ordered = sorted(variants, key=lambda v: -v.count)  # stable: ties keep their arrival order
+    if not ordered:
+        return ordered
+    reference = ordered[0]
+    completions: dict[str, int] = {}
+    for variant in ordered:
+        variant.completion = completions.setdefault(_token_key(variant.tokens), len(completions))
+        if variant is not reference:
+            comparison = compare(reference.tokens, variant.tokens)
+            variant.diverges_at, variant.reason = comparison.position, comparison.reason
+    return ordered
+
+
+async def run_probe(send: Send, *, requests: int, concurrency: int) -> ProbeResult:
+    """Sends `requests` requests, at most `concurrency` at a time; what `send` raises ends the probe."""
+    semaphore = asyncio.Semaphore(max(1, concurrency))
+    tally = Tally()
+
+    async def one() -> None:
+        async with semaphore:
+            tally.add(await send())
+
+    await asyncio.gather(*(one() for _ in range(requests)))
+    return tally.result(requests, concurrency)
+
+
+def _token_key(tokens: Tokens) -> str:
+    return json.dumps(tokens.token_ids) if tokens.token_ids is not None else json.dumps(tokens.text)
+
+
+def _bitwise_key(tokens: Tokens) -> str:
+    bits = [(float(lp) + 0.0).hex() for lp in tokens.token_logprobs or []]
+    return json.dumps([_token_key(tokens), bits, tokens.text])
