@@ -8,6 +8,8 @@
 #   - promql-parser, into .venv: the dashboards' queries are parsed as Prometheus would parse them.
 #   - cloudcoil-models-prometheus-operator, into .venv: typed models of the Prometheus Operator's CRDs, against
 #     which the chart's ServiceMonitor is validated (kubernetes-validate knows only the built-in kinds).
+#   - chromium, from Debian's packages (as root; otherwise it says what to run): the browser that the audit page's
+#     tests drive through Playwright, whose own browser download cannot work here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,6 +53,15 @@ fi
   echo "tools.sh: $helm_bin is not helm $HELM_VERSION" >&2
   exit 1
 }
+
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ]; then
+    apt-get update -qq </dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium </dev/null >/dev/null
+  else
+    echo "tools.sh: the audit page's browser tests need chromium: sudo apt-get update && sudo apt-get install chromium" >&2
+  fi
+fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 if ! .venv/bin/python -c "import kubernetes_validate, promql_parser, cloudcoil.models.prometheus_operator" 2>/dev/null; then

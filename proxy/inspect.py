@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from pydantic import ValidationError
+
 from proxy.audit import AuditError, AuditStore
 from proxy.config import StoreSettings
 
@@ -97,6 +99,9 @@ async def list_records(store_settings: StoreSettings, filters: dict[str, Any], *
             records = await store.list_records(**filters)
     except AuditError as e:
         print(f"stackpin: {e}")
+        return EXIT_ERROR
+    except ValidationError as e:  # a filter the listing cannot use, e.g. a --stack that is not hex
+        print(f"stackpin: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
         return EXIT_ERROR
     if as_json:
         print(json.dumps([r.model_dump(mode="json") for r in records], indent=2, sort_keys=True))

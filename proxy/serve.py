@@ -32,12 +32,16 @@ def serve(settings: Settings, secrets: Secrets) -> int:
     app = create_app(settings, secrets, local_backend=local)
     host, port = settings.server.host, settings.server.port
     auth = "API key required" if secrets.tenant_key_hashes else "loopback only, no API key needed"
+    lines = [f"stackpin serving on http://{host}:{port}/v1 ({auth})"]
+    if settings.ui.enabled:
+        login = ", log in with a tenant's API key" if secrets.tenant_key_hashes else ""
+        lines.append(f"audit page: http://{host}:{port}/ui/ (records, replays, stacks, probes{login})")
     try:
         web.run_app(
             app,
             host=host,
             port=port,
-            print=lambda _: print(f"stackpin serving on http://{host}:{port}/v1 ({auth})", file=sys.stderr),
+            print=lambda _: print("\n".join(lines), file=sys.stderr, flush=True),
             access_log=None,
         )
     except (SchemaError, ConfigError) as e:

@@ -92,6 +92,13 @@ def test_records_lists_and_filters(config: Path, capsys: pytest.CaptureFixture[s
         stackpin(["records", "--config", str(config), "--since", "2026-01-02T03:04:08+00:00", "--json"]) == 0
     )
     assert len(json.loads(capsys.readouterr().out)) == 3
+    fingerprint = listed[0]["fingerprint"]
+    assert stackpin(["records", "--config", str(config), "--stack", fingerprint[:12], "--json"]) == 0
+    assert {r["fingerprint"] for r in json.loads(capsys.readouterr().out)} == {fingerprint}, (
+        "the 12-character prefix the listing prints selects its stack"
+    )
+    assert stackpin(["records", "--config", str(config), "--stack", "NOT-HEX"]) == 2
+    assert "lowercase hex" in capsys.readouterr().out
 
 
 def test_serve_refuses_an_old_schema_and_names_the_command(tmp_path: Path) -> None:

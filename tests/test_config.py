@@ -92,3 +92,19 @@ def test_bad_configuration_names_what_to_fix(
 ) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         load_settings(write(tmp_path, text), environ)
+
+
+def test_the_audit_pages_operators_are_tenants_and_its_session_key_comes_from_the_environment(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "stackpin.toml"
+    tenants = '[[tenants]]\nname = "ops"\napi_key_env = "OPS_KEY"\n'
+    path.write_text(tenants + '[ui]\noperators = ["nobody"]\n')
+    with pytest.raises(ConfigError, match=r"ui.operators names \['nobody'\]"):
+        load_settings(path, {"OPS_KEY": "k"})
+    path.write_text(tenants + '[ui]\noperators = ["ops"]\nsession_key_env = "UI_KEY"\n')
+    with pytest.raises(ConfigError, match="UI_KEY is not set"):
+        load_settings(path, {"OPS_KEY": "k"})
+    settings, secrets = load_settings(path, {"OPS_KEY": "k", "UI_KEY": "s3cret"})
+    assert settings.ui.operators == ["ops"] and secrets.ui_session_key is not None
+    assert "s3cret" not in repr(secrets)

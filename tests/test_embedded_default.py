@@ -1,10 +1,12 @@
 """The embedded default, end to end: `stackpin serve` with no configuration file starts the local CPU backend in
-batch_invariant mode, answers a real request with a record id, and `stackpin replay` reproduces it."""
+batch_invariant mode, answers a real request with a record id, and `stackpin replay` reproduces it; the audit page
+it links to shows that record and replays it, reproduced, in a real browser."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from tests.ui_site import ARTIFACTS, chromium
 
 pytest.importorskip("torch")
 
@@ -106,3 +110,32 @@ def test_identical_requests_under_concurrency_give_one_completion(
     assert summary["distinct_bitwise"] == 1, (
         "batch_invariant mode: same tokens, same logprob bits, under load"
     )
+
+
+def test_the_audit_page_serve_links_to_shows_the_record_and_replays_it_reproduced(
+    served: tuple[str, Path, dict[str, str]],
+) -> None:
+    url, folder, _ = served
+    printed = re.search(r"audit page: (http://\S+/ui/)", (folder / "serve.log").read_text())
+    assert printed is not None, "stackpin serve prints a link to the audit page"
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="stackpin-tiny", messages=[{"role": "user", "content": "Where do ships go?"}], max_tokens=12
+    )
+    record_id = raw.headers["Stackpin-Record"]
+    sync_api = pytest.importorskip("playwright.sync_api")
+    executable = chromium()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.goto(printed.group(1))
+            page.click(f"#records a[href='/ui/records/{record_id}']")
+            assert "Where do ships go?" in page.inner_text("#request")
+            page.click("#replay button[type=submit]")
+            page.wait_for_url("**/diff", timeout=60_000)
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / "embedded_default_replay.png"), full_page=True)
+            assert page.inner_text("#verdict .word") == "reproduced"
+        finally:
+            browser.close()

@@ -36,14 +36,18 @@ def page(browser: object, request: pytest.FixtureRequest) -> Iterator[Page]:
     context = browser.new_context(viewport={"width": 1440, "height": 900})  # type: ignore[attr-defined]
     opened = context.new_page()
     problems: list[str] = []
-    opened.on("dialog", lambda dialog: (problems.append(f"a dialog opened: {dialog.message}"), dialog.dismiss()))
+    opened.on(
+        "dialog", lambda dialog: (problems.append(f"a dialog opened: {dialog.message}"), dialog.dismiss())
+    )
     opened.on("pageerror", lambda error: problems.append(f"script error: {error}"))
     # An error status (a refused login, another tenant's record) is a console message too; scripts are not.
     opened.on(
         "console",
-        lambda m: problems.append(m.text)
-        if m.type == "error" and not m.text.startswith("Failed to load resource")
-        else None,
+        lambda m: (
+            problems.append(m.text)
+            if m.type == "error" and not m.text.startswith("Failed to load resource")
+            else None
+        ),
     )
     yield opened
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

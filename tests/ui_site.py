@@ -25,7 +25,11 @@ from tests.proxy_harness import Harness, running_proxy
 
 T = TypeVar("T")
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "ui"
-KEYS = {"STACKPIN_KEY_ACME": "sk-acme-3f9a1c", "STACKPIN_KEY_GLOBEX": "sk-globex-77b2e0", "STACKPIN_KEY_OPS": "sk-ops-c1d2"}
+KEYS = {
+    "STACKPIN_KEY_ACME": "sk-acme-3f9a1c",
+    "STACKPIN_KEY_GLOBEX": "sk-globex-77b2e0",
+    "STACKPIN_KEY_OPS": "sk-ops-c1d2",
+}
 UPSTREAM_KEY = "sk-upstream-never-shown-5e1f"
 TENANTS = [
     {"name": "acme", "api_key_env": "STACKPIN_KEY_ACME"},
@@ -33,7 +37,12 @@ TENANTS = [
     {"name": "ops", "api_key_env": "STACKPIN_KEY_OPS"},
 ]
 # Completions made of these carry markup and attribute breakers; the page must print them as text.
-XSS_WORDS = ["<script>alert('answer')</script>", '" onmouseover="alert(1)', "<img src=x onerror=alert(2)>", *WORDS]
+XSS_WORDS = [
+    "<script>alert('answer')</script>",
+    '" onmouseover="alert(1)',
+    "<img src=x onerror=alert(2)>",
+    *WORDS,
+]
 XSS_PROMPT = "<script>alert('prompt')</script> \"><b onmouseover=alert(3)>bold</b>"
 
 

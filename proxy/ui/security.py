@@ -139,7 +139,7 @@ async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
             )
     viewer = rules.viewer_for(session.get("key"))
     if viewer is None:
-        if request.path.startswith(OPEN_PATHS):
+        if request.path == "/ui" or request.path.startswith(OPEN_PATHS):
             return await handler(request)
         raise web.HTTPSeeOther(f"/ui/login?next={_local_path(request.path_qs)}")
     request[VIEWER] = viewer
