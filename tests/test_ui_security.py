@@ -216,3 +216,26 @@ async def ask_local(harness: Harness) -> str:
     )
     assert status == 200
     return headers["Stackpin-Record"]
+
+
+async def test_a_quarantine_shows_as_flags_on_its_records_and_as_the_replicas_state(
+    replica: FakeReplica, harness: Harness
+) -> None:
+    served, other = await ask(harness, "acme", "before the change"), await ask(harness, "globex", "theirs")
+    registered = harness.proxy.registry.get("replica-0")
+    assert registered is not None
+    await harness.proxy.health.quarantine(registered, "stack_changed", claimed="f" * 64)
+    async with browser() as session:
+        await log_in(session, harness, "acme")
+        async with session.get(f"{harness.url}/ui/?flagged=on") as listing:
+            html = await listing.text()
+        assert served in html and other not in html and "1 flagged" in html
+        async with session.get(f"{harness.url}/ui/records/{served}") as page:
+            html = await page.text()
+        assert 'id="flags"' in html and "stack_changed" in html and "f" * 64 in html
+        async with session.get(f"{harness.url}/ui/stacks") as page:
+            html = await page.text()
+        assert "quarantined" in html and "the stack it proves changed after it was registered" in html
+        async with session.get(f"{harness.url}/ui/no-such-page") as missing:
+            assert missing.status == 404 and "Content-Security-Policy" in missing.headers
+            assert "<h1>404</h1>" in await missing.text()
