@@ -3,7 +3,7 @@
     stackpin-backend serve --model DIR [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
                            [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
-                           [--max-step-graphs N] [--ready-file PATH]
+                           [--max-step-graphs N] [--pooling last_token|mean] [--ready-file PATH]
     stackpin-backend make-tiny DIR
 
 `serve` writes its base URL (`http://HOST:PORT`) to the ready file once it listens, so a parent process can wait
@@ -74,6 +74,12 @@ def _parser() -> argparse.ArgumentParser:
         help="CUDA graphs kept for batch_invariant steps on cuda, each step padded to a captured shape (the "
         "bits stay the same); 0 runs every step eagerly",
     )
+    serve.add_argument(
+        "--pooling",
+        choices=["last_token", "mean"],
+        default="last_token",
+        help="how /v1/embeddings pools a sequence's final hidden states (part of the stack)",
+    )
     serve.add_argument("--ready-file", type=Path, help="write the base URL here once listening")
     tiny = commands.add_parser("make-tiny", help="train and write the tiny model")
     tiny.add_argument("directory", type=Path)
@@ -104,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_split_size=args.kv_split_size,
             threads=args.threads,
             max_step_graphs=args.max_step_graphs,
+            pooling=args.pooling,
         )
     except ValidationError as exc:
         error = exc.errors()[0]

@@ -137,6 +137,19 @@ class Transformer:
         cache: PagedKVCache,
         logits_rows: torch.Tensor,  # [R] int64, which of the T rows need logits
     ) -> torch.Tensor:  # [R, vocab] float32 logits
+        h = self.hidden_states(token_ids, query_seq, query_pos, block_tables, cache, logits_rows)
+        with torch.inference_mode():
+            return self.kernels.matmul(h, self.lm_head).float()
+
+    def hidden_states(
+        self,
+        token_ids: torch.Tensor,  # [T] int64, as forward's
+        query_seq: torch.Tensor,  # [T] int32
+        query_pos: torch.Tensor,  # [T] int32
+        block_tables: torch.Tensor,  # [S, max_blocks] int32
+        cache: PagedKVCache,
+        rows: torch.Tensor,  # [R] int64, which of the T rows to return
+    ) -> torch.Tensor:  # [R, hidden] in the model's dtype: the final norm's output, what the LM head reads
         n_tokens = token_ids.shape[0]
         if query_seq.shape != (n_tokens,) or query_pos.shape != (n_tokens,):
             raise ValueError(
@@ -156,10 +169,10 @@ class Transformer:
                 mlp_out = self._mlp(layer, h)
                 if i < last:
                     x, h = self.kernels.add_rms_norm(x, mlp_out, self.layers[i + 1].input_norm, eps)
-            # The final norm runs on the rows that need logits alone; adding only those rows gives each of them
-            # the bits that adding every row would.
-            _, h = self.kernels.add_rms_norm(x[logits_rows], mlp_out[logits_rows], self.norm, eps)
-            return self.kernels.matmul(h, self.lm_head).float()
+            # The final norm runs on the rows asked for alone; adding only those rows gives each of them the bits
+            # that adding every row would.
+            _, h = self.kernels.add_rms_norm(x[rows], mlp_out[rows], self.norm, eps)
+            return h
 
     def _attention(
         self,

@@ -1,12 +1,15 @@
 """The OpenAI requests the backend accepts, validated, and the errors it answers with.
 
 Requests are pydantic models that ignore unknown fields and refuse known fields of the wrong type;
-`parse_request` turns a validation failure into an `ApiError` naming the field and what to send instead. The
+`parse_request` turns a validation failure into an `ApiError` naming the field and what to send instead. A field
+of OpenAI's API that would change the answer and that this backend cannot honour (tools, a response format,
+penalties, logit biases, ...) is refused with a 400 naming it, never answered as if it had not been sent. The
 error hierarchy below is mapped to OpenAI-style JSON (`{"error": {"message", "type", "param", "code"}}`) by
 the server in one place.
 
     ApiError                  status, type, code, param, message
-      BadRequest (400)        malformed JSON, wrong types, out-of-range values, prompts too long, n > 1
+      BadRequest (400)        malformed JSON, wrong types, out-of-range values, prompts too long, n > 1,
+                              fields it cannot honour
       NotFound (404)          unknown route
       Overloaded (429)        the engine's waiting queue is full
       EngineFailed (500)      the engine failed the request
@@ -18,6 +21,7 @@ This module knows nothing of tokenizers or the engine; the server turns a reques
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pinned_backend.sampling import MAX_TOP_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5
+MAX_EMBEDDING_INPUTS = 2048  # as OpenAI's embeddings API
 
 
 class ApiError(Exception):
@@ -142,6 +147,95 @@ class CompletionRequest(_Decoding):
 
     def top_logprob_count(self) -> int:
         return self.logprobs or 0
+
+
+class EmbeddingRequest(_Request):
+    model: str | None = None
+    input: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per vector to return: a text, or the token ids of one input."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if self.input and isinstance(self.input[0], int):
+            return [self.input]  # type: ignore[list-item]
+        return list(self.input)  # type: ignore[arg-type]
+
+
+def _absent(*harmless: Any) -> Callable[[Any], bool]:
+    """A field's value that asks for nothing: null, or one of `harmless` (compared by type too, so 0 is not False)."""
+    return lambda value: value is None or any(type(value) is type(h) and value == h for h in harmless)
+
+
+_TOOLS = "this backend renders no tool definitions and parses no tool calls from the model's output"
+_CONSTRAINED = "this backend does not constrain its output to a format"
+_SAMPLING = "this backend's sampler has no such adjustment"
+# What a client may send that would change the answer, with the values that leave it unchanged. Anything else is
+# refused: an answer computed without what was asked for would pretend to be the answer to it.
+CHAT_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_absent([]), _TOOLS),
+    "tool_choice": (_absent("none"), _TOOLS),
+    "functions": (_absent([]), _TOOLS),
+    "function_call": (_absent("none"), _TOOLS),
+    "response_format": (_absent({"type": "text"}), _CONSTRAINED),
+    "guided_json": (_absent(), _CONSTRAINED),
+    "guided_regex": (_absent(), _CONSTRAINED),
+    "guided_choice": (_absent(), _CONSTRAINED),
+    "guided_grammar": (_absent(), _CONSTRAINED),
+    "logit_bias": (_absent({}), _SAMPLING),
+    "presence_penalty": (_absent(0, 0.0), _SAMPLING),
+    "frequency_penalty": (_absent(0, 0.0), _SAMPLING),
+    "repetition_penalty": (_absent(1, 1.0), _SAMPLING),
+    "min_p": (_absent(0, 0.0), _SAMPLING),
+    "min_tokens": (_absent(0), _SAMPLING),
+    "reasoning_effort": (_absent(), "this backend has no reasoning mode"),
+    "modalities": (_absent(["text"]), "this backend answers with text only"),
+    "audio": (_absent(), "this backend answers with text only"),
+    "prediction": (_absent(), "this backend takes no predicted output"),
+    "web_search_options": (_absent(), "this backend cannot search the web"),
+}
+COMPLETION_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
+    **{key: CHAT_UNHONOURED[key] for key in ("logit_bias", "presence_penalty", "frequency_penalty")},
+    **{key: CHAT_UNHONOURED[key] for key in ("repetition_penalty", "min_p", "min_tokens", "guided_json")},
+    "best_of": (_absent(1), "this backend serves one completion per request"),
+    "suffix": (_absent(""), "this backend does not fill in the middle"),
+}
+# Per chat message: an assistant turn's tool calls would be dropped from the prompt.
+MESSAGE_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
+    "tool_calls": (_absent([]), _TOOLS),
+    "function_call": (_absent(), _TOOLS),
+    "audio": (_absent(), "this backend reads text only"),
+}
+
+
+def refuse_unhonoured(body: Any, fields: Mapping[str, tuple[Callable[[Any], bool], str]]) -> None:
+    """A 400 naming the first field of `body` (and of its chat messages) that this backend cannot honour."""
+    if not isinstance(body, dict):
+        return
+    _refuse_fields(body, fields, "")
+    if fields is CHAT_UNHONOURED and isinstance(body.get("messages"), list):
+        for i, message in enumerate(body["messages"]):
+            if isinstance(message, dict):
+                _refuse_fields(message, MESSAGE_UNHONOURED, f"messages.{i}.")
+
+
+def _refuse_fields(
+    body: dict[str, Any], fields: Mapping[str, tuple[Callable[[Any], bool], str]], prefix: str
+) -> None:
+    for key, (harmless, why) in fields.items():
+        if key in body and not harmless(body[key]):
+            raise BadRequest(
+                f"{prefix}{key}: {why}, so it cannot honour {body[key]!r:.80}; leave it out, or pin a stack "
+                "that can",
+                param=f"{prefix}{key}",
+            )
 
 
 R = TypeVar("R", bound=_Request)

@@ -1,24 +1,38 @@
 """The engine's worker thread: runs `Engine.step()` while there is work and sleeps when there is none.
 
 An asyncio server calls `submit` and `cancel` from its event loop; the steps run here, so the loop stays
-responsive while the model computes. A step that raises fails the requests it held and the thread carries on. It
-knows nothing of scheduling (engine.py) or of HTTP.
+responsive while the model computes. A step that raises fails the requests it held and the thread carries on.
+Chores (an embeddings job) run here too, one turn between two steps, so that they use the model and its cache
+on the one thread that owns them. It knows nothing of scheduling (engine.py) or of HTTP.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
 from pinned_backend.engine import Engine, EngineError, EngineStopped, Sink
 from pinned_backend.sampling import SamplingParams
 
 
+class Chore(Protocol):
+    """Work for the engine's thread that is not a request of the engine's own."""
+
+    def advance(self) -> bool:
+        """One bounded piece of the work (one forward pass); True once it is finished."""
+        ...
+
+    def fail(self, error: EngineError) -> None: ...
+
+
 class EngineRunner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._wake = threading.Condition()
+        self._wake = threading.Condition()  # also guards _chores
         self._stopping = False
+        self._chores: deque[Chore] = deque()
         self._thread = threading.Thread(target=self._loop, name="stackpin-engine", daemon=True)
 
     def start(self) -> None:
@@ -33,7 +47,19 @@ class EngineRunner:
             self._stopping = True
             self._wake.notify()
         self._thread.join()
-        self.engine.abort_all(EngineStopped("the server is shutting down"))
+        stopped = EngineStopped("the server is shutting down")
+        self.engine.abort_all(stopped)
+        with self._wake:
+            chores, self._chores = list(self._chores), deque()
+        for chore in chores:
+            chore.fail(stopped)
+
+    def add_chore(self, chore: Chore) -> None:
+        with self._wake:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            self._chores.append(chore)
+            self._wake.notify()
 
     def submit(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink) -> None:
         self.engine.submit(request_id, prompt_ids, params, sink)
@@ -48,11 +74,29 @@ class EngineRunner:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self.engine.has_work():
+                while not self._stopping and not self.engine.has_work() and not self._chores:
                     self._wake.wait()
                 if self._stopping:
                     return
-            try:
-                self.engine.step()
-            except Exception as exc:  # a failed step must fail its requests, not kill the server
-                self.engine.abort_all(EngineError(f"the engine failed a step: {type(exc).__name__}: {exc}"))
+                chore = self._chores[0] if self._chores else None
+            if self.engine.has_work():
+                try:
+                    self.engine.step()
+                except Exception as exc:  # a failed step must fail its requests, not kill the server
+                    self.engine.abort_all(
+                        EngineError(f"the engine failed a step: {type(exc).__name__}: {exc}")
+                    )
+            if chore is not None:
+                self._turn(chore)
+
+    def _turn(self, chore: Chore) -> None:
+        try:
+            finished = chore.advance()
+        except Exception as exc:
+            chore.fail(EngineError(f"the engine failed a pass: {type(exc).__name__}: {exc}"))
+            finished = True
+        # A chore that waits for cache room waits only on the engine's running requests, which the next step
+        # moves on; with none running, every block is free.
+        if finished:
+            with self._wake:
+                self._chores.remove(chore)

@@ -17,12 +17,20 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pinned_backend.checkpoint import load_config, weights_sha256
+from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
 from pinned_backend.runner import EngineRunner
-from pinned_backend.stack import DTYPE_NAMES, batching_policy, build_stack, detect_hardware, detect_software
+from pinned_backend.stack import (
+    DTYPE_NAMES,
+    batching_policy,
+    build_stack,
+    detect_hardware,
+    detect_software,
+    embedding_method,
+)
 from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 from pinned_backend.tokenizer import Tokenizer
 from pinned_backend.tokenpieces import TokenPieces
@@ -51,6 +59,8 @@ class BackendSettings(BaseModel):
     # CUDA graphs kept for batch_invariant steps on a GPU; 0 runs every step eagerly. Not part of the stack:
     # padding a step to a captured shape leaves every answer's bits as they are.
     max_step_graphs: int = Field(default=DEFAULT_MAX_GRAPHS, ge=0)
+    # How /v1/embeddings pools a sequence's final hidden states: part of the stack.
+    pooling: Literal["last_token", "mean"] = "last_token"
 
     @model_validator(mode="after")
     def _consistent(self) -> BackendSettings:
@@ -99,6 +109,8 @@ class Runtime:
     stack: dict[str, Any]
     max_model_len: int
     pieces: TokenPieces
+    model: Transformer
+    pooling: Pooling
 
 
 def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None] | None = None) -> Runtime:
@@ -146,8 +158,24 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         batching=batching_policy(
             settings.max_batch_size, settings.max_step_tokens, getattr(kernels, "kv_split_size", 0)
         ),
+        embedding=embedding_method(settings.pooling),
     )
     pieces = TokenPieces(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), tokenizer.id_to_token)
+    pooling = Pooling(
+        method=settings.pooling,
+        chunk_tokens=settings.max_step_tokens,
+        block_size=settings.block_size,
+        usable_blocks=num_blocks - (engine_config.step_graphs > 0),  # the step graphs keep one block
+        max_len=config.max_position_embeddings,
+    )
     return Runtime(
-        settings, tokenizer, engine, EngineRunner(engine), stack, config.max_position_embeddings, pieces
+        settings,
+        tokenizer,
+        engine,
+        EngineRunner(engine),
+        stack,
+        config.max_position_embeddings,
+        pieces,
+        model,
+        pooling,
     )

@@ -1,4 +1,5 @@
-"""The backend's HTTP face: the OpenAI routes, the stack description, health and metrics, on aiohttp.
+"""The backend's HTTP face: the OpenAI routes (chat and text completions, embeddings, models), the stack
+description, health and metrics, on aiohttp.
 
 `create_app(settings)` builds the application. Its one resource, the loaded runtime with its engine thread,
 lives in a `cleanup_ctx` and hangs on a typed `AppKey`. Handlers parse and validate the request
@@ -12,6 +13,7 @@ The server decides nothing about scheduling or sampling, and never touches the m
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import random
@@ -20,21 +22,27 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from pinned_backend.embeddings import EmbeddingJob
 from pinned_backend.engine import EngineError, EngineStopped, QueueFull, RequestTooLarge, TokenOutput
 from pinned_backend.metrics import BackendMetrics
 from pinned_backend.protocol import (
+    CHAT_UNHONOURED,
+    COMPLETION_UNHONOURED,
     ApiError,
     BadRequest,
     ChatRequest,
     CompletionRequest,
+    EmbeddingRequest,
     EngineFailed,
     NotFound,
     Overloaded,
     Unavailable,
     parse_request,
+    refuse_unhonoured,
 )
 from pinned_backend.responses import (
     Completion,
@@ -77,7 +85,9 @@ def create_app(
     app.cleanup_ctx.append(_runtime_ctx)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models/{model_id}", _model)
     app.router.add_get("/v1/stack", _stack)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/metrics", _metrics)
@@ -133,7 +143,9 @@ async def _json_body(request: web.Request) -> Any:
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
-    body = parse_request(ChatRequest, await _json_body(request))
+    raw = await _json_body(request)
+    refuse_unhonoured(raw, CHAT_UNHONOURED)
+    body = parse_request(ChatRequest, raw)
     runtime = request.app[RUNTIME]
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
@@ -144,7 +156,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    body = parse_request(CompletionRequest, await _json_body(request))
+    raw = await _json_body(request)
+    refuse_unhonoured(raw, COMPLETION_UNHONOURED)
+    body = parse_request(CompletionRequest, raw)
     runtime = request.app[RUNTIME]
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -302,10 +316,91 @@ def _checked_error(event: EngineError) -> dict[str, Any]:
     return error.body()
 
 
-async def _models(request: web.Request) -> web.Response:
+async def _embeddings(request: web.Request) -> web.Response:
+    body = parse_request(EmbeddingRequest, await _json_body(request))
     runtime = request.app[RUNTIME]
-    model = {"id": runtime.settings.served_name, "object": "model", "created": 0, "owned_by": "stackpin"}
-    return web.json_response({"object": "list", "data": [model]})
+    inputs = [_input_ids(runtime, i, given) for i, given in enumerate(body.inputs())]
+    hidden = runtime.model.config.hidden_size
+    if body.dimensions is not None and body.dimensions > hidden:
+        raise BadRequest(
+            f"dimensions: the model's vectors have {hidden}; ask for at most that", param="dimensions"
+        )
+    for i, ids in enumerate(inputs):
+        try:
+            runtime.pooling.check(i, ids)
+        except RequestTooLarge as exc:
+            raise BadRequest(str(exc), param="input") from None
+    loop = asyncio.get_running_loop()
+    result: asyncio.Future[list[torch.Tensor] | EngineError] = loop.create_future()
+    job = EmbeddingJob(
+        runtime.model,
+        runtime.engine.cache,
+        runtime.engine.allocator,
+        runtime.engine.device,
+        runtime.pooling,
+        inputs,
+        body.dimensions,
+        lambda outcome: loop.call_soon_threadsafe(result.set_result, outcome),
+    )
+    try:
+        runtime.runner.add_chore(job)
+    except EngineStopped as exc:
+        raise Unavailable(str(exc)) from None
+    try:
+        outcome = await result
+    finally:
+        job.cancelled = not result.done()  # the client left: the job stops at its next turn
+    if isinstance(outcome, EngineError):
+        _checked(outcome)  # raises
+    assert isinstance(outcome, list)
+    return web.json_response(_embedding_body(request.app, body, inputs, outcome))
+
+
+def _input_ids(runtime: Runtime, index: int, given: str | list[int]) -> list[int]:
+    if isinstance(given, str):
+        return runtime.tokenizer.encode(given)
+    vocab = runtime.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in given):
+        raise BadRequest(f"input: token ids of input {index} must lie in [0, {vocab})", param="input")
+    return list(given)
+
+
+def _embedding_body(
+    app: web.Application, body: EmbeddingRequest, inputs: list[list[int]], vectors: list[torch.Tensor]
+) -> dict[str, Any]:
+    def encoded(vector: torch.Tensor) -> list[float] | str:
+        if body.encoding_format == "base64":  # float32 little-endian, as OpenAI's
+            return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+        return vector.tolist()
+
+    tokens = sum(len(ids) for ids in inputs)
+    runtime = app[RUNTIME]
+    return {
+        "object": "list",
+        "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+        "model": runtime.settings.served_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "system_fingerprint": app[FINGERPRINT],
+        "stackpin": {"input_token_ids": inputs, "embedding": runtime.stack["embedding"]},
+    }
+
+
+def _model_object(runtime: Runtime) -> dict[str, Any]:
+    return {"id": runtime.settings.served_name, "object": "model", "created": 0, "owned_by": "stackpin"}
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_object(request.app[RUNTIME])]})
+
+
+async def _model(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    model_id = request.match_info["model_id"]
+    if model_id != runtime.settings.served_name:
+        raise NotFound(
+            f"no model {model_id!r}; this server serves {runtime.settings.served_name!r}", param="model"
+        )
+    return web.json_response(_model_object(runtime))
 
 
 async def _stack(request: web.Request) -> web.Response:

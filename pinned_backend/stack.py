@@ -1,8 +1,9 @@
-"""The backend's description of its own stack (schema 1 of docs/protocol.md) and its fingerprint.
+"""The backend's description of its own stack (schema 2 of docs/protocol.md) and its fingerprint.
 
 The object is built from what the process really loaded and runs on: the digest of the weight files it read,
 the dtype it computes in, the device it found, the kernel mode it selected, the versions of the libraries it
-imported with this package's own source digest, and the batching policy its engine enforces. Building and
+imported with this package's own source digest, the batching policy its engine enforces, and how it pools an
+embedding. Building and
 hashing are pure functions of explicit inputs; the two `detect_*` functions are the only ones that look at the
 machine (and at the package's source), and they do it once at start.
 
@@ -21,9 +22,10 @@ from typing import Any
 import rfc8785
 import torch
 
+import pinned_backend
 from pinned_backend.digests import files_sha256
 
-SCHEMA = 1
+SCHEMA = 2
 STACK_KEYS = frozenset(
     {
         "schema",
@@ -35,8 +37,10 @@ STACK_KEYS = frozenset(
         "kernel_mode",
         "software",
         "batching",
+        "embedding",
     }
 )
+POOLINGS = ("last_token", "mean")
 DTYPE_NAMES: Mapping[torch.dtype, str] = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
@@ -86,6 +90,14 @@ def batching_policy(max_batch_size: int, max_step_tokens: int, kv_split_size: in
     }
 
 
+def embedding_method(pooling: str) -> dict[str, Any]:
+    """How `/v1/embeddings` turns a sequence's final hidden states into one vector: the last token's, or their mean
+    over the sequence, then scaled to unit L2 norm."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {pooling!r}")
+    return {"pooling": pooling, "normalized": True}
+
+
 def build_stack(
     *,
     model: str,
@@ -95,8 +107,9 @@ def build_stack(
     kernel_mode: str,
     software: Mapping[str, str | None],
     batching: Mapping[str, Any],
+    embedding: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The schema-1 stack object: every key present, unknown values null."""
+    """The schema-2 stack object: every key present, unknown values null."""
     generation, detail = hardware
     return {
         "schema": SCHEMA,
@@ -108,6 +121,7 @@ def build_stack(
         "kernel_mode": kernel_mode,
         "software": {key: software.get(key) for key in ("backend", "torch", "cuda", "triton", "driver")},
         "batching": dict(batching),
+        "embedding": dict(embedding),
     }
 
 
@@ -138,16 +152,16 @@ def detect_software(device: torch.device) -> dict[str, str | None]:
     }
 
 
-def backend_version() -> str:
+def backend_version(version: str = pinned_backend.__version__) -> str:
     """This package's version and the first 12 hex digits of its source digest, as `0.1.0+src.0123456789ab`.
 
     The source decides every reduction order (the kernels, their tile plans, the model's order of operations), so
     two builds whose source differs must not share a stack, whatever their version number says: a tile plan tuned
-    anew on the same version would otherwise let one fingerprint stand for two sets of answers."""
+    anew on the same version would otherwise let one fingerprint stand for two sets of answers. The version is the
+    one the source itself declares (`pinned_backend.__version__`, which the source digest covers), never an
+    installer's metadata: a source tree run in place, installed, or installed in editable mode and edited since
+    is one source, so it names one stack."""
     digest = source_sha256(Path(__file__).resolve().parent)[:12]
-    version = _distribution_version("stackpin")
-    if not version:
-        return f"src.{digest}"
     # A version that already has a local part (`0.1.0+g1234`) takes the digest as one more segment of it.
     return f"{version}{'.' if '+' in version else '+'}src.{digest}"
 

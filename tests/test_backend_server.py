@@ -181,10 +181,19 @@ async def test_a_stop_string_cuts_the_text(client: TestClient) -> None:
     assert cut["choices"][0]["text"] == text[: text.index(stop)]
 
 
-async def test_unknown_fields_are_ignored(client: TestClient) -> None:
-    status, _ = await post(
-        client, CHAT, {"messages": HELLO, "max_tokens": 1, "frequency_penalty": 0, "x": {}}
-    )
+async def test_unknown_fields_and_the_values_that_ask_for_nothing_are_accepted(client: TestClient) -> None:
+    harmless = {
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "parallel_tool_calls": True,
+        "user": "u-1",
+        "x": {},
+    }
+    status, _ = await post(client, CHAT, {"messages": HELLO, "max_tokens": 1, **harmless})
     assert status == 200
 
 
@@ -202,6 +211,29 @@ async def test_unknown_fields_are_ignored(client: TestClient) -> None:
         (COMPLETIONS, {"prompt": [1, 999]}, "prompt", "token ids"),
         (COMPLETIONS, {"prompt": "a", "logprobs": 9}, "logprobs", "less than or equal to 5"),
         (COMPLETIONS, {"prompt": "a", "stop": [""]}, "stop", "must not be empty"),
+        # What it cannot honour is refused, never answered as if it had not been asked.
+        (
+            CHAT,
+            {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+            "tool",
+        ),
+        (CHAT, {"messages": HELLO, "tool_choice": "required"}, "tool_choice", "tool calls"),
+        (CHAT, {"messages": HELLO, "functions": [{"name": "f"}]}, "functions", "tool"),
+        (CHAT, {"messages": HELLO, "function_call": {"name": "f"}}, "function_call", "tool"),
+        (CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format", "format"),
+        (CHAT, {"messages": HELLO, "logit_bias": {"5": 10}}, "logit_bias", "cannot honour"),
+        (CHAT, {"messages": HELLO, "presence_penalty": 0.5}, "presence_penalty", "cannot honour"),
+        (CHAT, {"messages": HELLO, "frequency_penalty": False}, "frequency_penalty", "cannot honour"),
+        (CHAT, {"messages": HELLO, "modalities": ["text", "audio"]}, "modalities", "text only"),
+        (
+            CHAT,
+            {"messages": [*HELLO, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+            "messages.1.tool_calls",
+            "tool calls",
+        ),
+        (COMPLETIONS, {"prompt": "a", "best_of": 3}, "best_of", "one completion"),
+        (COMPLETIONS, {"prompt": "a", "suffix": "end"}, "suffix", "middle"),
     ],
 )
 async def test_bad_requests_get_a_400_that_names_the_field(

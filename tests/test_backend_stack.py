@@ -1,4 +1,4 @@
-"""Specification of pinned_backend.stack: the schema-1 object, its fingerprint, and hardware detection."""
+"""Specification of pinned_backend.stack: the schema-2 object, its fingerprint, and hardware detection."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pinned_backend
-import pinned_backend.stack as stack_module
 from pinned_backend.stack import (
     STACK_KEYS,
     backend_version,
@@ -25,6 +24,7 @@ from pinned_backend.stack import (
     cpu_hardware,
     detect_hardware,
     detect_software,
+    embedding_method,
     fingerprint,
     gpu_hardware,
     source_sha256,
@@ -50,6 +50,7 @@ def _stack(**overrides: Any) -> dict[str, Any]:
         "kernel_mode": "batch_invariant",
         "software": {"backend": "0.1.0", "torch": "2.13.0"},
         "batching": batching_policy(16, 256, 64),
+        "embedding": embedding_method("last_token"),
     }
     return build_stack(**{**fields, **overrides})
 
@@ -57,7 +58,8 @@ def _stack(**overrides: Any) -> dict[str, Any]:
 def test_stack_has_exactly_the_schema_keys_and_nulls_for_unknowns() -> None:
     stack = _stack()
     assert set(stack) == STACK_KEYS
-    assert stack["schema"] == 1
+    assert stack["schema"] == 2
+    assert stack["embedding"] == {"pooling": "last_token", "normalized": True}
     assert stack["software"] == {
         "backend": "0.1.0",
         "torch": "2.13.0",
@@ -131,18 +133,28 @@ def test_detection_reports_this_machine() -> None:
     assert software["cuda"] is None
 
 
-def test_the_backend_names_its_version_and_the_digest_of_its_own_source(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_backend_names_the_version_its_source_declares_and_the_digest_of_that_source() -> None:
     package = Path(pinned_backend.__file__).parent
     digest = source_sha256(package)[:12]
     assert re.fullmatch(r"[0-9a-f]{12}", digest)
-    assert backend_version() == f"{importlib.metadata.version('stackpin')}+src.{digest}"
+    assert backend_version() == f"{pinned_backend.__version__}+src.{digest}"
     # A version with a local part of its own keeps one `+`: the digest becomes one more segment of it.
-    monkeypatch.setattr(stack_module, "_distribution_version", lambda name: "0.2.0+g1234")
-    assert backend_version() == f"0.2.0+g1234.src.{digest}"
-    monkeypatch.setattr(stack_module, "_distribution_version", lambda name: None)
-    assert backend_version() == f"src.{digest}"
+    assert backend_version("0.2.0+g1234") == f"0.2.0+g1234.src.{digest}"
+    # The installed distribution's version is the source's own, so an install names the same stack.
+    assert importlib.metadata.version("stackpin") == pinned_backend.__version__
+
+
+def test_one_source_names_one_stack_however_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = backend_version()
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    # Run from a source tree no installer has seen, or under an editable install's stale metadata: one version.
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert backend_version() == installed
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "9.9.9")
+    assert backend_version() == installed
 
 
 def test_any_change_to_the_source_changes_its_digest_and_nothing_else_does(tmp_path: Path) -> None:
