@@ -50,6 +50,7 @@ def registry_from(settings: Settings) -> Registry:
                 stack=replica.stack,
                 fingerprint=replica.stack.fingerprint if replica.stack else None,
                 reachable=declared,
+                endpoints=replica.served_endpoints(),
             )
         )
     return registry

@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 
+from proxy.compare import where
 from proxy.pins import parse_pin_header
 from proxy.probe import Reply, probe_body, run_probe
 
@@ -65,14 +66,10 @@ def _print_replay(result: dict[str, Any]) -> None:
     print(f"{result['outcome']}: record {result['record']} replayed as {result['replay_record']}")
     print(f"  stack {result['stack']} (compared {result['compared']})")
     if result["outcome"] == "diverged":
-        print(
-            f"  first divergence at {'token' if result['compared'] == 'tokens' else 'character'} {result['position']}"
-            f" ({result['reason']})"
-        )
-        if "original_logprob" in result:
-            print(
-                f"  logprob bits: original {result['original_logprob']}  replay {result['replayed_logprob']}"
-            )
+        print(f"  first divergence at {where(result)} ({result['reason']})")
+        for kind in ("logprob", "bits"):
+            if f"original_{kind}" in result:
+                print(f"  {kind}: original {result[f'original_{kind}']}  replay {result[f'replayed_{kind}']}")
         if "original_ids" in result:
             print(f"  original ids: {result['original_ids']}")
             print(f"  replay ids:   {result['replayed_ids']}")

@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from proxy.endpoints import DECLARED_DEFAULT, ENDPOINTS
 from proxy.errors import BadRequest, ConfigError
 from proxy.pins import PIN_KEYS, Pin, parse_prompt_ref
 from proxy.stack import Stack
@@ -46,6 +47,8 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     replica_timeout_s: float = Field(default=600.0, gt=0)
     retry_deadline_s: float = Field(default=30.0, gt=0)
+    # The route that serves a request which names no model; without one such a request is a 400.
+    default_route: str | None = None
 
     @property
     def loopback_only(self) -> bool:
@@ -106,6 +109,30 @@ class ReplicaSettings(_Section):
     url: str
     api_key_env: str | None = None
     stack: Stack | None = None  # declared stack of an upstream API; absent means the replica proves its own
+    # The routes a declared upstream serves (default: chat and completions); a pinned_backend's are known.
+    endpoints: list[str] | None = None
+
+    @field_validator("endpoints")
+    @classmethod
+    def _known_endpoints(cls, endpoints: list[str] | None) -> list[str] | None:
+        unknown = sorted(set(endpoints or ()) - set(ENDPOINTS))
+        if unknown:
+            raise ValueError(f"unknown endpoints {unknown}; the proxy serves {', '.join(ENDPOINTS)}")
+        return endpoints
+
+    @model_validator(mode="after")
+    def _endpoints_are_declared(self) -> ReplicaSettings:
+        if self.endpoints is not None and self.stack is None:
+            raise ValueError(
+                f"replica {self.name!r}: endpoints are declared with a stack; a pinned_backend proves its own"
+            )
+        return self
+
+    def served_endpoints(self) -> frozenset[str] | None:
+        """What it answers itself: None for a pinned_backend (its routes are known)."""
+        if self.stack is None:
+            return None
+        return frozenset(self.endpoints if self.endpoints is not None else DECLARED_DEFAULT)
 
     @field_validator("url")
     @classmethod
@@ -206,6 +233,11 @@ class Settings(BaseSettings):
             prompt = keys.get("prompt")
             if prompt is not None and prompt not in self.prompts:
                 raise ValueError(f"route {name!r} uses prompt {prompt!r}, which [prompts] does not define")
+        default = self.server.default_route
+        if default is not None and default not in self.routes:
+            raise ValueError(
+                f"server.default_route {default!r} names no route; [routes] defines {sorted(self.routes)}"
+            )
         return self
 
     def route_pins(self) -> dict[str, Pin]:

@@ -56,6 +56,7 @@ async def dispatch(
     body: dict[str, Any],
     send: Callable[[Replica, dict[str, Any]], Awaitable[T]],
     *,
+    endpoint: str | None = None,
     deadline_s: float,
     on_mismatch: Callable[[StackMismatch], Awaitable[None]],
 ) -> Dispatched[T]:
@@ -66,7 +67,7 @@ async def dispatch(
     last_failure = ""
     while True:
         try:
-            replica = choose(registry.all(), pin, exclude=tried, fingerprint=fingerprint)
+            replica = choose(registry.all(), pin, endpoint=endpoint, exclude=tried, fingerprint=fingerprint)
         except NoLiveReplica as e:
             if not tried:
                 raise

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 from pydantic import SecretStr, ValidationError
 
+from proxy.endpoints import TERMINAL_EVENTS
 from proxy.stack import Stack, fingerprint
 
 STACK_HEADER = "Stackpin-Stack"
@@ -73,7 +74,7 @@ async def post_json(
         ) as response:
             raw = await response.read()
     _raise_for_status(response.status, raw)
-    return Answer(_parse_completion(raw), response.headers.get(STACK_HEADER))
+    return Answer(_parse_object(raw), response.headers.get(STACK_HEADER))
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> dict[str, Any]:
@@ -110,29 +111,48 @@ async def describe(session: aiohttp.ClientSession, base_url: str, *, timeout_s: 
     return Described(stack, document, computed, described.get("fingerprint"))
 
 
+@dataclass(frozen=True)
+class Event:
+    """One server-sent event: its `event:` name when the replica names it (the Responses API does), and its data."""
+
+    name: str | None
+    data: dict[str, Any]
+
+
 class Stream:
-    """An open event stream from a replica; iterate `events()` for each `data:` payload, parsed."""
+    """An open event stream from a replica; iterate `events()` for each event, its `data:` payload parsed.
+
+    A stream ends at `data: [DONE]` (chat and completions) or, for the Responses API, with the body after a
+    terminal event (`response.completed` ...); any other end is a broken stream."""
 
     def __init__(self, response: aiohttp.ClientResponse) -> None:
         self._response = response
         self.stack_header = response.headers.get(STACK_HEADER)
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncIterator[Event]:
         data_lines: list[str] = []
+        name: str | None = None
+        last: Event | None = None
         try:
             async for raw_line in self._response.content:
                 line = raw_line.decode("utf-8").rstrip("\r\n")
                 if line.startswith("data:"):
                     data_lines.append(line[5:].lstrip(" "))
                     continue
+                if line.startswith("event:"):
+                    name = line[6:].strip() or None
+                    continue
                 if line or not data_lines:
-                    continue  # comments, event names and keep-alives carry nothing we relay
+                    continue  # comments, ids and keep-alives carry nothing we relay
                 payload, data_lines = "\n".join(data_lines), []
                 if payload == "[DONE]":
                     return
-                yield _parse_object(payload.encode())
+                last, name = Event(name, _parse_object(payload.encode())), None
+                yield last
         except TRANSPORT_ERRORS as e:
             raise ReplicaUnavailable(f"stream broke: {type(e).__name__}: {e}") from e
+        if last is not None and (last.name in TERMINAL_EVENTS or last.data.get("type") in TERMINAL_EVENTS):
+            return
         raise ReplicaUnavailable("stream ended without data: [DONE]")
 
     def close(self) -> None:
@@ -198,12 +218,4 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
         raise ReplicaGarbage(f"answer is not JSON: {raw[:80]!r}") from e
     if not isinstance(body, dict):
         raise ReplicaGarbage(f"answer is JSON but not an object: {raw[:80]!r}")
-    return body
-
-
-def _parse_completion(raw: bytes) -> dict[str, Any]:
-    body = _parse_object(raw)
-    choices = body.get("choices")
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
-        raise ReplicaGarbage("answer has no 'choices' list of objects")
     return body

@@ -1,4 +1,8 @@
-"""HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in `error_middleware` only."""
+"""HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in `error_middleware` only.
+
+The OpenAI routes (chat, completions, embeddings, responses) share one handler and one serving path
+(proxy/serving.py); `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for.
+"""
 
 from __future__ import annotations
 
@@ -13,15 +17,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from proxy.audit import AuditRecord
 from proxy.auth import authenticate
 from proxy.compare import Comparison
+from proxy.endpoints import ENDPOINTS
 from proxy.errors import BadRequest, NotFound, PayloadTooLarge, StackpinError
 from proxy.forward import ReplicaRejected
 from proxy.keys import PROMPTS, PROXY, ROUTES
 from proxy.pins import Pin, parse_pin_body
 from proxy.records import Served
-from proxy.replay import replay
-from proxy.requests import CHAT, COMPLETIONS, parse_body, read_request
+from proxy.requests import parse_body, read_request
 from proxy.router import live_stacks
-from proxy.serving import Proxy
+from proxy.serving import HttpSink, Proxy
 
 log = structlog.get_logger("stackpin.http")
 
@@ -69,13 +73,12 @@ def _count_error(request: web.Request, error: str) -> None:
     request.app[PROXY].metrics.errors.labels(request.path, "none", error).inc()
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+async def openai_route(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY]
     tenant = authenticate(request.headers, proxy.secrets)
-    endpoint = CHAT if request.path == CHAT else COMPLETIONS
     body = parse_body(await request.read())
     pin_header = request.headers.get("Stackpin-Pin")
-    return await serve_completion(request.config_dict, tenant, endpoint, body, pin_header, request)
+    return await serve_completion(request.config_dict, tenant, request.path, body, pin_header, request)
 
 
 async def serve_completion(
@@ -86,21 +89,31 @@ async def serve_completion(
     pin_header: str | None,
     http_request: web.Request | None,
 ) -> web.StreamResponse:
-    """The path every completion takes once its tenant is known: the API's, and the audit page's probe (which
+    """The path every answer takes once its tenant is known: the API's, and the audit page's probe (which
     never streams, so it passes no `http_request`). `config` is the application's, or a sub-application's view."""
     proxy = config[PROXY]
     started = time.perf_counter()
     received_at = proxy.clock()
     client_request = read_request(
-        endpoint, body, pin_header=pin_header, routes=config[ROUTES], prompts=config[PROMPTS]
+        endpoint,
+        body,
+        pin_header=pin_header,
+        routes=config[ROUTES],
+        prompts=config[PROMPTS],
+        default_route=proxy.settings.server.default_route,
+        live_models=lambda: sorted(_model_objects(config)),
     )
+    client_request = await proxy.continued(client_request, tenant)
     if proxy.fleet is not None:
         await proxy.fleet.limiter.admit(tenant)
     response: web.StreamResponse
     if client_request.stream:
         if http_request is None:
             raise BadRequest("this caller cannot stream; send 'stream': false", param="stream")
-        served, response = await proxy.stream(client_request, tenant, received_at, http_request)
+        sink = HttpSink(http_request)
+        served, _ = await proxy.stream(client_request, tenant, received_at, sink)
+        assert sink.response is not None
+        response = sink.response
     else:
         served, answer = await proxy.complete(client_request, tenant, received_at)
         response = proxy.answer_response(served, answer)
@@ -116,21 +129,38 @@ def _observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: 
     proxy.metrics.duration.labels(*labels).observe(seconds)
 
 
-async def models(request: web.Request) -> web.Response:
-    proxy = request.app[PROXY]
-    authenticate(request.headers, proxy.secrets)
+def _model_objects(config: Mapping[Any, Any]) -> dict[str, dict[str, Any]]:
+    """What a client can name as `model`: each live stack's model, and each route."""
     data: dict[str, dict[str, Any]] = {}
-    for stack in live_stacks(proxy.registry.all()):
+    for stack in live_stacks(config[PROXY].registry.all()):
         name = stack["stack"]["model"]
         entry = data.setdefault(
             name, {"id": name, "object": "model", "created": 0, "owned_by": "stackpin", "stacks": []}
         )
         entry["stacks"].append(stack["fingerprint"])
-    for route in request.app[ROUTES]:
+    for route in config[ROUTES]:
         data.setdefault(
             route, {"id": route, "object": "model", "created": 0, "owned_by": "stackpin", "route": True}
         )
-    return web.json_response({"object": "list", "data": sorted(data.values(), key=lambda m: m["id"])})
+    return data
+
+
+async def models(request: web.Request) -> web.Response:
+    authenticate(request.headers, request.app[PROXY].secrets)
+    data = _model_objects(request.app)
+    return web.json_response({"object": "list", "data": [data[name] for name in sorted(data)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    authenticate(request.headers, request.app[PROXY].secrets)
+    data = _model_objects(request.app)
+    model_id = request.match_info["model_id"]
+    if model_id not in data:
+        raise NotFound(
+            f"no model {model_id!r} is live; the models are {', '.join(sorted(data)) or '(none is live)'}",
+            param="model",
+        )
+    return web.json_response(data[model_id])
 
 
 async def stacks(request: web.Request) -> web.Response:
@@ -175,8 +205,8 @@ async def counted_replay(
 ) -> tuple[str, Comparison, str]:
     """A replay, a failed one counted; the API and the audit page replay through it."""
     try:
-        return await replay(proxy, record, tenant, on)
-    except StackpinError:
+        return await proxy.replay(record, tenant, on)
+    except Exception:  # every failure to replay is counted, whatever refused it
         proxy.metrics.replays.labels("error").inc()
         raise
 
@@ -240,9 +270,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 def routes() -> list[web.RouteDef]:
     return [
-        web.post(CHAT, completions),
-        web.post(COMPLETIONS, completions),
+        *(web.post(endpoint, openai_route) for endpoint in ENDPOINTS),
         web.get("/v1/models", models),
+        web.get("/v1/models/{model_id}", model),
         web.get("/v1/stacks", stacks),
         web.get("/v1/records/{record_id}", get_record),
         web.post("/v1/records/{record_id}/replay", replay_record),

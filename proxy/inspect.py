@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from proxy.audit import AuditError, AuditStore
+from proxy.audit import AuditError, AuditRecord, AuditStore
 from proxy.config import StoreSettings
 
 EXIT_OK, EXIT_BROKEN, EXIT_ERROR = 0, 1, 2
@@ -80,6 +80,8 @@ async def audit(store_settings: StoreSettings, record_id: str, *, as_json: bool)
         print(f"prompt   sha256 {record.prompt_sha256}")
         for line in (record.prompt_text or "").splitlines():
             print(f"  | {line}")
+    for line in answer_lines(record):
+        print(line)
     for entry in record.entries:
         print(f"entry    #{entry.position} {entry.part} {entry.status} {entry.sha256}")
     for link in links:
@@ -91,6 +93,84 @@ async def audit(store_settings: StoreSettings, record_id: str, *, as_json: bool)
     for flag in record.flags:
         print(f"FLAGGED  #{flag.position} {flag.status}: {json.dumps(flag.content, sort_keys=True)}")
     return EXIT_OK if link_ok else EXIT_BROKEN
+
+
+def answer_lines(record: AuditRecord) -> list[str]:
+    """What the client got, choice by choice (or embedding, or output item), for reading."""
+    parts = {entry.part: entry.content for entry in record.entries}
+    opened = parts.get("answer") or parts.get("opened") or {}
+    endpoint = opened.get("endpoint", "")
+    if "answer" in parts:
+        body, lines = parts["answer"].get("response") or {}, []
+    elif "closed" in parts:
+        closed = parts["closed"]
+        body = closed.get("answer") or {}
+        lines = (
+            [f"stream   {len(closed.get('events') or [])} events kept byte for byte"]
+            if "events" in closed
+            else []
+        )
+        if "tokens" in closed:  # recorded before records kept every choice
+            body = {
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": closed["tokens"].get("text"),
+                        "finish_reason": closed["tokens"].get("finish_reason"),
+                    }
+                ]
+            }
+    else:
+        return ["answer   (none yet: the stream has not closed)"]
+    lines.append(f"endpoint {endpoint}")
+    if isinstance(body.get("data"), list):
+        for item in body["data"]:
+            vector = item.get("embedding") if isinstance(item, dict) else None
+            size = f"{len(vector)} dimensions" if isinstance(vector, list) else "base64"
+            lines.append(f"data[{item.get('index')}]  embedding, {size}")
+    for choice in body.get("choices") or []:
+        lines += _choice_lines(choice)
+    for i, item in enumerate(body.get("output") or []):
+        lines += _output_lines(i, item)
+    if body.get("usage") is not None:
+        lines.append(f"usage    {json.dumps(body['usage'], sort_keys=True)}")
+    return lines
+
+
+def _choice_lines(choice: dict[str, Any]) -> list[str]:
+    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    lines = [f"choice   {choice.get('index')}  finish_reason={choice.get('finish_reason')}"]
+    text = message.get("content") if message else choice.get("text")
+    if text is not None:
+        lines.append(f"  text     {_short(text)}")
+    if message.get("refusal"):
+        lines.append(f"  refusal  {_short(message['refusal'])}")
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        lines.append(f"  tool     {call.get('id')} {function.get('name')}({function.get('arguments')})")
+    if message.get("function_call"):
+        call = message["function_call"]
+        lines.append(f"  function {call.get('name')}({call.get('arguments')})")
+    return lines
+
+
+def _output_lines(index: int, item: dict[str, Any]) -> list[str]:
+    if item.get("type") == "function_call":
+        return [
+            f"output   {index}  function_call {item.get('call_id')} {item.get('name')}({item.get('arguments')})"
+        ]
+    texts = [
+        p.get("text") or p.get("refusal") or "" for p in item.get("content") or [] if isinstance(p, dict)
+    ]
+    return [
+        f"output   {index}  {item.get('type')} status={item.get('status')}",
+        f"  text     {_short(''.join(texts))}",
+    ]
+
+
+def _short(text: Any, limit: int = 240) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit] + "..."
 
 
 async def list_records(store_settings: StoreSettings, filters: dict[str, Any], *, as_json: bool) -> int:

@@ -16,8 +16,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.answers import Tokens, tokens_of
+from proxy.answers import Tokens, View, tokens_of, view_of
 from proxy.compare import compare
+from proxy.endpoints import CHAT
 
 SAMPLE_RECORDS = 5  # record ids kept per distinct answer, to open a few of them
 
@@ -40,10 +41,11 @@ class Variant:
 
     tokens: Tokens
     count: int = 0
+    view: View | None = None  # the whole answer as a replay compares it
     records: list[str] = field(default_factory=list)
     completion: int = 0  # which distinct completion (by tokens) it is; 0 is the most common
     diverges_at: int | None = None  # where it leaves the most common answer; None for that answer itself
-    reason: str | None = None  # "token", "logprob", "length" or "text", as a replay would say
+    reason: str | None = None  # "token", "logprob", "length", "text", ..., as a replay would say
 
     @property
     def length(self) -> int:
@@ -115,7 +117,7 @@ class Tally:
             self.failures["the answer holds no choice"] += 1
             return
         self.stacks.add(headers.get("Stackpin-Stack", "?"))
-        variant = self.variants.setdefault(_bitwise_key(tokens), Variant(tokens))
+        variant = self.variants.setdefault(_bitwise_key(tokens), Variant(tokens, view=view_of(CHAT, body)))
         variant.count += 1
         record = headers.get("Stackpin-Record")
         if record is not None and len(variant.records) < SAMPLE_RECORDS:
@@ -140,8 +142,8 @@ def rank(variants: list[Variant]) -> list[Variant]:
     completions: dict[str, int] = {}
     for variant in ordered:
         variant.completion = completions.setdefault(_token_key(variant.tokens), len(completions))
-        if variant is not reference:
-            comparison = compare(reference.tokens, variant.tokens)
+        if variant is not reference and reference.view is not None and variant.view is not None:
+            comparison = compare(reference.view, variant.view)
             variant.diverges_at, variant.reason = comparison.position, comparison.reason
     return ordered
 

@@ -57,9 +57,16 @@ class PromptBook:
 
 
 def inject(body: dict[str, Any], endpoint: str, prompt: PromptVersion) -> dict[str, Any]:
-    """The body with the prompt's text as the first system message; the caller's body is left untouched."""
-    if endpoint != "/v1/chat/completions":
-        raise BadRequest(f"prompt versions apply to /v1/chat/completions, not {endpoint}", param="prompt")
+    """The body with the prompt's text first: the first system message of a chat, the start of a response's
+    instructions (which, unlike input, a later turn does not carry over). The caller's body is left untouched."""
     injected = copy.copy(body)
-    injected["messages"] = [{"role": "system", "content": prompt.text}, *body["messages"]]
+    if endpoint == "/v1/chat/completions":
+        injected["messages"] = [{"role": "system", "content": prompt.text}, *body["messages"]]
+    elif endpoint == "/v1/responses":
+        own = body.get("instructions")
+        injected["instructions"] = prompt.text + (f"\n\n{own}" if isinstance(own, str) and own else "")
+    else:
+        raise BadRequest(
+            f"prompt versions apply to /v1/chat/completions and /v1/responses, not {endpoint}", param="prompt"
+        )
     return injected

@@ -1,8 +1,11 @@
 """Building records: the pure step from a served request to the audit entries that the store commits.
 
-A non-streamed answer is one `answer` entry. A stream is an `opened` entry committed before its first byte and a
-`closed` entry at its end (complete or interrupted). A replay is an `answer` entry linked to its original. A
-`flag` entry marks an earlier record, e.g. because the stack that served it was later found changed. Entries
+A non-streamed answer is one `answer` entry holding the whole body the client got (every choice, usage,
+`system_fingerprint`; the replica's own body beside it where the proxy translated it). A stream is an `opened`
+entry committed before its first byte and a `closed` entry at its end (complete or interrupted) holding every event
+the client read, byte for byte, the one sent after the record (`data: [DONE]`, or the response's terminal event),
+and the answer those events assemble into. A replay is recorded as its original was, linked to it, with its outcome.
+A `flag` entry marks an earlier record, e.g. because the stack that served it was later found changed. Entries
 carry the exact forwarded request; never a client or upstream key (those travel only in headers).
 """
 
@@ -12,7 +15,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from proxy.answers import Tokens
 from proxy.audit import NewEntry
 from proxy.pins import Pin
 from proxy.prompts import PromptVersion
@@ -47,8 +49,12 @@ class Served:
     route: str | None
     prompt: PromptVersion | None
     replica: Replica
-    forwarded: dict[str, Any]
+    forwarded: dict[str, Any]  # exactly what the replica was sent
     received_at: datetime
+    replica_endpoint: str | None = None  # where the replica was sent it, when not at `endpoint` (translated)
+    translated_from: dict[str, Any] | None = None  # the client's request the forwarded one translates
+    continues: str | None = None  # the record whose response this request continues (previous_response_id)
+    replay_of: str | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -60,9 +66,7 @@ def decoding_settings(body: dict[str, Any]) -> dict[str, Any]:
     return {key: body[key] for key in DECODING_KEYS if key in body}
 
 
-def _base(
-    served: Served, part: str, status: str, now: datetime, content: dict[str, Any], replay_of: str | None
-) -> NewEntry:
+def _base(served: Served, part: str, status: str, now: datetime, content: dict[str, Any]) -> NewEntry:
     replica = served.replica
     assert replica.stack is not None
     return NewEntry(
@@ -76,14 +80,14 @@ def _base(
         stack=replica.stack.document(),
         stack_declared=replica.declared,
         prompt_text=served.prompt.text if served.prompt else None,
-        replay_of=replay_of,
+        replay_of=served.replay_of,
         status=status,
         content=content,
     )
 
 
 def _request_content(served: Served) -> dict[str, Any]:
-    return {
+    content: dict[str, Any] = {
         "endpoint": served.endpoint,
         "request": served.forwarded,
         "pin": served.pin.model_dump(exclude_none=True),
@@ -97,6 +101,13 @@ def _request_content(served: Served) -> dict[str, Any]:
         "stack_declared": served.replica.declared,
         "received_at": served.received_at.isoformat(),
     }
+    if served.replica_endpoint is not None:
+        content["replica_endpoint"] = served.replica_endpoint
+    if served.translated_from is not None:
+        content["translated_from"] = served.translated_from
+    if served.continues is not None:
+        content["continues"] = served.continues
+    return content
 
 
 def answer_entry(
@@ -104,47 +115,64 @@ def answer_entry(
     response: dict[str, Any],
     now: datetime,
     *,
-    upstream_fingerprint: str | None,
+    replica_response: dict[str, Any] | None = None,
+    upstream: dict[str, Any] | None = None,
     replay: dict[str, Any] | None = None,
 ) -> NewEntry:
+    """`response` is the body the client got; `replica_response` the replica's own when it was translated;
+    `upstream` what the proxy replaced in the replica's body (its own `system_fingerprint`, a response id)."""
     # The tokens are in the response (its `stackpin` extension); they are not stored twice.
     content = {
         **_request_content(served),
         "stream": False,
         "response": response,
-        "upstream_fingerprint": upstream_fingerprint,
+        "upstream_fingerprint": (upstream or {}).get("system_fingerprint"),
         "answered_at": now.isoformat(),
     }
+    if replica_response is not None:
+        content["replica_response"] = replica_response
+    if upstream and set(upstream) - {"system_fingerprint"}:
+        content["upstream"] = upstream
     if replay is not None:
         content["replay"] = replay
-    return _base(served, "answer", "complete", now, content, replay["of"] if replay else None)
+    return _base(served, "answer", "complete", now, content)
 
 
 def opened_entry(served: Served, now: datetime) -> NewEntry:
     content = {**_request_content(served), "stream": True, "opened_at": now.isoformat()}
-    return _base(served, "opened", "streaming", now, content, None)
+    return _base(served, "opened", "streaming", now, content)
 
 
 def closed_entry(
     served: Served,
-    tokens: Tokens,
     now: datetime,
     *,
     status: str,
-    usage: dict[str, Any] | None,
+    events: list[str],
+    terminal: str | None,
+    answer: dict[str, Any] | None,
+    replica_answer: dict[str, Any] | None,
     upstream_fingerprint: str | None,
-    chunks: int,
     error: str | None,
+    replay: dict[str, Any] | None = None,
 ) -> NewEntry:
-    content = {
-        "tokens": tokens.as_json(),
-        "usage": usage,
-        "chunks": chunks,
+    """`events` are the exact bytes of every event the client was sent before this entry, in order; `terminal`
+    the one sent after it commits; `answer` what they assemble into (None when it cannot be recorded)."""
+    content: dict[str, Any] = {
+        "events": events,
+        "terminal": terminal,
+        "answer": answer,
+        "usage": answer.get("usage") if answer else None,
+        "chunks": len(events),
         "upstream_fingerprint": upstream_fingerprint,
         "error": error,
         "closed_at": now.isoformat(),
     }
-    return _base(served, "closed", status, now, content, None)
+    if replica_answer is not None:
+        content["replica_answer"] = replica_answer
+    if replay is not None:
+        content["replay"] = replay
+    return _base(served, "closed", status, now, content)
 
 
 def flag_entry(

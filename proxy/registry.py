@@ -19,6 +19,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Protocol
 
+from proxy.endpoints import BACKEND_ENDPOINTS, RESPONSES
 from proxy.stack import Stack
 
 
@@ -42,10 +43,20 @@ class Replica:
     leased: bool = (
         False  # fleet mode: its heartbeat sidecar proves its stack, not this proxy's health monitor
     )
+    # The routes it answers itself: what a declared upstream's configuration says; None for a pinned_backend.
+    endpoints: frozenset[str] | None = None
 
     @property
     def in_rotation(self) -> bool:
         return self.stack is not None and self.reachable and self.quarantined is None
+
+    def natively(self, endpoint: str) -> bool:
+        """Whether it answers `endpoint` itself, rather than through the proxy's translation."""
+        return endpoint in (self.endpoints if self.endpoints is not None else BACKEND_ENDPOINTS)
+
+    def serves(self, endpoint: str) -> bool:
+        # A pinned_backend serves the Responses API through the proxy's translation to chat.
+        return self.natively(endpoint) or (endpoint == RESPONSES and self.endpoints is None)
 
 
 class OutstandingCounter(Protocol):

@@ -1,8 +1,11 @@
-"""Replay: resend a record's exact request to a replica of the identical stack (or a named one) and compare.
+"""Replay, the pure parts: what a committed record asked and answered, the request that replays it, and the
+judgement of a replayed answer against it.
 
-The replayed request is the forwarded body the record holds, made non-streaming, with the seed the backend
-reported when the original drew its own. The replay is itself recorded, linked to its original, and its outcome is
-`reproduced` (tokens and logprob bits identical) or `diverged` (with the first divergent position).
+A replay resends the exact request the replica was sent (for a translated Responses request, the exact chat
+request), streamed if the original was, with the seed the backend reported when the original drew its own, to a
+replica of the identical stack (or the one a pin names). It goes through the serving path like any request
+(proxy/serving.py) and is recorded, linked to its original, with its outcome: `reproduced` when every part of the
+answer came back identical, else `diverged` with the first place it differs (proxy/compare.py).
 """
 
 from __future__ import annotations
@@ -10,113 +13,140 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
-from proxy.answers import Tokens, tokens_of
+from proxy.answers import View, seed_of, view_of
 from proxy.audit import AuditRecord
 from proxy.compare import Comparison, compare
-from proxy.dispatch import dispatch
+from proxy.endpoints import CHAT
 from proxy.errors import BadRequest
 from proxy.pins import Pin
 from proxy.prompts import PromptVersion
-from proxy.records import Served, answer_entry
-from proxy.serving import Proxy, new_record_id
+from proxy.requests import ClientRequest
 
 
 @dataclass(frozen=True)
-class Original:
-    """What a replay needs from a committed record."""
+class Answered:
+    """What a client got: the body (a stream's: what its events assemble into), the replica's own body when the
+    proxy translated it, and a stream's exact events."""
+
+    body: dict[str, Any]
+    replica_body: dict[str, Any] | None = None
+    events: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What a committed record says was asked and answered."""
 
     record_id: str
     endpoint: str
-    request: dict[str, Any]
-    tokens: Tokens
+    request: dict[str, Any]  # exactly what the replica was sent
+    translated_from: dict[str, Any] | None  # the client's request, when `request` is its translation
+    stream: bool
+    answered: Answered
     fingerprint: str
     prompt: PromptVersion | None
+    continues: str | None
+    legacy: bool = False  # a stream recorded before records kept every event and choice
+
+    @property
+    def client_request(self) -> dict[str, Any]:
+        """The request in the client's own terms (for the Responses API: its fully expanded input)."""
+        return self.translated_from if self.translated_from is not None else self.request
+
+    def view(self) -> View:
+        return view_of(self.endpoint, self.answered.body, self.answered.replica_body)
 
 
-def original_of(record: AuditRecord) -> Original:
+def recorded(record: AuditRecord) -> Recorded:
+    """A BadRequest when the record holds no complete answer."""
     parts = {entry.part: entry for entry in record.entries}
     first = parts.get("answer") or parts.get("opened")
     if first is None or record.fingerprint is None:
         raise BadRequest(f"record {record.id} holds no answer to replay")
+    legacy = False
     if "answer" in parts:
-        tokens = tokens_of(first.content["response"])
+        content = first.content
+        answered = Answered(content["response"], content.get("replica_response"))
     else:
         closed = parts.get("closed")
         if closed is None or closed.status != "complete":
             status = closed.status if closed else "still streaming or lost"
             raise BadRequest(f"record {record.id}'s stream did not complete ({status}); nothing to compare")
-        tokens = Tokens.from_json(closed.content["tokens"])
-    prompt_meta = first.content.get("prompt")
+        content = closed.content
+        if "events" in content:
+            answered = Answered(content["answer"], content.get("replica_answer"), content["events"])
+        else:
+            answered, legacy = _legacy_stream(first.content["endpoint"], content["tokens"]), True
+    opened = first.content
+    prompt_meta = opened.get("prompt")
     prompt = (
         PromptVersion(prompt_meta["name"], prompt_meta["version"], record.prompt_text)
         if prompt_meta and record.prompt_text is not None
         else None
     )
-    return Original(
+    return Recorded(
         record_id=record.id,
-        endpoint=first.content["endpoint"],
-        request=first.content["request"],
-        tokens=tokens,
+        endpoint=opened["endpoint"],
+        request=opened["request"],
+        translated_from=opened.get("translated_from"),
+        stream=opened.get("stream", False),
+        answered=answered,
         fingerprint=record.fingerprint,
         prompt=prompt,
+        continues=opened.get("continues"),
+        legacy=legacy,
     )
 
 
-def replay_body(original: Original) -> dict[str, Any]:
-    body = {key: value for key, value in original.request.items() if key not in ("stream", "stream_options")}
-    if "seed" not in body and original.tokens.seed is not None:
-        body["seed"] = original.tokens.seed
-    return body
-
-
-async def replay(
-    proxy: Proxy, record: AuditRecord, tenant: str, on: Pin | None
-) -> tuple[str, Comparison, str]:
-    """Replay and record; returns the replay's record id, the comparison, and the stack it ran on."""
-    original = original_of(record)
-    pin = on if on is not None else Pin(stack=original.fingerprint)
-    received_at = proxy.clock()
-
-    dispatched = await dispatch(
-        proxy.registry,
-        pin,
-        replay_body(original),
-        lambda replica, body: proxy.send_json(replica, body, original.endpoint),
-        deadline_s=proxy.settings.server.retry_deadline_s,
-        on_mismatch=proxy.health.on_mismatch,
-    )
-    answer = dispatched.result
-    replayed = tokens_of(answer.body)
-    comparison = compare(original.tokens, replayed)
-    record_id = new_record_id()
-    structlog.contextvars.bind_contextvars(record_id=record_id, replay_of=original.record_id)
-    served = Served(
-        record_id=record_id,
-        tenant=tenant,
+def replay_request(original: Recorded, pin: Pin) -> ClientRequest:
+    """The request that replays `original` on the stack `pin` names."""
+    seed = seed_of(original.answered.replica_body or original.answered.body)
+    request, client = original.request, original.client_request
+    if "seed" not in request and seed is not None:
+        request = {**request, "seed": seed}
+        client = {**client, "seed": seed}
+    return ClientRequest(
         endpoint=original.endpoint,
+        body=client,
+        stream=original.stream,
         pin=pin,
         route=None,
         prompt=original.prompt,
-        replica=dispatched.replica,
-        forwarded=dispatched.body,
-        received_at=received_at,
+        previous_response_id=original.answered.body.get("previous_response_id"),
+        continues=original.continues,
+        translated=request if original.translated_from is not None else None,
     )
-    replay_info = {
-        "of": original.record_id,
-        "outcome": comparison.outcome,
-        "comparison": comparison.as_json(),
-    }
-    upstream = answer.body.get("system_fingerprint")
-    await proxy.store.append(
-        answer_entry(
-            served,
-            answer.body,
-            proxy.clock(),
-            upstream_fingerprint=upstream if isinstance(upstream, str) else None,
-            replay=replay_info,
-        )
-    )
-    proxy.metrics.replays.labels(comparison.outcome).inc()
-    return served.record_id, comparison, served.fingerprint
+
+
+def judge(original: Recorded, replayed: Answered) -> Comparison:
+    theirs = view_of(original.endpoint, replayed.body, replayed.replica_body)
+    ours = original.view()
+    if original.legacy:
+        ours, theirs = _legacy_view(ours), _legacy_view(theirs)
+    return compare(ours, theirs, original.answered.events, replayed.events)
+
+
+def _legacy_stream(endpoint: str, tokens: dict[str, Any]) -> Answered:
+    """A stream recorded as the text and tokens of choice 0: the answer it stands for."""
+    text = tokens.get("text", "")
+    choice: dict[str, Any] = {"index": 0, "finish_reason": tokens.get("finish_reason")}
+    if endpoint == CHAT:
+        choice["message"] = {"content": text}
+    else:
+        choice["text"] = text
+    extension = {k: tokens.get(k) for k in ("token_ids", "token_logprobs", "prompt_token_ids", "seed")}
+    return Answered({"choices": [choice], "stackpin": extension})
+
+
+def _legacy_view(view: View) -> View:
+    """Only what a legacy stream record kept: each choice's text and finish reason, and the tokens."""
+    parts = []
+    for part in view.parts:
+        message = part.fields.get("message")
+        kept = {"finish_reason": part.fields.get("finish_reason")}
+        if isinstance(message, dict):
+            kept["message"] = {"content": message.get("content")}
+        else:
+            kept["text"] = part.fields.get("text")
+        parts.append(type(part)(part.label, part.index, kept))
+    return View(parts, {"prompt_token_ids": view.fields.get("prompt_token_ids")}, view.tokens, view.kind)

@@ -1,22 +1,24 @@
 """Reading a client's request: the checks the proxy owns, and the body it will forward.
 
-The proxy checks only what it acts on (`model`, `stream`, `messages`/`prompt`, the `stackpin` pin); every other
-field passes through untouched for the replica to judge. The `stackpin` field is the proxy's and is never
-forwarded. Pure functions.
+The proxy checks only what it acts on (`model`, `stream`, what each route must read: proxy/endpoints.py, the
+`stackpin` pin); every other field passes through untouched for the replica to judge. The `stackpin` field is the
+proxy's and is never forwarded. A request must say which model it is for, as OpenAI's API demands: by `model`, or
+by a pin that names a model or a stack, unless the configuration names a default route. Pure functions.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
+from proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, check_request
 from proxy.errors import BadRequest
 from proxy.pins import Pin, resolve_request_pin
 from proxy.prompts import PromptBook, PromptVersion, inject
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "ClientRequest", "parse_body", "read_request"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,14 @@ class ClientRequest:
     pin: Pin
     route: str | None
     prompt: PromptVersion | None
+    previous_response_id: str | None = None  # the client's, which a response repeats
+    continues: str | None = None  # the record that id names, once `body` holds its expanded input
+    translated: dict[str, Any] | None = (
+        None  # a replay's exact chat request, sent instead of translating `body`
+    )
+
+    def continuing(self, record_id: str, expanded: dict[str, Any]) -> ClientRequest:
+        return replace(self, body=expanded, continues=record_id)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -48,38 +58,34 @@ def read_request(
     pin_header: str | None,
     routes: dict[str, Pin],
     prompts: PromptBook,
+    default_route: str | None = None,
+    live_models: Callable[[], list[str]] = list,
 ) -> ClientRequest:
+    """`live_models` names the models a client could ask for, for the error that a request without one gets."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", param="stream")
-    if endpoint == CHAT:
-        _check_messages(body.get("messages"))
-    else:
-        _check_prompt(body.get("prompt"))
+    check_request(endpoint, body, stream)
     pin, route = resolve_request_pin(
-        model=model, header=pin_header, body_pin=body.get("stackpin"), routes=routes
+        model=model if model is not None else default_route,
+        header=pin_header,
+        body_pin=body.get("stackpin"),
+        routes=routes,
     )
+    if model is None and default_route is None and pin.model is None and pin.stack is None:
+        known = live_models()
+        raise BadRequest(
+            "the request names no model: set 'model' to one of "
+            + (", ".join(repr(m) for m in known) if known else "the live models (none is live now)")
+            + " (GET /v1/models lists them), or pin a stack",
+            param="model",
+        )
     forwarded = {key: value for key, value in body.items() if key != "stackpin"}
     prompt = prompts.resolve(pin.prompt) if pin.prompt else None
     if prompt is not None:
         forwarded = inject(forwarded, endpoint, prompt)
-    return ClientRequest(endpoint, forwarded, stream, pin, route, prompt)
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of {role, content} objects", param="messages")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-
-
-def _check_prompt(prompt: Any) -> None:
-    if isinstance(prompt, str):
-        return
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | int) for p in prompt):
-        return
-    raise BadRequest("'prompt' must be a string (or a list of strings or token ids)", param="prompt")
+    previous = body.get("previous_response_id") if endpoint == RESPONSES else None
+    return ClientRequest(endpoint, forwarded, stream, pin, route, prompt, previous_response_id=previous)

@@ -1,6 +1,6 @@
 """Choosing a replica: the pure decision, from the pin and the registry's view, of who may serve a request.
 
-Only replicas in rotation whose stack matches the pin are candidates. The first choice is the least-outstanding
+Only replicas in rotation whose stack matches the pin, and that serve the request's route, are candidates. The first choice is the least-outstanding
 candidate; retries go only to replicas of that first choice's exact fingerprint (invariant 2), so a request can
 never drift to another stack because a replica failed.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.endpoints import ENDPOINTS
 from proxy.errors import NoLiveReplica, NoMatchingStack
 from proxy.pins import Pin
 from proxy.registry import Replica
@@ -16,9 +17,15 @@ from proxy.stack import short
 
 
 def choose(
-    replicas: list[Replica], pin: Pin, *, exclude: set[str] = frozenset(), fingerprint: str | None = None
+    replicas: list[Replica],
+    pin: Pin,
+    *,
+    endpoint: str | None = None,
+    exclude: set[str] = frozenset(),
+    fingerprint: str | None = None,
 ) -> Replica:  # type: ignore[assignment]
-    """The replica to try next; `fingerprint` restricts a retry to the first choice's exact stack."""
+    """The replica to try next; `fingerprint` restricts a retry to the first choice's exact stack, `endpoint` the
+    candidates to replicas that serve that route."""
     known = [r for r in replicas if r.stack is not None and r.fingerprint is not None]
     matching = [r for r in known if pin.matches(r.stack, r.fingerprint)]  # type: ignore[arg-type]
     if fingerprint is not None:
@@ -28,6 +35,14 @@ def choose(
             f"no stack matches the pin {pin.describe()}; live stacks are listed in 'live_stacks'",
             extra={"live_stacks": live_stacks(replicas)},
         )
+    if endpoint is not None:
+        matching = [r for r in matching if r.serves(endpoint)]
+        if not matching:
+            raise NoMatchingStack(
+                f"no stack that matches the pin {pin.describe()} serves {endpoint}; live stacks and the routes "
+                "they serve are listed in 'live_stacks'",
+                extra={"live_stacks": live_stacks(replicas)},
+            )
     candidates = [r for r in matching if r.in_rotation and r.name not in exclude]
     if not candidates:
         raise NoLiveReplica(
@@ -53,6 +68,7 @@ def live_stacks(replicas: list[Replica]) -> list[dict[str, Any]]:
                 "declared": replica.declared,
                 "stack": replica.stack.document(),
                 "replicas": [],
+                "serves": [e for e in ENDPOINTS if replica.serves(e)],
             },
         )
         entry["replicas"].append(replica.name)

@@ -1,44 +1,44 @@
-"""Serving a completion: dispatch to a pinned replica, commit the record, then answer (invariant 1).
+"""Serving a request: dispatch to a pinned replica, commit the record, then answer (invariant 1). Answers and
+replays take this one path, so they are routed, checked, recorded and counted alike, and fail alike.
 
-Non-streamed: the replica's whole answer is read, its record committed, and only then sent. Streamed: the
-`opened` record is committed before the first byte; chunks are relayed with the stack fingerprint stamped in;
-the `closed` record (complete, or interrupted when either side breaks off) is committed before `data: [DONE]`.
+Non-streamed: the replica's whole answer is read, checked to be an answer of its route, its record committed, and
+only then sent. Streamed: the `opened` record is committed before the first byte; events are relayed (relay.py);
+the `closed` record (complete, or interrupted when either side breaks off) is committed before the event that ends
+the answer. A Responses request to a replica that serves chat only is translated (responses_api.py) on the way
+there and back; `previous_response_id` is resolved from the audit store into the input it stands for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
-from proxy.answers import StreamAssembly, Tokens
-from proxy.audit import AuditStore, NewEntry
+from proxy.audit import AuditRecord, AuditStore, NewEntry
+from proxy.compare import Comparison
 from proxy.config import Secrets, Settings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
-from proxy.errors import ReplicaFailed
+from proxy.endpoints import CHAT, RESPONSES, answer_problem
+from proxy.errors import BadRequest, ReplicaFailed
 from proxy.fleet.runtime import Fleet
-from proxy.forward import (
-    Answer,
-    ReplicaGarbage,
-    ReplicaUnavailable,
-    Stream,
-    open_stream,
-    post_json,
-)
+from proxy.forward import Answer, ReplicaGarbage, ReplicaUnavailable, Stream, open_stream, post_json
 from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
+from proxy.pins import Pin
 from proxy.records import Served, answer_entry, closed_entry, opened_entry
 from proxy.registry import Registry, Replica
+from proxy.relay import Relay
+from proxy.replay import Answered, Recorded, judge, recorded, replay_request
 from proxy.requests import ClientRequest
+from proxy.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
 
 RECORD_HEADER = "Stackpin-Record"
 STACK_HEADER = "Stackpin-Stack"
@@ -47,6 +47,75 @@ log = structlog.get_logger("stackpin.serving")
 
 def new_record_id() -> str:
     return f"rec_{uuid.uuid4().hex}"
+
+
+class Sink(Protocol):
+    """Where a stream's events go: the client's HTTP response, or a replay's buffer."""
+
+    async def open(self, headers: dict[str, str]) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class HttpSink:
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    async def open(self, headers: dict[str, str]) -> None:
+        self.response = web.StreamResponse(headers=headers)
+        await self.response.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def close(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+
+class BufferSink:
+    """A replay's stream: read whole, as a client would, and kept."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    async def open(self, headers: dict[str, str]) -> None:
+        return None
+
+    async def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class Replaying:
+    """A replay under way: its original, and the judgement of its answer, made before its record is written."""
+
+    original: Recorded
+    comparison: Comparison | None = None
+
+    def judge(self, answered: Answered) -> dict[str, Any]:
+        self.comparison = judge(self.original, answered)
+        return {
+            "of": self.original.record_id,
+            "outcome": self.comparison.outcome,
+            "comparison": self.comparison.as_json(),
+        }
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What one call to a replica carried: where, what exactly, and what came back."""
+
+    endpoint: str
+    body: dict[str, Any]
+    result: Any  # Answer, or Stream
 
 
 @dataclass
@@ -63,60 +132,80 @@ class Proxy:
     clock: Callable[[], datetime]
     fleet: Fleet | None = None  # rate limits, and the shared view in fleet mode
 
-    async def send_json(self, replica: Replica, body: dict[str, Any], endpoint: str) -> Answer:
-        """One non-streamed call, counted among the replica's outstanding requests while it runs."""
-        self.registry.acquire(replica.name)
+    async def continued(self, request: ClientRequest, tenant: str) -> ClientRequest:
+        """A Responses request with `previous_response_id` resolved into the input it stands for."""
+        if request.previous_response_id is None:
+            return request
+        record_id = record_of(request.previous_response_id)
+        record = await self.store.get_record(record_id, tenant)
         try:
-            answer = await self._post(replica, body, endpoint)
-        finally:
-            self.registry.release(replica.name)
-        check_fingerprint(replica, answer.stack_header or _body_fingerprint(answer.body))
-        return answer
-
-    async def _post(self, replica: Replica, body: dict[str, Any], endpoint: str) -> Answer:
-        return await post_json(
-            self.session,
-            replica.url + endpoint,
-            {**body, "stream": False} if body.get("stream") else body,
-            api_key=self.secrets.replica_keys.get(replica.name),
-            timeout_s=self.settings.server.replica_timeout_s,
-        )
+            previous = recorded(record) if record is not None else None
+        except BadRequest:
+            previous = None
+        if previous is None or previous.endpoint != RESPONSES:
+            raise BadRequest(
+                f"previous_response_id {request.previous_response_id!r} names no complete response of yours",
+                param="previous_response_id",
+            )
+        expanded = expand(request.body, previous.client_request, previous.answered.body)
+        return request.continuing(record_id, expanded)
 
     async def complete(
-        self, request: ClientRequest, tenant: str, received_at: datetime
-    ) -> tuple[Served, Answer]:
-        """Dispatch a non-streamed request and commit its record; the caller sends the answer afterwards."""
-        dispatched = await self._dispatch(
-            request, lambda replica, body: self.send_json(replica, body, request.endpoint)
+        self, request: ClientRequest, tenant: str, received_at: datetime, replaying: Replaying | None = None
+    ) -> tuple[Served, dict[str, Any]]:
+        """Dispatch a non-streamed request and commit its record; returns the body to send afterwards."""
+
+        async def send(replica: Replica, body: dict[str, Any]) -> Sent:
+            endpoint, sent = self._route(request, replica, body)
+            return Sent(endpoint, sent, await self._send_json(replica, endpoint, sent))
+
+        dispatched = await self._dispatch(request, send)
+        served = self._served(request, tenant, received_at, dispatched, replaying)
+        replica_body = dispatched.result.result.body
+        body, upstream = self._client_body(served, request, replica_body)
+        translated = replica_body if served.translated_from is not None else None
+        replay = replaying.judge(Answered(body, translated)) if replaying is not None else None
+        entry = self._entry(
+            answer_entry,
+            served,
+            body,
+            self.clock(),
+            replica_response=translated,
+            upstream=upstream,
+            replay=replay,
         )
-        served = self._served(request, tenant, received_at, dispatched)
-        answer = dispatched.result
-        upstream_fp = _body_fingerprint(answer.body)
-        await self.store.append(
-            self._entry(answer_entry, served, answer.body, self.clock(), upstream_fingerprint=upstream_fp)
-        )
+        await self.store.append(entry)
         log.info("answered", tenant=tenant, endpoint=request.endpoint)
-        return served, answer
+        self._count_tokens(served, body.get("usage"))
+        return served, body
 
     async def stream(
-        self, request: ClientRequest, tenant: str, received_at: datetime, http_request: web.Request
-    ) -> tuple[Served, web.StreamResponse]:
-        async def send(replica: Replica, body: dict[str, Any]) -> Stream:
+        self,
+        request: ClientRequest,
+        tenant: str,
+        received_at: datetime,
+        sink: Sink,
+        replaying: Replaying | None = None,
+    ) -> tuple[Served, str]:
+        """Dispatch a streamed request and relay it; returns how its record closed."""
+
+        async def send(replica: Replica, body: dict[str, Any]) -> Sent:
+            endpoint, sent = self._route(request, replica, body)
             stream = await open_stream(
                 self.session,
-                replica.url + request.endpoint,
-                body,
+                replica.url + endpoint,
+                sent,
                 api_key=self.secrets.replica_keys.get(replica.name),
                 timeout_s=self.settings.server.replica_timeout_s,
             )
             if not replica.declared and stream.stack_header != replica.fingerprint:
                 stream.close()
                 check_fingerprint(replica, stream.stack_header)
-            return stream
+            return Sent(endpoint, sent, stream)
 
         dispatched = await self._dispatch(request, send)
-        served = self._served(request, tenant, received_at, dispatched)
-        upstream = dispatched.result
+        served = self._served(request, tenant, received_at, dispatched, replaying)
+        upstream: Stream = dispatched.result.result
         self.registry.acquire(served.replica.name)
         try:
             try:
@@ -124,76 +213,183 @@ class Proxy:
             except BaseException:
                 upstream.close()
                 raise
-            return served, await self._relay(served, upstream, http_request)
+            status = await self._relay(served, request, upstream, sink, replaying)
+            return served, status
         finally:
             self.registry.release(served.replica.name)
 
-    async def _relay(self, served: Served, upstream: Stream, http_request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                RECORD_HEADER: served.record_id,
-                STACK_HEADER: served.fingerprint,
-            }
-        )
-        assembly = StreamAssembly()
-        status, error = "complete", None
+    async def replay(self, record: AuditRecord, tenant: str, on: Pin | None) -> tuple[str, Comparison, str]:
+        """Replay and record; returns the replay's record id, the comparison, and the stack it ran on."""
+        original = recorded(record)
+        request = replay_request(original, on if on is not None else Pin(stack=original.fingerprint))
+        replaying = Replaying(original)
+        received_at = self.clock()
+        if request.stream:
+            served, status = await self.stream(request, tenant, received_at, BufferSink(), replaying)
+            if status != "complete" or replaying.comparison is None:
+                raise ReplicaFailed(f"the replayed stream did not complete; its record is {served.record_id}")
+        else:
+            served, _ = await self.complete(request, tenant, received_at, replaying)
+        assert replaying.comparison is not None
+        self.metrics.replays.labels(replaying.comparison.outcome).inc()
+        return served.record_id, replaying.comparison, served.fingerprint
+
+    def _route(
+        self, request: ClientRequest, replica: Replica, body: dict[str, Any]
+    ) -> tuple[str, dict[str, Any]]:
+        """Where a replica is sent a request, and what exactly: a Responses request it does not serve itself
+        goes to its chat route, translated."""
+        if request.endpoint == RESPONSES and not replica.natively(RESPONSES):
+            if request.translated is not None:
+                return CHAT, {**request.translated, "model": body["model"]}
+            return CHAT, to_chat(body)
+        return request.endpoint, body
+
+    async def _send_json(self, replica: Replica, endpoint: str, body: dict[str, Any]) -> Answer:
+        """One non-streamed call, counted among the replica's outstanding requests while it runs."""
+        self.registry.acquire(replica.name)
         try:
-            await response.prepare(http_request)
-            async for chunk in upstream.events():
-                assembly.add(chunk)
-                chunk["system_fingerprint"] = served.fingerprint
-                await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            answer = await post_json(
+                self.session,
+                replica.url + endpoint,
+                {**body, "stream": False} if body.get("stream") else body,
+                api_key=self.secrets.replica_keys.get(replica.name),
+                timeout_s=self.settings.server.replica_timeout_s,
+            )
+        finally:
+            self.registry.release(replica.name)
+        check_fingerprint(replica, answer.stack_header or _body_fingerprint(answer.body))
+        problem = answer_problem(endpoint, answer.body)
+        if problem is not None:
+            raise ReplicaGarbage(problem)
+        return answer
+
+    def _client_body(
+        self, served: Served, request: ClientRequest, replica_body: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The body the client gets, and what of the replica's own it replaced."""
+        upstream: dict[str, Any] = {"system_fingerprint": _body_fingerprint(replica_body)}
+        if served.endpoint != RESPONSES:
+            return {**replica_body, "system_fingerprint": served.fingerprint}, upstream
+        echo = self._echo(served, request)
+        if served.translated_from is not None:
+            body = from_chat(replica_body, echo)
+        else:
+            upstream["id"] = replica_body.get("id")
+            body = {**replica_body, "id": echo.id}
+        return {**body, "system_fingerprint": served.fingerprint}, upstream
+
+    def _echo(self, served: Served, request: ClientRequest) -> Echo:
+        created = int(served.received_at.timestamp())
+        return Echo(response_id(served.record_id), created, served.translated_from or served.forwarded,
+                    request.previous_response_id)  # fmt: skip
+
+    async def _relay(
+        self,
+        served: Served,
+        request: ClientRequest,
+        upstream: Stream,
+        sink: Sink,
+        replaying: Replaying | None,
+    ) -> str:
+        relay = self._relay_for(served, request)
+        status, error, client_left = "complete", None, False
+        try:
+            await sink.open(
+                {
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    RECORD_HEADER: served.record_id,
+                    STACK_HEADER: served.fingerprint,
+                }
+            )
+            async for event in upstream.events():
+                for text in relay.feed(event):
+                    await sink.write(text.encode())
+            for text in relay.finish():
+                await sink.write(text.encode())
         except (ReplicaUnavailable, ReplicaGarbage) as e:
             status, error = "interrupted", f"replica: {e}"
         except (ConnectionResetError, asyncio.CancelledError) as e:
-            status, error = "interrupted", f"client went away: {type(e).__name__}"
+            status, error, client_left = "interrupted", f"client went away: {type(e).__name__}", True
         finally:
             upstream.close()
-            try:
-                closed = closed_entry(
-                    served,
-                    assembly.tokens(),
-                    self.clock(),
-                    status=status,
-                    usage=assembly.usage,
-                    upstream_fingerprint=assembly.upstream_fingerprint,
-                    chunks=assembly.chunks,
-                    error=error,
-                )
-            except ValidationError as e:
-                # The stream's end must be recorded whatever the replica sent; say what could not be kept.
-                status, error = "interrupted", f"the answer cannot be recorded: {e.errors()[0]['msg']}"
-                closed = closed_entry(
-                    served,
-                    Tokens(text=""),
-                    self.clock(),
-                    status=status,
-                    usage=None,
-                    upstream_fingerprint=None,
-                    chunks=assembly.chunks,
-                    error=error,
-                )
+            closed, terminal = self._closed(served, relay, status, error, client_left, replaying)
+            status = closed.status
             # The closing record must land even when the client's disconnect cancels this task.
             await asyncio.shield(self.store.append(closed))
-        log.info("stream_closed", status=status, chunks=assembly.chunks)
+        log.info("stream_closed", status=status, chunks=len(relay.events))
         if status == "complete":
-            self._count_tokens(served, assembly.usage)
-            await response.write(b"data: [DONE]\n\n")
-        elif error and not error.startswith("client"):
-            failure = ReplicaFailed(f"the stream is incomplete: {error}")
-            await response.write(b"data: " + json.dumps(failure.body()).encode() + b"\n\n")
-        await response.write_eof()
-        return response
+            self._count_tokens(served, relay.answer().get("usage"))
+        if terminal is not None:
+            await sink.write(terminal.encode())
+        await sink.close()
+        return status
 
-    async def _dispatch(self, request: ClientRequest, send: Callable[..., Any]) -> Dispatched[Any]:
+    def _relay_for(self, served: Served, request: ClientRequest) -> Relay:
+        if served.endpoint != RESPONSES:
+            return Relay(served.endpoint, served.fingerprint)
+        echo = self._echo(served, request)
+        if served.translated_from is not None:
+            return Relay.translating(served.fingerprint, echo)
+        return Relay(RESPONSES, served.fingerprint, echo)
+
+    def _closed(
+        self,
+        served: Served,
+        relay: Relay,
+        status: str,
+        error: str | None,
+        client_left: bool,
+        replaying: Replaying | None,
+    ) -> tuple[NewEntry, str | None]:
+        """The `closed` entry, and the event to send once it is committed."""
+        answer, replica_answer = relay.answer(), relay.replica_answer()
+        replay = None
+        if replaying is not None and status == "complete":
+            replay = replaying.judge(Answered(answer, replica_answer, relay.events))
+        terminal = relay.terminal(error, client_left=client_left)
+        try:
+            entry = closed_entry(
+                served,
+                self.clock(),
+                status=status,
+                events=relay.events,
+                terminal=terminal,
+                answer=answer,
+                replica_answer=replica_answer,
+                upstream_fingerprint=relay.upstream_fingerprint,
+                error=error,
+                replay=replay,
+            )
+            return entry, terminal
+        except ValidationError as e:
+            # The stream's end must be recorded whatever the replica sent: its events always can be, as text.
+            reason = f"the answer cannot be recorded: {e.errors()[0]['msg']}"
+            terminal = relay.terminal(reason, client_left=client_left)
+            entry = closed_entry(
+                served,
+                self.clock(),
+                status="interrupted",
+                events=relay.events,
+                terminal=terminal,
+                answer=None,
+                replica_answer=None,
+                upstream_fingerprint=None,
+                error=reason,
+            )
+            return entry, terminal
+
+    async def _dispatch(
+        self, request: ClientRequest, send: Callable[[Replica, dict[str, Any]], Awaitable[Sent]]
+    ) -> Dispatched[Sent]:
         try:
             return await dispatch(
                 self.registry,
                 request.pin,
                 request.body,
                 send,
+                endpoint=request.endpoint,
                 deadline_s=self.settings.server.retry_deadline_s,
                 on_mismatch=self.health.on_mismatch,
             )
@@ -211,13 +407,20 @@ class Proxy:
             ) from e
 
     def _served(
-        self, request: ClientRequest, tenant: str, received_at: datetime, dispatched: Dispatched[Any]
+        self,
+        request: ClientRequest,
+        tenant: str,
+        received_at: datetime,
+        dispatched: Dispatched[Sent],
+        replaying: Replaying | None,
     ) -> Served:
         record_id = new_record_id()
         # Every log line from here to the end of this request's task carries the record id.
         structlog.contextvars.bind_contextvars(
             record_id=record_id, replica=dispatched.replica.name, fingerprint=dispatched.replica.fingerprint
         )
+        sent = dispatched.result
+        translated = sent.endpoint != request.endpoint
         return Served(
             record_id=record_id,
             tenant=tenant,
@@ -226,8 +429,12 @@ class Proxy:
             route=request.route,
             prompt=request.prompt,
             replica=dispatched.replica,
-            forwarded=dispatched.body,
+            forwarded=sent.body,
             received_at=received_at,
+            replica_endpoint=sent.endpoint if translated else None,
+            translated_from=dispatched.body if translated else None,
+            continues=request.continues,
+            replay_of=replaying.original.record_id if replaying is not None else None,
         )
 
     def _count_tokens(self, served: Served, usage: Any) -> None:
@@ -235,16 +442,19 @@ class Proxy:
             return
         model = served.replica.stack.model if served.replica.stack else "unknown"
         total = 0
-        for direction, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
-            if isinstance(usage.get(key), int):
-                self.metrics.tokens.labels(served.fingerprint, model, direction).inc(usage[key])
-                total += usage[key]
+        for direction, keys in (
+            ("prompt", ("prompt_tokens", "input_tokens")),
+            ("completion", ("completion_tokens", "output_tokens")),
+        ):
+            count = next((usage[k] for k in keys if isinstance(usage.get(k), int)), None)
+            if count is not None:
+                self.metrics.tokens.labels(served.fingerprint, model, direction).inc(count)
+                total += count
         if self.fleet is not None:
             self.fleet.limiter.charge(served.tenant, total)
 
-    def answer_response(self, served: Served, answer: Answer) -> web.Response:
-        self._count_tokens(served, answer.body.get("usage"))
-        body = {**answer.body, "system_fingerprint": served.fingerprint}
+    @staticmethod
+    def answer_response(served: Served, body: dict[str, Any]) -> web.Response:
         return web.json_response(
             body, headers={RECORD_HEADER: served.record_id, STACK_HEADER: served.fingerprint}
         )

@@ -12,15 +12,16 @@ import hashlib
 from typing import Any
 
 import rfc8785
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # what a declared stack is unless it says otherwise: its fingerprint stays what it was
 SOFTWARE_KEYS = ("backend", "torch", "cuda", "triton", "driver")
 UNKNOWN = "unknown"
 
 
 class Stack(BaseModel):
-    """Schema 1 of the stack object; every key is always present so both sides hash the same document."""
+    """The stack object, schema 1 or 2 (2 adds `embedding`); every key of its schema is always present, so both
+    sides hash the same document."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -33,10 +34,24 @@ class Stack(BaseModel):
     kernel_mode: str = UNKNOWN
     software: dict[str, str | None] = Field(default_factory=lambda: dict.fromkeys(SOFTWARE_KEYS))
     batching: dict[str, Any] = Field(default_factory=dict)
+    embedding: dict[str, Any] | None = (
+        None  # schema 2: how the replica pools an embedding (null: it does not)
+    )
+
+    @model_validator(mode="after")
+    def _keys_of_its_schema(self) -> Stack:
+        if self.schema_ >= 2 and "embedding" not in self.model_fields_set:
+            raise ValueError("a schema-2 stack names its 'embedding' (null when it serves none)")
+        if self.schema_ < 2 and self.embedding is not None:
+            raise ValueError("'embedding' is a key of schema 2; declare schema = 2 with it")
+        return self
 
     def document(self) -> dict[str, Any]:
-        """The JSON object that is hashed: the wire names, every key present."""
-        return self.model_dump(by_alias=True, mode="json")
+        """The JSON object that is hashed: the wire names, every key of its schema present."""
+        document = self.model_dump(by_alias=True, mode="json")
+        if self.schema_ < 2:
+            del document["embedding"]
+        return document
 
     @property
     def fingerprint(self) -> str:

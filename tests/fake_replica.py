@@ -1,15 +1,18 @@
 """A small, honest OpenAI-compatible replica for the proxy's tests, served over real HTTP on loopback.
 
 It speaks docs/protocol.md: `GET /v1/stack`, token ids and raw logprobs in the `stackpin` extension, the
-fingerprint in `system_fingerprint` and the `Stackpin-Stack` header, streaming and not. Its completion is a pure
-function of the prompt, the seed and the temperature, unless a test makes it nondeterministic (it then perturbs one
-logprob's last bit, as batch-dependent kernels do), makes it diverge from a token on, changes its stack or its
-words, or makes it fail.
+fingerprint in `system_fingerprint` and the `Stackpin-Stack` header, streaming and not. It answers chat (with `n`
+choices, and a tool call when the request offers tools), completions, embeddings, and, as an upstream that serves
+it, the Responses API. Every answer is a pure function of the request, unless a test makes it nondeterministic (it
+then perturbs one logprob's last bit, as batch-dependent kernels do), makes it diverge from a token on, changes its
+stack or its words, makes it fail, or tells it to change one thing (`alter`): a tool call's arguments, a later
+choice, one streamed chunk's text, where a stream's chunks split, or one component of an embedding.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import random
@@ -19,6 +22,8 @@ from typing import Any
 
 import rfc8785
 from aiohttp import web
+
+from tests.fake_routes import embeddings_body, response_body, response_events
 
 WORDS = [
     "the",
@@ -34,6 +39,7 @@ WORDS = [
     "and",
     "dusk",
 ]
+ALTERATIONS = ("tool_arguments", "later_choice", "chunk_text", "chunk_split", "embedding")
 
 
 def tiny_stack(**overrides: Any) -> dict[str, Any]:
@@ -61,16 +67,23 @@ def _unit(*parts: Any) -> float:
     return struct.unpack(">Q", digest[:8])[0] / 2**64
 
 
+def tool_arguments(prompt: str, altered: bool) -> str:
+    city = WORDS[int(_unit(prompt, "city") * len(WORDS))]
+    days = 3 if not altered else 4
+    return json.dumps({"city": city, "days": days, "units": "metric"})
+
+
 @dataclass
 class FakeReplica:
     stack: dict[str, Any] = field(default_factory=tiny_stack)
     nondeterministic: bool = False
-    diverge_from: int | None = None  # every token from this position on is another one, as on another stack
-    words: list[str] = field(default_factory=lambda: list(WORDS))  # what its completions are made of
     chunk_delay_s: float = 0.0  # pause between streamed chunks, as a model's decode steps would
     failure: str | None = (
         None  # None, "500", "401", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int"
     )
+    alter: str | None = None  # one of ALTERATIONS: the one thing the next answers change
+    diverge_from: int | None = None  # every token from this position on is another one, as on another stack
+    words: list[str] = field(default_factory=lambda: list(WORDS))  # what its completions are made of
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     url: str = ""
@@ -87,6 +100,8 @@ class FakeReplica:
                 web.get("/v1/stack", self._stack),
                 web.post("/v1/chat/completions", self._complete),
                 web.post("/v1/completions", self._complete),
+                web.post("/v1/embeddings", self._embeddings),
+                web.post("/v1/responses", self._responses),
             ]
         )
         self._runner = web.AppRunner(app)
@@ -105,12 +120,14 @@ class FakeReplica:
         return web.json_response({"stack": self.stack, "fingerprint": self.fingerprint})
 
     def completion(self, body: dict[str, Any]) -> tuple[list[int], list[float], str, int | None]:
-        prompt = json.dumps(body.get("messages", body.get("prompt")), sort_keys=True)
+        prompt = json.dumps(body.get("messages", body.get("prompt", body.get("input"))), sort_keys=True)
         temperature = float(body.get("temperature", 1.0) or 0.0)
         seed = body.get("seed")
         if seed is None and temperature > 0:
             seed = random.randrange(2**31)
-        n = int(body.get("max_tokens") or 8)
+        n = int(
+            body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens") or 8
+        )
         ids = [int(_unit(prompt, seed, temperature, k) * len(self.words)) for k in range(n)]
         if self.diverge_from is not None:
             ids = [i if k < self.diverge_from else (i + 1) % len(self.words) for k, i in enumerate(ids)]
@@ -122,10 +139,7 @@ class FakeReplica:
         text = " ".join(self.words[i] for i in ids)
         return ids, logprobs, text, seed
 
-    async def _complete(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.requests.append(body)
-        self.headers_seen.append(dict(request.headers))
+    def _refusal(self, request: web.Request, body: dict[str, Any]) -> web.Response | None:
         if self.failure == "500":
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
         if self.failure == "401":
@@ -133,16 +147,19 @@ class FakeReplica:
             return web.json_response({"error": {"message": f"Incorrect API key provided: {key}"}}, status=401)
         if self.failure == "garbage":
             return web.Response(text="<html>not json</html>", content_type="text/html")
-        if not isinstance(body.get("max_tokens", 8), int) or body.get("max_tokens", 8) < 1:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": "max_tokens must be a positive integer",
-                        "type": "invalid_request_error",
-                    }
-                },
-                status=400,
-            )
+        limit = body.get("max_tokens", 8)
+        if not isinstance(limit, int) or limit < 1:
+            error = {"message": "max_tokens must be a positive integer", "type": "invalid_request_error"}
+            return web.json_response({"error": error}, status=400)
+        return None
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers_seen.append(dict(request.headers))
+        refused = self._refusal(request, body)
+        if refused is not None:
+            return refused
         fingerprint = "f" * 64 if self.failure == "wrong_fingerprint" else self.fingerprint
         ids, logprobs, text, seed = self.completion(body)
         if self.failure == "unsafe_int":
@@ -156,44 +173,68 @@ class FakeReplica:
             "seed": seed,
         }
         usage = {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids)}
+        choices = self._choices(body, chat, ids, logprobs, text)
         if body.get("stream"):
-            return await self._stream(request, chat, ids, logprobs, text, extension, usage, fingerprint)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if body.get("logprobs"):
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        "token": self.words[i],
-                        "logprob": lp,
-                        "bytes": list(self.words[i].encode()),
-                        "top_logprobs": [],
-                    }
-                    for i, lp in zip(ids, logprobs, strict=True)
-                ]
-            }
+            return await self._stream(request, chat, choices, ids, logprobs, extension, usage, fingerprint)
         answer = {
-            "id": "cmpl-fake",
+            "id": f"cmpl-{random.randrange(10**9)}",  # a handle, different every time, as OpenAI's
             "object": "chat.completion" if chat else "text_completion",
-            "created": 0,
+            "created": random.randrange(10**9),
             "model": self.stack["model"],
             "system_fingerprint": fingerprint,
-            "choices": [choice],
+            "choices": choices,
             "usage": usage,
             "stackpin": extension,
         }
         return web.json_response(answer, headers={"Stackpin-Stack": fingerprint})
 
+    def _choices(
+        self, body: dict[str, Any], chat: bool, ids: list[int], logprobs: list[float], text: str
+    ) -> list[dict[str, Any]]:
+        choices = []
+        for i in range(int(body.get("n") or 1)):
+            content = text if i == 0 else f"{text} (choice {i})"
+            if i == 1 and self.alter == "later_choice":
+                content = content.replace("choice", "option")
+            choice: dict[str, Any] = {"index": i, "finish_reason": "length", "logprobs": None}
+            if not chat:
+                choice["text"] = content
+            elif body.get("tools"):
+                name = body["tools"][0]["function"]["name"]
+                arguments = tool_arguments(
+                    json.dumps(body["messages"], sort_keys=True), self.alter == "tool_arguments"
+                )
+                call = {
+                    "id": f"call_{i}",
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+                choice["finish_reason"] = "tool_calls"
+            else:
+                choice["message"] = {"role": "assistant", "content": content}
+            if body.get("logprobs") and chat and i == 0:
+                choice["logprobs"] = {
+                    "content": [
+                        {
+                            "token": self.words[t],
+                            "logprob": lp,
+                            "bytes": list(self.words[t].encode()),
+                            "top_logprobs": [],
+                        }
+                        for t, lp in zip(ids, logprobs, strict=True)
+                    ]
+                }
+            choices.append(choice)
+        return choices
+
     async def _stream(
         self,
         request: web.Request,
         chat: bool,
+        choices: list[dict[str, Any]],
         ids: list[int],
         logprobs: list[float],
-        text: str,
         extension: dict[str, Any],
         usage: dict[str, Any],
         fingerprint: str,
@@ -202,24 +243,30 @@ class FakeReplica:
             headers={"Content-Type": "text/event-stream", "Stackpin-Stack": fingerprint}
         )
         await response.prepare(request)
-        for k, (token, logprob) in enumerate(zip(ids, logprobs, strict=True)):
-            piece = self.words[token] if k == 0 else " " + self.words[token]
-            choice: dict[str, Any] = {"index": 0, "finish_reason": None}
-            if chat:
-                choice["delta"] = {"content": piece}
-            else:
-                choice["text"] = piece
+        pieces = _pieces(choices[0], chat, self.alter, [self.words[t] for t in ids])
+        stamp = {
+            "id": f"cmpl-{random.randrange(10**9)}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": random.randrange(10**9),
+            "model": self.stack["model"],
+            "system_fingerprint": fingerprint,
+        }
+        # Each chunk carries the tokens it adds: one each, the rest with the last, all of them in order.
+        shares = [ids[k : k + 1] for k in range(len(pieces) - 1)] + [ids[len(pieces) - 1 :]]
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            chunk_choices = [
+                {"index": 0, **piece, "finish_reason": choices[0]["finish_reason"] if last else None}
+            ]
+            if last:  # the later choices arrive whole, in the last chunk, as a replica may send them
+                chunk_choices += [_whole_delta(c, chat) for c in choices[1:]]
+            lps = logprobs[k : k + 1] if not last else logprobs[len(pieces) - 1 :]
             chunk: dict[str, Any] = {
-                "id": "cmpl-fake",
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": 0,
-                "model": self.stack["model"],
-                "system_fingerprint": fingerprint,
-                "choices": [choice],
-                "stackpin": {"token_ids": [token], "token_logprobs": [logprob]},
+                **stamp,
+                "choices": chunk_choices,
+                "stackpin": {"token_ids": shares[k], "token_logprobs": lps},
             }
-            if k == len(ids) - 1:
-                choice["finish_reason"] = "length"
+            if last:
                 chunk["stackpin"].update(
                     prompt_token_ids=extension["prompt_token_ids"],
                     batch=extension["batch"],
@@ -235,3 +282,98 @@ class FakeReplica:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        refused = self._refusal(request, body)
+        if refused is not None:
+            return refused
+        answer = embeddings_body(
+            body, self.stack["model"], self.fingerprint, altered=self.alter == "embedding"
+        )
+        return web.json_response(answer, headers={"Stackpin-Stack": self.fingerprint})
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        refused = self._refusal(request, body)
+        if refused is not None:
+            return refused
+        _, _, text, _ = self.completion(body)
+        answer = response_body(body, self.stack["model"], text)
+        if not body.get("stream"):
+            return web.json_response(answer, headers={"Stackpin-Stack": self.fingerprint})
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Stackpin-Stack": self.fingerprint}
+        )
+        await response.prepare(request)
+        for name, event in response_events(answer):
+            await response.write(f"event: {name}\ndata: {json.dumps(event)}\n\n".encode())
+        await response.write_eof()  # a Responses stream ends with its terminal event, no [DONE]
+        return response
+
+
+def _pieces(choice: dict[str, Any], chat: bool, alter: str | None, words: list[str]) -> list[dict[str, Any]]:
+    """The deltas (or texts) that stream choice 0: a token's word at a time, a tool call's arguments a few
+    characters at a time after a first delta that names the call."""
+    texts = [w if k == 0 else " " + w for k, w in enumerate(words)]
+    if not chat:
+        pieces = [{"text": t} for t in texts]
+    elif choice["message"].get("tool_calls"):
+        call = choice["message"]["tool_calls"][0]
+        arguments = call["function"]["arguments"]
+        head = {
+            "index": 0,
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["function"]["name"], "arguments": ""},
+        }
+        pieces = [{"delta": {"role": "assistant", "content": None, "tool_calls": [head]}}]
+        pieces += [
+            {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": arguments[k : k + 6]}}]}}
+            for k in range(0, len(arguments), 6)
+        ]
+    else:
+        pieces = [{"delta": {"content": t}} for t in texts]
+    if alter == "chunk_text" and len(pieces) > 2:  # the third chunk's text in capitals
+        target = pieces[2]["delta"] if chat else pieces[2]
+        for key in ("content", "text"):
+            if isinstance(target.get(key), str):
+                target[key] = target[key].upper()
+        for call in target.get("tool_calls", []):
+            call["function"]["arguments"] = call["function"]["arguments"].upper()
+    if alter == "chunk_split" and len(pieces) > 3:
+        pieces = _merged(pieces, 2, chat)
+    return pieces
+
+
+def _merged(pieces: list[dict[str, Any]], k: int, chat: bool) -> list[dict[str, Any]]:
+    """Chunks k and k + 1 sent as one: the same answer, other events."""
+    a, b = pieces[k], pieces[k + 1]
+    if not chat:
+        joined = {"text": a["text"] + b["text"]}
+    elif "tool_calls" in a["delta"]:
+        args = (
+            a["delta"]["tool_calls"][0]["function"]["arguments"]
+            + b["delta"]["tool_calls"][0]["function"]["arguments"]
+        )
+        joined = {"delta": {"tool_calls": [{"index": 0, "function": {"arguments": args}}]}}
+    else:
+        joined = {"delta": {"content": a["delta"]["content"] + b["delta"]["content"]}}
+    return [*pieces[:k], joined, *pieces[k + 2 :]]
+
+
+def _whole_delta(choice: dict[str, Any], chat: bool) -> dict[str, Any]:
+    if not chat:
+        return {"index": choice["index"], "text": choice["text"], "finish_reason": choice["finish_reason"]}
+    return {"index": choice["index"], "delta": choice["message"], "finish_reason": choice["finish_reason"]}
+
+
+def embedding_bits(vector: list[float]) -> bytes:
+    return struct.pack(f"<{len(vector)}f", *vector)
+
+
+def decode_embedding(value: str) -> list[float]:
+    raw = base64.b64decode(value)
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))

@@ -1,7 +1,7 @@
 """A record's answer as the page shows it, read generically from what the record holds.
 
-A non-streamed record holds the replica's response body; a stream's record holds what its `closed` entry
-assembled. Both are read here as a response body (`answer_body`), and everything shown comes from that body:
+A non-streamed record holds the response body the client got; a stream's record holds what its `closed` entry's
+events assemble into. Both are read here as a response body (`answer_body`), and everything shown comes from that body:
 every choice in it (content, refusal, tool calls, any other field), usage, and the token ids and logprobs of the
 `stackpin` extension with the token strings that `logprobs` gives where the client asked for them. Pure functions.
 """
@@ -69,8 +69,10 @@ def answer_body(record: AuditRecord) -> dict[str, Any] | None:
     closed = held.get("closed")
     if closed is None:
         return None
-    if isinstance(closed.get("response"), dict):
-        return closed["response"]
+    for key in ("answer", "response"):
+        if isinstance(closed.get(key), dict):
+            return closed[key]
+    # A stream recorded before records kept every event and choice: choice 0's text and tokens.
     tokens = Tokens.from_json(closed.get("tokens") or {"text": ""})
     return {
         "choices": [

@@ -83,7 +83,8 @@ def record_view(record: AuditRecord) -> RecordView:
         error=closed.get("error"),
         upstream_fingerprint=first.get("upstream_fingerprint") or closed.get("upstream_fingerprint"),
         timings=_timings(first, closed),
-        replay=first.get("replay") if isinstance(first.get("replay"), dict) else None,
+        # A replayed stream's outcome is in its closed entry, written once its events were compared.
+        replay=next((e["replay"] for e in (first, closed) if isinstance(e.get("replay"), dict)), None),
     )
 
 

@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from proxy.answers import tokens_of
+from proxy.answers import Tokens, tokens_of
 from proxy.audit import AuditRecord, RecordSummary
 from proxy.errors import BadRequest, NotFound
 from proxy.handlers import counted_replay
@@ -132,8 +132,10 @@ async def diff(request: web.Request) -> web.Response:
 
 def _side(found: AuditRecord) -> Side:
     body = answer_body(found)
-    if body is None or not body.get("choices"):
+    if body is None:
         raise BadRequest(f"record {found.id} holds no complete answer to compare")
+    if not body.get("choices"):  # embeddings and responses: the comparison says where; no tokens to lay out
+        return Side(Tokens(text=""))
     return Side(tokens_of(body), token_pieces(body["choices"][0]))
 
 

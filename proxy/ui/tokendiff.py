@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proxy.answers import Tokens
+from proxy.compare import place
 from proxy.ui.answer import bits
 
 PREFIX_SHOWN = 48  # common tokens shown before the divergence; the rest are counted
@@ -59,7 +60,8 @@ class Side:
 @dataclass(frozen=True)
 class ReplayDiff:
     outcome: str
-    compared: str  # "tokens" or "text"
+    compared: str  # "tokens", or "answer" ("text" in replays recorded before) where the replica gives no ids
+    unit: str  # where the position counts: "token", or e.g. "choice 1, field message.content, character"
     position: int | None
     reason: str | None
     identical_tokens: int  # tokens identical in id and logprob bits before the divergence (or in all)
@@ -77,28 +79,33 @@ def replay_diff(comparison: dict[str, Any], original: Side, replayed: Side) -> R
     a, b = original.tokens, replayed.tokens
     k = comparison.get("position")
     compared = comparison.get("compared", "tokens")
+    # A replay compared by tokens may still diverge elsewhere (a later choice, a tool call, an event) with every
+    # token identical; only a divergence in the tokens themselves is laid out token by token.
+    at_token = compared == "tokens" and comparison.get("field") in (None, "tokens") and k is not None
     char = next((j for j, (x, y) in enumerate(zip(a.text, b.text, strict=False)) if x != y), None)
     char = min(len(a.text), len(b.text)) if char is None else char
     ids = a.token_ids or []
-    if comparison.get("outcome") == "reproduced" or k is None:
-        k_tokens = len(ids)
+    if comparison.get("outcome") == "reproduced" or not at_token:
+        k_tokens = len(ids) if compared == "tokens" else 0
     else:
-        k_tokens = k if compared == "tokens" else 0
+        k_tokens = k
     shown_from = max(0, k_tokens - PREFIX_SHOWN) if compared == "tokens" else k_tokens
+    unit, _ = place(comparison) if comparison.get("outcome") == "diverged" else ("token", None)
     return ReplayDiff(
         outcome=str(comparison.get("outcome")),
         compared=compared,
+        unit=unit,
         position=k,
         reason=comparison.get("reason"),
         identical_tokens=k_tokens if compared == "tokens" else 0,
         prefix=[_cell(original, j, "same") for j in range(shown_from, min(k_tokens, len(ids)))],
         prefix_hidden=shown_from,
-        original_tail=_tail(original, replayed, k_tokens) if k is not None and compared == "tokens" else [],
-        replayed_tail=_tail(replayed, original, k_tokens) if k is not None and compared == "tokens" else [],
+        original_tail=_tail(original, replayed, k_tokens) if at_token else [],
+        replayed_tail=_tail(replayed, original, k_tokens) if at_token else [],
         text_prefix=a.text[:char],
         original_text=a.text[char:],
         replayed_text=b.text[char:],
-        bits_rows=_bits_rows(original, replayed, k_tokens) if compared == "tokens" else [],
+        bits_rows=_bits_rows(original, replayed, k_tokens) if at_token else [],
     )
 
 
