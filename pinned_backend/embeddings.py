@@ -18,32 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from pinned_backend.engine import EngineError, RequestTooLarge
+from pinned_backend.engine import Allocator, EngineError, RequestTooLarge
 from pinned_backend.kvcache import block_table
-
-
-class HiddenModel(Protocol):
-    def hidden_states(
-        self,
-        token_ids: torch.Tensor,
-        query_seq: torch.Tensor,
-        query_pos: torch.Tensor,
-        block_tables: torch.Tensor,
-        cache: Any,
-        rows: torch.Tensor,
-    ) -> torch.Tensor: ...
-
-
-class Allocator(Protocol):
-    free_blocks: int
-
-    def allocate(self, n: int) -> list[int]: ...
-
-    def free(self, blocks: list[int]) -> None: ...
+from pinned_backend.model import Transformer
 
 
 @dataclass(frozen=True)
@@ -95,7 +76,7 @@ Done = Callable[[list[torch.Tensor] | EngineError], None]
 class EmbeddingJob:
     """The inputs of one request, embedded one forward pass per `advance`; `done` gets the vectors or an error."""
 
-    model: HiddenModel
+    model: Transformer  # its hidden_states, which forward reads the logits from
     cache: Any
     allocator: Allocator
     device: torch.device

@@ -87,7 +87,7 @@ def create_app(
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_get("/v1/models", _models)
-    app.router.add_get("/v1/models/{model_id}", _model)
+    app.router.add_get("/v1/models/{model_id:.+}", _model)
     app.router.add_get("/v1/stack", _stack)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/metrics", _metrics)

@@ -25,7 +25,8 @@ from proxy.pins import Pin, parse_pin_body
 from proxy.records import Served
 from proxy.requests import parse_body, read_request
 from proxy.router import live_stacks
-from proxy.serving import HttpSink, Proxy
+from proxy.serving import Proxy
+from proxy.sinks import HttpSink
 
 log = structlog.get_logger("stackpin.http")
 
@@ -272,7 +273,7 @@ def routes() -> list[web.RouteDef]:
     return [
         *(web.post(endpoint, openai_route) for endpoint in ENDPOINTS),
         web.get("/v1/models", models),
-        web.get("/v1/models/{model_id}", model),
+        web.get("/v1/models/{model_id:.+}", model),
         web.get("/v1/stacks", stacks),
         web.get("/v1/records/{record_id}", get_record),
         web.post("/v1/records/{record_id}/replay", replay_record),

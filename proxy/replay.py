@@ -150,3 +150,19 @@ def _legacy_view(view: View) -> View:
             kept["text"] = part.fields.get("text")
         parts.append(type(part)(part.label, part.index, kept))
     return View(parts, {"prompt_token_ids": view.fields.get("prompt_token_ids")}, view.tokens, view.kind)
+
+
+@dataclass
+class Replaying:
+    """A replay under way: its original, and the judgement of its answer, made before its record is written."""
+
+    original: Recorded
+    comparison: Comparison | None = None
+
+    def judge(self, answered: Answered) -> dict[str, Any]:
+        self.comparison = judge(self.original, answered)
+        return {
+            "of": self.original.record_id,
+            "outcome": self.comparison.outcome,
+            "comparison": self.comparison.as_json(),
+        }

@@ -22,7 +22,7 @@ from proxy.errors import BadRequest
 
 _RECORD = re.compile(r"^rec_(?P<hex>[0-9a-f]{32})$")
 _RESPONSE = re.compile(r"^resp_(?P<hex>[0-9a-f]{32})$")
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "stop", "parallel_tool_calls", "user")
+# What changes no answer and has no chat equivalent (`text` and `include` are read for what they ask of one).
 _DROPPED = ("metadata", "store", "include", "prompt_cache_key", "safety_identifier", "service_tier", "text")
 _REFUSED = {
     "background": "background runs are not served here; leave 'background' out",
@@ -77,12 +77,19 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     for i, item in enumerate(input_items(body.get("input"))):
         _add_item(messages, item, f"input[{i}]")
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
-    known = {"model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "top_logprobs"}
-    for key, value in body.items():
-        if key in _SAMPLING or (
-            key not in known and key not in _DROPPED and key not in _REFUSED and key != "truncation"
-        ):
-            chat[key] = value
+    # The sampling settings (temperature, top_p, stream, ...) and vendor extensions (top_k, seed) are chat's too.
+    translated = {
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "max_output_tokens",
+        "top_logprobs",
+        "truncation",
+    }
+    chat.update(
+        {k: v for k, v in body.items() if k not in translated | set(_DROPPED) | set(_REFUSED) | set(chat)}
+    )
     if body.get("tools"):
         chat["tools"] = [_chat_tool(tool, f"tools[{i}]") for i, tool in enumerate(body["tools"])]
     if body.get("tool_choice") is not None:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import structlog
@@ -36,9 +36,10 @@ from proxy.pins import Pin
 from proxy.records import Served, answer_entry, closed_entry, opened_entry
 from proxy.registry import Registry, Replica
 from proxy.relay import Relay
-from proxy.replay import Answered, Recorded, judge, recorded, replay_request
+from proxy.replay import Answered, Replaying, recorded, replay_request
 from proxy.requests import ClientRequest
 from proxy.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
+from proxy.sinks import BufferSink, Sink
 
 RECORD_HEADER = "Stackpin-Record"
 STACK_HEADER = "Stackpin-Stack"
@@ -47,66 +48,6 @@ log = structlog.get_logger("stackpin.serving")
 
 def new_record_id() -> str:
     return f"rec_{uuid.uuid4().hex}"
-
-
-class Sink(Protocol):
-    """Where a stream's events go: the client's HTTP response, or a replay's buffer."""
-
-    async def open(self, headers: dict[str, str]) -> None: ...
-
-    async def write(self, data: bytes) -> None: ...
-
-    async def close(self) -> None: ...
-
-
-class HttpSink:
-    def __init__(self, request: web.Request) -> None:
-        self.request = request
-        self.response: web.StreamResponse | None = None
-
-    async def open(self, headers: dict[str, str]) -> None:
-        self.response = web.StreamResponse(headers=headers)
-        await self.response.prepare(self.request)
-
-    async def write(self, data: bytes) -> None:
-        assert self.response is not None
-        await self.response.write(data)
-
-    async def close(self) -> None:
-        assert self.response is not None
-        await self.response.write_eof()
-
-
-class BufferSink:
-    """A replay's stream: read whole, as a client would, and kept."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    async def open(self, headers: dict[str, str]) -> None:
-        return None
-
-    async def write(self, data: bytes) -> None:
-        self.data += data
-
-    async def close(self) -> None:
-        return None
-
-
-@dataclass
-class Replaying:
-    """A replay under way: its original, and the judgement of its answer, made before its record is written."""
-
-    original: Recorded
-    comparison: Comparison | None = None
-
-    def judge(self, answered: Answered) -> dict[str, Any]:
-        self.comparison = judge(self.original, answered)
-        return {
-            "of": self.original.record_id,
-            "outcome": self.comparison.outcome,
-            "comparison": self.comparison.as_json(),
-        }
 
 
 @dataclass(frozen=True)

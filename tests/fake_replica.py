@@ -153,11 +153,15 @@ class FakeReplica:
             return web.json_response({"error": error}, status=400)
         return None
 
-    async def _complete(self, request: web.Request) -> web.StreamResponse:
+    async def _received(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+        """The request's body, kept with its headers, and the refusal a test asked for, if any."""
         body = await request.json()
         self.requests.append(body)
         self.headers_seen.append(dict(request.headers))
-        refused = self._refusal(request, body)
+        return body, self._refusal(request, body)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body, refused = await self._received(request)
         if refused is not None:
             return refused
         fingerprint = "f" * 64 if self.failure == "wrong_fingerprint" else self.fingerprint
@@ -284,9 +288,7 @@ class FakeReplica:
         return response
 
     async def _embeddings(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append(body)
-        refused = self._refusal(request, body)
+        body, refused = await self._received(request)
         if refused is not None:
             return refused
         answer = embeddings_body(
@@ -295,9 +297,7 @@ class FakeReplica:
         return web.json_response(answer, headers={"Stackpin-Stack": self.fingerprint})
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.requests.append(body)
-        refused = self._refusal(request, body)
+        body, refused = await self._received(request)
         if refused is not None:
             return refused
         _, _, text, _ = self.completion(body)

@@ -16,6 +16,8 @@ from proxy.audit import AuditStore
 from proxy.audit.schema import upgrade_database
 from proxy.cli import main as stackpin
 from tests.audit_databases import entry
+from tests.fake_replica import FakeReplica
+from tests.proxy_harness import running_proxy
 
 
 def write_config(folder: Path, db: Path) -> Path:
@@ -127,3 +129,25 @@ def test_a_bad_configuration_is_one_clear_line_and_exit_2(
     path.write_text("[store\n")
     assert stackpin(["records", "--config", str(path)]) == 2
     assert "not valid TOML" in capsys.readouterr().err
+
+
+async def test_audit_shows_every_choice_and_its_tool_calls(
+    replica: FakeReplica, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2}
+    async with running_proxy([replica], tmp_path) as harness:
+        _, _, plain = await harness.post("/v1/chat/completions", body)
+        _, _, called = await harness.post("/v1/chat/completions", {**body, "n": 1, "tools": tools})
+    config = write_config(tmp_path, tmp_path / "audit.db")
+    assert (
+        await asyncio.to_thread(stackpin, ["audit", plain["Stackpin-Record"], "--config", str(config)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "choice   0  finish_reason=length" in out and "choice   1  finish_reason=length" in out
+    assert "(choice 1)" in out, "the later choice's text is shown"
+    assert (
+        await asyncio.to_thread(stackpin, ["audit", called["Stackpin-Record"], "--config", str(config)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "tool     call_0 weather({" in out and '"units": "metric"' in out

@@ -85,6 +85,22 @@ def test_no_file_is_the_embedded_default(tmp_path: Path, monkeypatch: pytest.Mon
         ('[[replicas]]\nname = "x"\nurl = "ftp://nope"\n', {}, "http://"),
         ("[server]\nport = 'eighty'\n", {}, "server.port"),
         ("[sever]\n", {}, "sever"),
+        ('[server]\ndefault_route = "r"\n', {}, "names no route"),
+        (
+            '[[replicas]]\nname = "x"\nurl = "http://a"\nendpoints = ["/v1/chat/completions"]\n',
+            {},
+            "proves its own",
+        ),
+        (
+            '[[replicas]]\nname = "x"\nurl = "http://a"\nstack = { model = "m" }\nendpoints = ["/v1/images"]\n',
+            {},
+            "unknown endpoints",
+        ),
+        (
+            '[[replicas]]\nname = "x"\nurl = "http://a"\nstack = { model = "m", embedding = {} }\n',
+            {},
+            "schema = 2",
+        ),
     ],
 )
 def test_bad_configuration_names_what_to_fix(

@@ -139,3 +139,23 @@ def test_the_audit_page_serve_links_to_shows_the_record_and_replays_it_reproduce
             assert page.inner_text("#verdict .word") == "reproduced"
         finally:
             browser.close()
+
+
+def test_embeddings_and_the_responses_api_on_the_local_backend_are_recorded_and_replay(
+    served: tuple[str, Path, dict[str, str]],
+) -> None:
+    url, folder, env = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    embedded = client.embeddings.with_raw_response.create(
+        model="stackpin-tiny", input=["the sea", "a lighthouse"]
+    )
+    vectors = [item.embedding for item in embedded.parse().data]
+    assert len(vectors) == 2 and abs(sum(x * x for x in vectors[0]) - 1) < 1e-5
+    responded = client.responses.with_raw_response.create(
+        model="stackpin-tiny", input="Tell me about the sea.", max_output_tokens=8
+    )
+    assert responded.parse().output_text
+    for raw in (embedded, responded):
+        replay = stackpin(folder, env, "replay", raw.headers["Stackpin-Record"], "--url", url, "--json")
+        assert replay.returncode == 0, replay.stdout + replay.stderr
+        assert json.loads(replay.stdout)["outcome"] == "reproduced"

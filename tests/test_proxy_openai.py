@@ -1,14 +1,17 @@
 """The official OpenAI SDK, pointed at the proxy with base_url, works unchanged: plain, streaming, logprobs,
-extra_body pins, and its error classes map from the proxy's statuses."""
+extra_body pins, embeddings, the Responses API (translated for a pinned_backend, forwarded to an upstream that serves
+it), models.retrieve, and its error classes map from the proxy's statuses."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
-from tests.fake_replica import FakeReplica
+from tests.fake_replica import FakeReplica, decode_embedding
 from tests.proxy_harness import Harness, running_proxy
 
 MESSAGES = [{"role": "user", "content": "Say something about lighthouses."}]
@@ -191,3 +194,147 @@ async def test_a_streams_record_is_committed_before_its_first_byte(
             record = await harness.proxy.store.get_record(r.headers["Stackpin-Record"], "local")
             assert record is not None and record.entries[0].part == "opened"
             await r.read()
+
+
+async def test_models_retrieve_names_a_live_model_or_a_route_and_404s_anything_else(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path, routes={"support": {"model": "fake-model"}}) as harness:
+        sdk = client(harness)
+        model = await sdk.models.retrieve("fake-model")
+        assert (model.id, model.object) == ("fake-model", "model")
+        assert model.model_extra is not None and model.model_extra["stacks"] == [replica.fingerprint]
+        assert (await sdk.models.retrieve("support")).id == "support"
+        with pytest.raises(openai.NotFoundError) as raised:
+            await sdk.models.retrieve("gpt-nothing")
+        assert "fake-model" in raised.value.message
+
+
+async def test_a_request_naming_no_model_is_a_400_naming_the_live_ones_unless_a_default_route_serves_it(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 2}
+    async with running_proxy([replica], tmp_path) as harness:
+        status, answer, _ = await harness.post("/v1/chat/completions", body)
+        assert status == 400 and answer["error"]["param"] == "model"
+        assert "'fake-model'" in answer["error"]["message"]
+        status, _, _ = await harness.post(
+            "/v1/chat/completions", body, headers={"Stackpin-Pin": f"stack={replica.fingerprint}"}
+        )
+        assert status == 200, "a pinned stack names its model"
+    routes = {"default": {"model": "fake-model"}}
+    (tmp_path / "routed").mkdir()
+    async with running_proxy(
+        [replica], tmp_path / "routed", routes=routes, server={"default_route": "default"}
+    ) as harness:
+        status, _, headers = await harness.post("/v1/chat/completions", body)
+        assert status == 200 and headers["Stackpin-Stack"] == replica.fingerprint
+        assert replica.requests[-1]["model"] == "fake-model"
+
+
+async def replay(harness: Harness, record_id: str) -> dict[str, Any]:
+    status, result, _ = await harness.post(f"/v1/records/{record_id}/replay", {})
+    assert status == 200, result
+    return result
+
+
+async def test_embeddings_through_the_sdk_are_recorded_whole_and_replay_bit_for_bit(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        # The SDK asks for base64 by default and decodes it.
+        raw = await client(harness).embeddings.with_raw_response.create(
+            model="fake-model", input=["sea", "sky"]
+        )
+        result = raw.parse()
+        assert [len(d.embedding) for d in result.data] == [8, 8]
+        record = await harness.proxy.store.get_record(raw.headers["Stackpin-Record"], "local")
+        assert record is not None and record.entries[0].content["endpoint"] == "/v1/embeddings"
+        recorded = record.entries[0].content["response"]["data"]
+        assert [decode_embedding(d["embedding"]) for d in recorded] == [d.embedding for d in result.data]
+        assert (await replay(harness, record.id))["outcome"] == "reproduced"
+        replica.alter = "embedding"
+        diverged = await replay(harness, record.id)
+        assert (diverged["part"], diverged["field"], diverged["position"]) == ("data[1]", "embedding", 5)
+
+
+async def test_responses_through_the_sdk_plain_streamed_and_continued_are_recorded_expanded_and_replay(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        sdk = client(harness)
+        raw = await sdk.responses.with_raw_response.create(
+            model="fake-model",
+            input="Tell me of the sea.",
+            instructions="Be brief.",
+            max_output_tokens=5,
+            temperature=0,
+        )
+        first = raw.parse()
+        record_id = raw.headers["Stackpin-Record"]
+        assert first.id == "resp_" + record_id.removeprefix("rec_")
+        assert first.output_text == replica.completion(replica.requests[-1])[2]
+        assert first.status == "incomplete" and first.usage is not None and first.usage.output_tokens == 5
+        assert replica.requests[-1]["messages"][0] == {"role": "system", "content": "Be brief."}, (
+            "translated to chat"
+        )
+        assert (await replay(harness, record_id))["outcome"] == "reproduced"
+
+        stream = await sdk.responses.create(
+            model="fake-model", input="And the sky?", previous_response_id=first.id, max_output_tokens=4,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        received = [event async for event in stream]
+        events = [event.type for event in received]
+        final = received[-1].response  # type: ignore[union-attr]
+        assert events[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                              "response.content_part.added"]  # fmt: skip
+        assert events[-1] == "response.incomplete" and "response.output_text.delta" in events
+        assert final.previous_response_id == first.id
+        sent = replica.requests[-1]["messages"]
+        assert [m["content"] for m in sent] == ["Tell me of the sea.", first.output_text, "And the sky?"], (
+            "the previous turn is expanded; its instructions are not carried over"
+        )
+        continued = await harness.proxy.store.get_record("rec_" + final.id.removeprefix("resp_"), "local")
+        assert continued is not None
+        opened = continued.entries[0].content
+        assert opened["continues"] == record_id and "previous_response_id" not in opened["translated_from"]
+        assert len(opened["translated_from"]["input"]) == 3, (
+            "the record holds the whole input, not just an id"
+        )
+        assert (await replay(harness, continued.id))["outcome"] == "reproduced"
+        replica.alter = "chunk_split"
+        diverged = await replay(harness, continued.id)
+        assert diverged["outcome"] == "diverged" and diverged["field"] == "delta" and diverged["event"] == 6
+        with pytest.raises(openai.BadRequestError) as raised:
+            await sdk.responses.create(model="fake-model", input="x", previous_response_id="resp_" + "0" * 32)
+        assert raised.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+async def test_an_upstream_that_serves_the_responses_api_gets_it_forwarded_under_the_records_id(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    upstream = {"name": "upstream", "url": replica.url, "stack": {"model": "fake-model"},
+                "endpoints": ["/v1/chat/completions", "/v1/responses"]}  # fmt: skip
+    async with running_proxy([], tmp_path, replicas=[upstream]) as harness:
+        sdk = client(harness)
+        raw = await sdk.responses.with_raw_response.create(
+            model="fake-model", input="hello", max_output_tokens=3, temperature=0
+        )
+        response = raw.parse()
+        assert "input" in replica.requests[-1] and "messages" not in replica.requests[-1], (
+            "forwarded, not translated"
+        )
+        assert response.id == "resp_" + raw.headers["Stackpin-Record"].removeprefix("rec_")
+        record = await harness.proxy.store.get_record(raw.headers["Stackpin-Record"], "local")
+        assert record is not None and record.entries[0].content["upstream"]["id"].startswith("resp_upstream")
+        result = await replay(harness, record.id)
+        assert result["outcome"] == "reproduced", json.dumps(result)
+        stream = await sdk.responses.create(
+            model="fake-model", input="hello", max_output_tokens=3, stream=True
+        )
+        names = [event.type async for event in stream]
+        assert names[0] == "response.created" and names[-1] == "response.completed"
+        with pytest.raises(openai.ConflictError) as raised:
+            await sdk.embeddings.create(model="fake-model", input="x")
+        assert "serves /v1/embeddings" in raised.value.message

@@ -46,3 +46,18 @@ def test_no_match_lists_what_is_live() -> None:
 def test_live_stacks_groups_replicas_by_fingerprint() -> None:
     stacks = live_stacks([replica("a", INVARIANT), replica("b", INVARIANT), replica("c", DEFAULT)])
     assert sorted(len(s["replicas"]) for s in stacks) == [1, 2]
+
+
+def test_only_replicas_that_serve_the_route_are_chosen_and_none_is_a_409_naming_it() -> None:
+    upstream = Replica("up", "http://127.0.0.1/up", True, INVARIANT, INVARIANT.fingerprint, True,
+                       endpoints=frozenset({"/v1/chat/completions"}))  # fmt: skip
+    backend = replica("backend", INVARIANT)
+    assert choose([upstream], Pin(), endpoint="/v1/chat/completions").name == "up"
+    with pytest.raises(NoMatchingStack, match="serves /v1/embeddings"):
+        choose([upstream], Pin(), endpoint="/v1/embeddings")
+    # A pinned_backend serves embeddings itself and the Responses API through the proxy's translation.
+    assert choose([upstream, backend], Pin(), endpoint="/v1/embeddings").name == "backend"
+    assert choose([upstream, backend], Pin(), endpoint="/v1/responses").name == "backend"
+    assert backend.serves("/v1/responses") and not backend.natively("/v1/responses")
+    served = {s["replicas"][0]: s["serves"] for s in live_stacks([upstream])}
+    assert served == {"up": ["/v1/chat/completions"]}

@@ -1,12 +1,16 @@
-"""Specification of pinned_backend.runner: the worker thread survives failed steps and fails what it holds on stop."""
+"""Specification of pinned_backend.runner: the worker thread survives failed steps, runs chores between steps, and
+fails what it holds on stop."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from pinned_backend.engine import EngineStopped
 from pinned_backend.runner import EngineRunner
 from pinned_backend.sampling import SamplingParams
 from tests.backend_checkpoint import Collector, make_engine, write_random_checkpoint
@@ -54,3 +58,59 @@ def test_stopping_the_runner_fails_what_is_still_queued(checkpoint: Path) -> Non
     runner.stop()
     assert out.done.is_set()
     assert out.errors or out.outputs[-1].finish_reason is not None
+
+
+class Chore:
+    """A chore of `turns` turns, recording what ran while it did."""
+
+    def __init__(self, engine: object, turns: int, fail_at: int | None = None) -> None:
+        self.engine, self.turns, self.fail_at = engine, turns, fail_at
+        self.taken = 0
+        self.failed: list[Exception] = []
+        self.finished = threading.Event()
+
+    def advance(self) -> bool:
+        self.taken += 1
+        if self.taken == self.fail_at:
+            raise RuntimeError("pass failed")
+        if self.taken >= self.turns:
+            self.finished.set()
+            return True
+        return False
+
+    def fail(self, error: Exception) -> None:
+        self.failed.append(error)
+        self.finished.set()
+
+
+def test_chores_take_turns_between_steps_and_a_failing_one_fails_alone(checkpoint: Path) -> None:
+    engine = make_engine(checkpoint)
+    runner = EngineRunner(engine)
+    runner.start()
+    try:
+        out, long_chore, failing = Collector(), Chore(engine, 5), Chore(engine, 5, fail_at=2)
+        runner.submit("a", [1, 2], GREEDY, out)
+        runner.add_chore(failing)
+        runner.add_chore(long_chore)
+        assert out.done.wait(30) and failing.finished.wait(30) and long_chore.finished.wait(30)
+        assert len(out.tokens) == 6, "the engine's requests carry on while chores take their turns"
+        assert "pass failed" in str(failing.failed[0]) and failing.taken == 2
+        assert long_chore.taken == 5 and not long_chore.failed
+    finally:
+        runner.stop()
+
+
+def test_stopping_the_runner_fails_an_unfinished_chore_and_refuses_new_ones(checkpoint: Path) -> None:
+    engine = make_engine(checkpoint)
+    runner = EngineRunner(engine)
+    endless = Chore(engine, 10**9)
+    runner.start()
+    runner.add_chore(endless)
+    for _ in range(10_000):
+        if endless.taken:
+            break
+        time.sleep(0.001)
+    runner.stop()
+    assert endless.failed and isinstance(endless.failed[0], EngineStopped)
+    with pytest.raises(EngineStopped):
+        runner.add_chore(Chore(engine, 1))

@@ -7,8 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from proxy.stack import Stack, canonical_json, fingerprint
 from tests.fake_replica import fingerprint_of, tiny_stack
@@ -60,3 +62,12 @@ def test_a_declared_stack_fills_every_key() -> None:
     document = stack.document()
     assert set(document) == set(tiny_stack())
     assert document["kernel_mode"] == "unknown" and document["weights_sha256"] is None
+
+
+def test_a_schema_2_stack_names_its_embedding_and_round_trips() -> None:
+    document = {**tiny_stack(), "schema": 2, "embedding": {"pooling": "mean", "normalized": True}}
+    stack = Stack.model_validate(document)
+    assert stack.document() == document and stack.fingerprint == fingerprint_of(document)
+    assert "embedding" not in Stack(model="m").document(), "a schema-1 stack's fingerprint is what it was"
+    with pytest.raises(ValidationError, match="names its 'embedding'"):
+        Stack.model_validate({**tiny_stack(), "schema": 2})
