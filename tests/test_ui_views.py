@@ -156,6 +156,16 @@ def test_a_reproduced_replay_shows_every_token_as_common() -> None:
     assert shown.identical_tokens == 3 and len(shown.prefix) == 3 and not shown.original_tail
 
 
+def test_a_divergence_beside_identical_tokens_is_placed_where_the_comparison_says() -> None:
+    same = side([1, 2, 3], [-1.0, -2.0, -3.0], "")
+    comparison = {"outcome": "diverged", "compared": "tokens", "part": "choice 1", "choice": 1,
+                  "field": "message.tool_calls[0].function.arguments", "position": 11, "reason": "text"}  # fmt: skip
+    shown = replay_diff(comparison, same, same)
+    assert shown.unit == "choice 1, field message.tool_calls[0].function.arguments, character"
+    assert shown.position == 11 and shown.identical_tokens == 3
+    assert not shown.original_tail and not shown.bits_rows, "no token diverged: none is laid out as if it had"
+
+
 def test_the_lists_filters_read_utc_times_and_keep_a_tenant_to_its_own_records() -> None:
     tenant, operator = Viewer("acme", operator=False), Viewer("ops", operator=True)
     query = {"since": "2026-12-01T09:30", "stack": "9A41", "tenant": "globex", "replays": "on", "limit": "7"}
