@@ -7,7 +7,7 @@ with `durability="process"` (group commit without the sync at each commit, to sh
 appends per second, the ratio between the two, the mean and largest group commit, and the p50/p99 latency of
 one append (queue wait included), which is what a request waits before the proxy may answer.
 
-Usage: python bench/audit_commit.py [--appends N] [--concurrency 1,64] [--postgres-url URL | --no-postgres]
+Usage: python -m bench.audit_commit [--appends N] [--concurrency 1,64] [--postgres-url URL | --no-postgres]
                                     [--output bench/results/audit_commit.md]
 """
 
@@ -18,16 +18,14 @@ import asyncio
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from sqlalchemy.ext.asyncio import create_async_engine
-from sqlalchemy.pool import NullPool
-
+from bench.services import postgres_schema
 from proxy.audit import AuditStore, NewEntry
 from proxy.audit.database import Durability
 from proxy.audit.schema import upgrade_database_async
@@ -133,15 +131,6 @@ async def run_one(
     )
 
 
-async def _admin(url: str, statement: str) -> None:
-    engine = create_async_engine(url, poolclass=NullPool)
-    try:
-        async with engine.begin() as connection:
-            await connection.exec_driver_sql(statement)
-    finally:
-        await engine.dispose()
-
-
 async def bench_sqlite(appends: int, concurrency: int) -> list[Result]:
     results = []
     with tempfile.TemporaryDirectory() as folder:
@@ -155,21 +144,32 @@ async def bench_sqlite(appends: int, concurrency: int) -> list[Result]:
 async def bench_postgres(url: str, appends: int, concurrency: int) -> list[Result]:
     results = []
     for config in CONFIGS:
-        schema = f"audit_bench_{uuid.uuid4().hex[:12]}"
-        await _admin(url, f'CREATE SCHEMA "{schema}"')
-        try:
+        async with postgres_schema("audit_bench", url) as schema:
             await upgrade_database_async(url, schema=schema)
             results.append(await run_one("PostgreSQL", url, schema, config, appends, concurrency))
-        finally:
-            await _admin(url, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     return results
+
+
+def _commit() -> str:
+    """The checkout's commit, `+` marking uncommitted changes; "unknown" outside a git checkout."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def render(results: list[Result], appends: int, concurrency: str) -> str:
     lines = [
         "# Audit store: cost of a durable commit, with and without group commit",
         "",
-        f"Command: `python bench/audit_commit.py --appends {appends} --concurrency {concurrency}`  ",
+        f"Command: `python -m bench.audit_commit --appends {appends} --concurrency {concurrency}`  ",
+        f"Commit: `{_commit()}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"measured {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}. "
         "SQLite in WAL mode with synchronous=FULL; PostgreSQL with its defaults (fsync on commit). "

@@ -1,7 +1,7 @@
 """Two proxies against one PostgreSQL and one Redis, against one proxy: throughput and added latency.
 
-Everything runs on this machine, over loopback: two fake replicas (tests/fake_replica.py, each in its own process,
-answering at once, so the proxy's own cost is what is measured), `stackpin serve` processes in fleet mode with
+Everything runs on this machine, over loopback: two trivial replicas (bench/trivial_replica.py, each in its own
+process, answering at once, so the proxy's own cost is what is measured), `stackpin serve` processes in fleet mode with
 `stackpin fleet heartbeat` sidecars, PostgreSQL as the audit store and Redis as the fleet state. Each setup gets
 a fresh PostgreSQL schema and Redis prefix. For each, two runs: one request at a time (latency, compared with
 the same requests sent straight to a replica: the difference is what the proxy adds), and `--concurrency`
@@ -21,7 +21,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -29,10 +31,17 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from tests.audit_databases import create_blank, drop
-from tests.fleet_support import REDIS_URL, free_port, proxy_processes, redis_prefix
+from bench.services import (
+    POSTGRES_URL,
+    REDIS_URL,
+    free_port,
+    postgres_schema,
+    redis_prefix,
+    trivial_replicas,
+    wait_until_up,
+)
 
-BODY = {"model": "fake-model", "max_tokens": 16, "temperature": 0}
+BODY = {"model": "trivial", "max_tokens": 16, "temperature": 0}
 
 
 @dataclass(frozen=True)
@@ -113,71 +122,99 @@ async def record_parts(url: str, schema: str) -> Counter[str]:
         await engine.dispose()
 
 
-async def start_replicas(count: int) -> tuple[list[str], list[asyncio.subprocess.Process]]:
-    ports = [free_port() for _ in range(count)]
-    processes = [
-        await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.fleet", "--serve-replica", str(port)
-        )
-        for port in ports
-    ]
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    async with aiohttp.ClientSession() as session:
+@dataclass
+class Processes:
+    """`stackpin` subcommands running as processes, as a fleet runs them, each logging to a file of its own."""
+
+    folder: Path
+    env: dict[str, str]
+    running: list[tuple[asyncio.subprocess.Process, Path]] = field(default_factory=list)
+
+    async def start(self, *args: str, log_name: str) -> None:
+        log = self.folder / f"{log_name}.log"
+        with log.open("wb") as sink:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proxy.cli", *args, env=self.env, stdout=sink, stderr=sink
+            )
+        self.running.append((process, log))
+
+    async def run(self, *args: str) -> tuple[int, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy.cli", *args, env=self.env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await process.communicate()
+        return int(process.returncode or 0), out.decode()
+
+    async def stop_all(self) -> None:
+        live = [process for process, _ in self.running if process.returncode is None]
+        for process in live:
+            process.terminate()
+        await asyncio.gather(*(process.wait() for process in live))
+
+
+@asynccontextmanager
+async def fleet(
+    folder: Path, proxies: int, replicas: Mapping[str, str], schema: str, prefix: str
+) -> AsyncIterator[tuple[list[str], Processes]]:
+    """`proxies` `stackpin serve` processes in fleet mode and one `stackpin fleet heartbeat` per replica; yields
+    the proxies' base URLs once each is ready."""
+    env = {**os.environ, "STACKPIN_FLEET__KEY_PREFIX": prefix, "STACKPIN_STORE__POSTGRES_SCHEMA": schema}
+    processes = Processes(folder, env)
+    sidecar = folder / "heartbeat.toml"
+    sidecar.write_text('log_level = "warning"\n[local_backend]\nenabled = "off"\n')
+    urls = []
+    try:
+        for name, url in replicas.items():
+            await processes.start(
+                "fleet", "heartbeat", "--replica-url", url, "--name", name, "--redis", REDIS_URL,
+                "--lease-s", "5", "--config", str(sidecar), log_name=f"heartbeat-{name}",
+            )  # fmt: skip
+        for _ in range(proxies):
+            port = free_port()
+            config = folder / f"proxy-{port}.toml"
+            config.write_text(
+                f'log_level = "warning"\n[server]\nport = {port}\n[store]\nurl = "{POSTGRES_URL}"\n'
+                f'[local_backend]\nenabled = "off"\n[fleet]\nredis_url = "{REDIS_URL}"\nsync_interval_s = 1.0\n'
+            )
+            await processes.start("serve", "--config", str(config), log_name=f"proxy-{port}")
+            urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            for _ in range(200):
-                try:
-                    async with session.get(f"{url}/v1/stack") as response:
-                        if response.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                await asyncio.sleep(0.05)
-    return urls, processes
+            await wait_until_up(f"{url}/readyz")
+        yield urls, processes
+    finally:
+        await processes.stop_all()
 
 
 async def measure(
     proxies: int, replicas: list[str], folder: Path, args: argparse.Namespace
 ) -> tuple[Run, Run]:
-    db = await create_blank("postgres", folder)
     from proxy.audit.schema import upgrade_database_async
 
-    try:
-        await upgrade_database_async(db.url, "head", schema=db.schema)
-        async with (
-            redis_prefix() as prefix,
-            proxy_processes(
-                folder,
-                proxies=proxies,
-                replicas={f"r{i}": url for i, url in enumerate(replicas)},
-                store_url=db.url,
-                schema=db.schema,
-                redis_url=REDIS_URL,
-                prefix=prefix,
-                sync_interval_s=1.0,
-            ) as (urls, processes),
-        ):
-            await load(urls, 100, args.concurrency, "warm-up")
-            serial = await with_commits(urls, args.serial, 1, "serial")
-            parallel = await with_commits(urls, args.requests, args.concurrency, "parallel")
-            await processes.stop_all()
-            config = folder / "verify.toml"
-            config.write_text(f'[store]\nurl = "{db.url}"\n[local_backend]\nenabled = "off"\n')
-            status, out = await processes.run("verify", "--config", str(config))
-            if status != 0:
-                raise RuntimeError(f"stackpin verify failed:\n{out}")
-        assert db.schema is not None
-        parts = await record_parts(db.url, db.schema)
-        answered = Counter(serial.records + parallel.records)
-        warm = len(parts) - len(answered)
-        if any(parts[r] != 1 for r in answered) or warm != 100 or any(n != 1 for n in parts.values()):
-            raise RuntimeError("record counts do not match the answered requests")
-        print(
-            f"{proxies} proxies: {len(answered) + warm} answered, {len(parts)} records, one each; chain intact",
-            file=sys.stderr,
-        )
-        return serial, parallel
-    finally:
-        await drop(db)
+    async with postgres_schema("bench_fleet") as schema:
+        with redis_prefix() as prefix:
+            await upgrade_database_async(POSTGRES_URL, "head", schema=schema)
+            named = {f"r{i}": url for i, url in enumerate(replicas)}
+            async with fleet(folder, proxies, named, schema, prefix) as (urls, processes):
+                await load(urls, 100, args.concurrency, "warm-up")
+                serial = await with_commits(urls, args.serial, 1, "serial")
+                parallel = await with_commits(urls, args.requests, args.concurrency, "parallel")
+                await processes.stop_all()
+                config = folder / "verify.toml"
+                config.write_text(f'[store]\nurl = "{POSTGRES_URL}"\n[local_backend]\nenabled = "off"\n')
+                status, out = await processes.run("verify", "--config", str(config))
+                if status != 0:
+                    raise RuntimeError(f"stackpin verify failed:\n{out}")
+            parts = await record_parts(POSTGRES_URL, schema)
+    answered = Counter(serial.records + parallel.records)
+    warm = len(parts) - len(answered)
+    if any(parts[r] != 1 for r in answered) or warm != 100 or any(n != 1 for n in parts.values()):
+        raise RuntimeError("record counts do not match the answered requests")
+    print(
+        f"{proxies} proxies: {len(answered) + warm} answered, {len(parts)} records, one each; chain intact",
+        file=sys.stderr,
+    )
+    return serial, parallel
 
 
 def row(name: str, serial: Run, parallel: Run, direct: Run) -> str:
@@ -197,18 +234,13 @@ def row(name: str, serial: Run, parallel: Run, direct: Run) -> str:
 
 async def main(args: argparse.Namespace) -> None:
     load_at_start = os.getloadavg()[0]
-    replicas, replica_processes = await start_replicas(2)
-    try:
+    async with trivial_replicas(2) as replicas:
         await load(replicas, 100, args.concurrency, "warm-up")
         direct = await load(replicas, args.serial, 1, "direct")
         direct_parallel = await load(replicas, args.requests, args.concurrency, "direct")
         with tempfile.TemporaryDirectory() as one_dir, tempfile.TemporaryDirectory() as two_dir:
             one = await measure(1, replicas, Path(one_dir), args)
             two = await measure(2, replicas, Path(two_dir), args)
-    finally:
-        for process in replica_processes:
-            process.terminate()
-            await process.wait()
     print(
         f"requests {args.requests} at concurrency {args.concurrency}; {args.serial} one at a time; "
         f"cpus {os.cpu_count()}; load average at start {load_at_start:.2f}, at end {os.getloadavg()[0]:.2f}"
@@ -227,46 +259,9 @@ async def main(args: argparse.Namespace) -> None:
     print(f"two proxies / one proxy throughput: {two[1].throughput / one[1].throughput:.2f}x")
 
 
-def serve_replica(port: int) -> None:
-    from aiohttp import web
-
-    from tests.fake_replica import FakeReplica
-
-    async def run() -> None:
-        fake = FakeReplica()
-        app = web.Application()
-        app.add_routes(
-            [
-                web.get("/v1/stack", fake._stack),
-                web.post("/v1/chat/completions", fake._complete),
-                web.post("/v1/completions", fake._complete),
-            ]
-        )
-        fake.requests = _Discard()  # type: ignore[assignment]
-        fake.headers_seen = _Discard()  # type: ignore[assignment]
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        await asyncio.Event().wait()
-
-    asyncio.run(run())
-
-
-class _Discard(list):  # type: ignore[type-arg]
-    """The fake replica remembers every request for tests; a benchmark has no use for that memory."""
-
-    def append(self, _item: object) -> None:
-        return None
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--serial", type=int, default=150)
-    parser.add_argument("--serve-replica", type=int, help=argparse.SUPPRESS)
-    arguments = parser.parse_args()
-    if arguments.serve_replica:
-        serve_replica(arguments.serve_replica)
-    else:
-        asyncio.run(main(arguments))
+    asyncio.run(main(parser.parse_args()))

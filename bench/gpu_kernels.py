@@ -12,7 +12,7 @@
    `matmul_plans.TUNED`.
 4. cuBLAS's own invariance at the same shapes, for the record.
 
-Usage: python bench/gpu_kernels.py OUT.json [--shapes=qkv,down] [--splits=down:2+3] [--budget-s=SECONDS]
+Usage: python -m bench.gpu_kernels OUT.json [--shapes=qkv,down] [--splits=down:2+3] [--budget-s=SECONDS]
 [--within=LOW:HIGH] [--candidates=committed+partitioned] [--write-tuned | --committed]. Prints a short table last;
 `--splits` names the reduction orders to try for a shape in place of `SPLITS`'s; `--within` times and chooses tiles
 at the timed M from LOW to HIGH only, the committed plans keeping theirs at the other M (and their reduction orders);
@@ -23,18 +23,18 @@ swept; `--committed` sweeps nothing and runs step 3's checks and timings on the 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from matmul_candidates import candidate_tiles, committed_plan
 
+from bench.matmul_candidates import candidate_tiles, committed_plan
 from pinned_backend.kernels.triton.matmul import matmul
 from pinned_backend.kernels.triton.matmul_plans import MatmulPlan, MatmulTile
 
@@ -334,17 +334,27 @@ def write_tuned(plans: dict[tuple[int, int], str]) -> None:
 
 
 def main() -> None:
-    out_path = sys.argv[1]
-    only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--shapes=")), list(SHAPES))
-    # --splits=down:3 or down:2+3,o_proj:1: the reduction orders to try for a shape, in place of SPLITS's.
-    for entry in next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--splits=")), []):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="where to write the JSON report")
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help="the weights to sweep, of " + ", ".join(SHAPES)
+    )
+    parser.add_argument(
+        "--splits", default="", help="reduction orders to try in place of SPLITS's: down:2+3,o_proj:1"
+    )
+    parser.add_argument("--budget-s", type=float, default=1e9, help="time for the whole sweep")
+    parser.add_argument("--candidates", default="all", help="tile families: all, or committed+partitioned")
+    parser.add_argument("--within", default="", help="LOW:HIGH: choose tiles at these M only")
+    parser.add_argument(
+        "--write-tuned", action="store_true", help="rewrite matmul_plans.TUNED's swept shapes"
+    )
+    parser.add_argument("--committed", action="store_true", help="sweep nothing: check the committed plans")
+    args = parser.parse_args()
+    out_path, only, budget, families = args.out, args.shapes.split(","), args.budget_s, args.candidates
+    for entry in filter(None, args.splits.split(",")):
         name, orders = entry.split(":")
         SPLITS[name] = [int(order) for order in orders.split("+")]
-    budget = float(next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--budget-s=")), "1e9"))
-    families = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--candidates=")), "all")
-    low, _, high = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--within=")), "").partition(
-        ":"
-    )
+    low, _, high = args.within.partition(":")
     within = (int(low), int(high)) if low else (1, LARGE_M)
     if low:
         # The committed plan keeps the M outside the range, so tiles within it must reduce in its order.
@@ -376,7 +386,7 @@ def main() -> None:
     }
     for i, name in enumerate(names):
         n, k = SHAPES[name]
-        if "--committed" in sys.argv:
+        if args.committed:
             plan = importlib.import_module("pinned_backend.kernels.triton.matmul_plans").TUNED[(n, k)]
             report["shapes"][name] = {"n": n, "k": k, **check_plan(name, n, k, plan, *operands(n, k))}
             with open(out_path, "w") as f:
@@ -406,7 +416,7 @@ def main() -> None:
             f"{name:8s} {r['n']:7d} {r['k']:5d}   {r['worst_ratio_1_512']:5.2f} ({worst_m})"
             f"                   {above:24s} {len(r['plan_mismatches'])}           {variant}"
         )
-    if "--write-tuned" in sys.argv:
+    if args.write_tuned:
         write_tuned({(r["n"], r["k"]): r["plan"] for r in report["shapes"].values() if provable(r)})
     print("\nTUNED = {")
     for r in report["shapes"].values():

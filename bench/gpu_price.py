@@ -15,7 +15,7 @@ Measured: matmul TFLOP/s against cuBLAS at the model's shapes for M = 1..512; de
 step) and prefill throughput (one CUDA graph per step, and eager) at batch 1, 8, 32, 128; decode step time against
 the bandwidth floor (weight bytes over the measured copy bandwidth); and the divergence experiment: one prompt
 sent 1000 times at temperature 0 through the engine amid random concurrent requests, in each mode.
-Usage: python bench/gpu_price.py OUT.json [--parts speed,divergence]
+Usage: python -m bench.gpu_price OUT.json [--parts speed,divergence]
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from gpu_kernels import time_interleaved, weight_copies
 
+from bench.gpu_kernels import time_interleaved, weight_copies
 from pinned_backend.checkpoint import ModelConfig, expected_shapes
 from pinned_backend.engine import Engine, EngineConfig, EngineError, TokenOutput
 from pinned_backend.kernels.triton import CublasKernels, TritonKernels, matmul
@@ -277,8 +277,7 @@ def prefill_rate(model: Transformer, cache: PagedKVCache, batch: int) -> dict[st
 
 def _warm_up(step: Any) -> None:
     """Two runs on a side stream, as graph capture wants: the first compiles, and cuBLAS loads kernels lazily on
-    first use of a shape (one warm-up run measured a default-mode step of 512 tokens at 13.3 ms in run 24, against
-    10.2 ms in run 17)."""
+    first use of a shape (after one warm-up run a default-mode step of 512 tokens took 13.3 ms, against 10.2)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -9,7 +9,7 @@ out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [speed] [diverge
 shift
 stages=${*:-tests sweep speed divergence}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/bench:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$out/gpu.txt" 2>&1
 for stage in $stages; do
     start=$(date +%s)
@@ -20,17 +20,17 @@ for stage in $stages; do
             tests/test_dependent_launch.py \
             tests/test_backend_cuda.py >"$out/pytest.log" 2>&1
         ;;
-    sweep) python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-300}" >"$out/kernels.log" 2>&1 ;;
+    sweep) python3 -m bench.gpu_kernels "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-300}" >"$out/kernels.log" 2>&1 ;;
     tune)
-        python3 bench/gpu_kernels.py "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-300}" --write-tuned \
+        python3 -m bench.gpu_kernels "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-300}" --write-tuned \
             >"$out/kernels.log" 2>&1
         status=$?
         cp pinned_backend/kernels/triton/matmul_plans.py "$out/matmul_plans.py"
         (exit $status)
         ;;
-    speed) python3 bench/gpu_price.py "$out/price.json" --parts speed >"$out/price.log" 2>&1 ;;
+    speed) python3 -m bench.gpu_price "$out/price.json" --parts speed >"$out/price.log" 2>&1 ;;
     divergence)
-        python3 bench/gpu_price.py "$out/divergence.json" --parts divergence --embed-std 0.02 \
+        python3 -m bench.gpu_price "$out/divergence.json" --parts divergence --embed-std 0.02 \
             --trials "${TRIALS:-1000}" --budget-s "${DIVERGENCE_BUDGET_S:-150}" >"$out/divergence.log" 2>&1
         ;;
     *) echo "unknown stage $stage" >&2 ;;

@@ -1,6 +1,6 @@
 """What the proxy costs: N requests straight to a trivial replica and N through the proxy, in one run.
 
-    python bench/proxy_overhead.py [--requests 4000] [--concurrency 64] [--store sqlite|postgres]
+    python -m bench.proxy_overhead [--requests 4000] [--concurrency 64] [--store sqlite|postgres]
 
 Latency is measured with one client at a time (so that queueing does not hide the overhead): the added p50 and
 p99 are proxy minus direct. Throughput is measured with `--concurrency` clients. The proxy runs as its own process
@@ -14,17 +14,19 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import aiohttp
 
-HERE = Path(__file__).resolve().parent
+from bench.services import POSTGRES_URL, free_port, postgres_schema, trivial_replicas, wait_until_up
+from proxy.audit import AuditStore
+
 WARMUP = 50
 BODY = {
     "model": "trivial",
@@ -32,26 +34,6 @@ BODY = {
     "max_tokens": 4,
     "temperature": 0,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def wait_until_up(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(url) as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
 
 
 async def sequential(url: str, n: int) -> list[float]:
@@ -94,9 +76,6 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def count_records(store_url: str, schema: str | None) -> tuple[int, bool]:
-    sys.path.insert(0, str(HERE.parent))
-    from proxy.audit import AuditStore
-
     store = await AuditStore.open(store_url, schema=schema)
     try:
         report = await store.verify()
@@ -106,28 +85,31 @@ async def count_records(store_url: str, schema: str | None) -> tuple[int, bool]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
+    async with AsyncExitStack() as stack:
+        schema = None
+        if args.store == "postgres":
+            store_url = POSTGRES_URL
+            schema = await stack.enter_async_context(postgres_schema("bench_overhead"))
+        else:
+            store_url = f"sqlite+aiosqlite:///{Path(tempfile.mkdtemp(prefix='stackpin-bench-')) / 'audit.db'}"
+        [replica_url] = await stack.enter_async_context(trivial_replicas(1))
+        measured = await measure(args, replica_url, store_url, schema)
+        entries, chain_ok = await count_records(store_url, schema)
+    return {**measured, "records": entries, "chain_ok": chain_ok}
+
+
+async def measure(
+    args: argparse.Namespace, replica_url: str, store_url: str, schema: str | None
+) -> dict[str, object]:
     folder = Path(tempfile.mkdtemp(prefix="stackpin-bench-"))
-    replica_port, proxy_port = free_port(), free_port()
-    schema = None
-    if args.store == "postgres":
-        store_url = os.environ.get(
-            "STACKPIN_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
-        )
-        schema = f"bench_{os.getpid()}"
-        subprocess.run(
-            ["psql", "-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-qc", f"CREATE SCHEMA {schema}"],
-            check=True,
-        )
-    else:
-        store_url = f"sqlite+aiosqlite:///{folder / 'audit.db'}"
+    proxy_port = free_port()
     config = folder / "stackpin.toml"
     config.write_text(
         f'[server]\nport = {proxy_port}\n[store]\nurl = "{store_url}"\n'
         + f'durability = "{args.durability}"\n'
         + (f'postgres_schema = "{schema}"\n' if schema else "")
-        + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "http://127.0.0.1:{replica_port}"\n'
+        + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "{replica_url}"\n'
     )
-    config.write_text(config.read_text().replace('log_level = "warning"\n', ""))
     env = {**os.environ, "STACKPIN_LOG_LEVEL": "warning"}
     subprocess.run(
         [sys.executable, "-m", "proxy.cli", "db", "upgrade", "--config", str(config)],
@@ -135,17 +117,14 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         env=env,
         capture_output=True,
     )
-    replica = subprocess.Popen([sys.executable, str(HERE / "trivial_replica.py"), str(replica_port)])
-    proxy = None
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        await wait_until_up(f"http://127.0.0.1:{replica_port}/v1/stack")
-        proxy = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
-            env=env,
-            stderr=subprocess.DEVNULL,
-        )
         await wait_until_up(f"http://127.0.0.1:{proxy_port}/readyz")
-        direct_url = f"http://127.0.0.1:{replica_port}/v1/chat/completions"
+        direct_url = f"{replica_url}/v1/chat/completions"
         proxy_url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
         # Warm both paths (connections, caches) before measuring.
         await sequential(direct_url, WARMUP)
@@ -155,27 +134,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         direct_tput, _ = await concurrent(direct_url, args.requests, args.concurrency)
         proxy_tput, record_ids = await concurrent(proxy_url, args.requests, args.concurrency)
     finally:
-        for process in (proxy, replica):
-            if process is not None:
-                process.terminate()
-                process.wait(timeout=30)
-    entries, chain_ok = await count_records(store_url, schema)
+        proxy.terminate()
+        proxy.wait(timeout=30)
     expected = WARMUP + args.latency_requests + args.requests
-    if schema:
-        subprocess.run(
-            [
-                "psql",
-                "-h",
-                "127.0.0.1",
-                "-U",
-                "postgres",
-                "-d",
-                "test",
-                "-qc",
-                f"DROP SCHEMA {schema} CASCADE",
-            ],
-            check=True,
-        )
     ms = 1000.0
     return {
         "store": args.store,
@@ -192,10 +153,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "direct_rps": direct_tput,
         "proxy_rps": proxy_tput,
         "throughput_ratio": proxy_tput / direct_tput,
-        "records": entries,
         "records_expected": expected,
         "unique_record_ids": len(set(record_ids)) == len(record_ids) == args.requests,
-        "chain_ok": chain_ok,
     }
 
 

@@ -1,14 +1,14 @@
 """A trivial OpenAI-compatible replica for benchmarks: a fixed answer, no model, as fast as aiohttp allows.
 
-Run as a process: `python bench/trivial_replica.py PORT`. It describes a fixed stack at `GET /v1/stack` and answers
+Run as a process: `python -m bench.trivial_replica PORT`. It describes a fixed stack at `GET /v1/stack` and answers
 every completion with the same small body, so that whatever a benchmark measures on top of it is overhead.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
-import sys
 
 import rfc8785
 from aiohttp import web
@@ -61,9 +61,12 @@ async def complete(request: web.Request) -> web.Response:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("port", type=int, help="the loopback port to listen on")
+    port = parser.parse_args().port
     app = web.Application()
     app.add_routes([web.get("/v1/stack", stack), web.post("/v1/chat/completions", complete)])
-    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,7 @@ async def running_fleet(
         yield fleet
 
 
-# Real processes: `stackpin serve` and `stackpin fleet heartbeat`, as a fleet runs them (also used by bench/fleet.py).
+# Real processes: `stackpin serve` and `stackpin fleet heartbeat`, as a fleet runs them.
 
 ROOT = Path(__file__).resolve().parents[1]
 
