@@ -20,8 +20,8 @@ from pinned_backend.checkpoint import ModelConfig, RopeScaling, load_config, loa
 from pinned_backend.kernels import Kernels
 
 # Re-exported: the reference model in tiny.py and the tests import them from here.
-from pinned_backend.kernels.composed import apply_rope as apply_rope
-from pinned_backend.kernels.composed import silu as silu
+from pinned_backend.kernels.unfused import apply_rope as apply_rope
+from pinned_backend.kernels.unfused import silu as silu
 from pinned_backend.kvcache import PagedKVCache
 
 SERVING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

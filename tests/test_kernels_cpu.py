@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pinned_backend.kernels import reference, select_kernels
-from pinned_backend.kernels.cpu import CpuInvariantKernels
-from pinned_backend.kernels.torch_ops import TorchKernels
+from pinned_backend.kernels.cpu_default import TorchKernels
+from pinned_backend.kernels.cpu_invariant import CpuInvariantKernels
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}

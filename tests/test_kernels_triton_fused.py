@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from pinned_backend.kernels.torch_ops import TorchKernels
+from pinned_backend.kernels.cpu_default import TorchKernels
 
 DEVICE = "cuda"
 FULL = 512

@@ -15,7 +15,7 @@ Shapes, shared by every implementation:
                 position of each query; it attends causally to positions 0..query_pos) -> [T, Hq, D].
                 The KV cache must already hold this step's keys and values.
 
-Fused families: each computes what a short run of elementwise torch ops computes (`kernels.composed` spells
+Fused families: each computes what a short run of elementwise torch ops computes (`kernels.unfused` spells
 them out, and the kernel sets that do not fuse use that spelling), in one pass over memory.
 - add_rms_norm:   x [M, D], delta [M, D], weight [D] -> (x + delta [M, D], rms_norm(x + delta) [M, D]); the sum
                   rounded once to x's dtype, as torch's add rounds it. The residual add before the next norm.
@@ -98,10 +98,10 @@ def select_kernels(
         raise ValueError(f"unknown kernel mode {mode!r}; choose one of {', '.join(KERNEL_MODES)}")
     if device.type == "cpu":
         if mode == "default":
-            from pinned_backend.kernels.torch_ops import TorchKernels
+            from pinned_backend.kernels.cpu_default import TorchKernels
 
             return TorchKernels()
-        from pinned_backend.kernels.cpu import CpuInvariantKernels
+        from pinned_backend.kernels.cpu_invariant import CpuInvariantKernels
 
         return CpuInvariantKernels(kv_split_size=kv_split_size)
     if device.type == "cuda":

@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import DEFAULT_KV_SPLIT_SIZE, KernelMode
+from .add_rms_norm import add_rms_norm
 from .attention import KV_TILE, paged_attention
 from .matmul import matmul
-from .residual_norm import add_rms_norm
 from .rms_norm import rms_norm
 from .rope_cache import qkv_rope_cache
+from .silu_mul import silu_mul
 from .softmax import log_softmax
-from .swiglu import silu_mul
 
 
 class TritonKernels:

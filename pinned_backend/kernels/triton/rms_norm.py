@@ -59,7 +59,7 @@ def _rms_norm_kernel(
 
 def norm_warps(block_d: int) -> int:
     """Warps for a norm over a row of `block_d` lanes. They change the reduction tree, so they follow D alone, never
-    M; every kernel that normalises a row (residual_norm.py, rope_cache.py) takes them from here, so that one D
+    M; every kernel that normalises a row (add_rms_norm.py, rope_cache.py) takes them from here, so that one D
     gives one tree."""
     return max(1, min(8, block_d // 256))
 

@@ -7,7 +7,7 @@ dimension alone, so a row's bits never depend on T or on its neighbours; T reach
 The norm is `rms_norm.py`'s jitted helpers over the whole head row, the same tree for the same D; the rotation reads
 the row again as two halves, since a register tensor cannot be permuted (rotate_half), and applies the norm's
 per-row scale to each half, which gives every element the bits the whole-row norm would. The roundings are the
-composed version's (`kernels.composed`): the norm rounds to the dtype, then the weight product; the rotation runs
+composed version's (`kernels.unfused`): the norm rounds to the dtype, then the weight product; the rotation runs
 in fp32 on the fp32 tables and rounds once; keys are rounded to the dtype before the cache's dtype, as the unfused
 model rounded them. Layouts as in `pinned_backend.kernels`; this module knows nothing of how slots are chosen.
 """

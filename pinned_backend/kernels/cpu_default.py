@@ -3,7 +3,7 @@
 This is what an ordinary server runs (on CUDA, `default` is cuBLAS over the Triton kernels: `kernels.triton`).
 The reduction order of each op is whatever PyTorch picks for the shapes of the step, so a row's result may change
 with the batch around it; the `batch_invariant` modes exist to fix that. The fused families are the torch ops they
-fuse (`kernels.composed`). It knows nothing of the model beyond the shapes in `pinned_backend.kernels`."""
+fuse (`kernels.unfused`). It knows nothing of the model beyond the shapes in `pinned_backend.kernels`."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from pinned_backend.kernels import KernelMode
-from pinned_backend.kernels.composed import ComposedKernels
+from pinned_backend.kernels.unfused import UnfusedKernels
 
 
-class TorchKernels(ComposedKernels):
+class TorchKernels(UnfusedKernels):
     mode: KernelMode = "default"
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

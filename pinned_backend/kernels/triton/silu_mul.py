@@ -2,7 +2,7 @@
 
 No element depends on another, so invariance is a matter of doing the same arithmetic on each: a program owns
 `_BLOCK` columns of one row, and the block and warps are fixed, whatever T. The roundings are the composed
-version's (`kernels.composed.silu`): silu in fp32 as g / (1 + exp(-g)), rounded to the dtype, then times up and
+version's (`kernels.unfused.silu`): silu in fp32 as g / (1 + exp(-g)), rounded to the dtype, then times up and
 rounded again. Triton's exp and division are not the C library's, so an element may differ from torch's in its
 last bit; the same element always gets the same bits.
 """

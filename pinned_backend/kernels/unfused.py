@@ -1,6 +1,7 @@
-"""The fused kernel families spelled as the plain PyTorch ops they fuse, for the kernel sets that do not fuse them.
+"""The fused kernel families unfused: spelled as the plain PyTorch ops they fuse, for the kernel sets that do not
+fuse them (the CPU's).
 
-`ComposedKernels` gives a kernel set `add_rms_norm`, `silu_mul` and `qkv_rope_cache` (shapes in
+`UnfusedKernels` gives a kernel set `add_rms_norm`, `silu_mul` and `qkv_rope_cache` (shapes in
 `pinned_backend.kernels`) built from elementwise torch ops and the set's own `rms_norm`, so that the CPU's
 invariant norm stays the norm wherever these families normalise. The ops and their roundings are the model's as it
 was written before these families existed; the CPU backend's tests hold them to that bit for bit. This module
@@ -32,7 +33,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class ComposedKernels(ABC):
+class UnfusedKernels(ABC):
     """The fused families as torch ops over the subclass's own `rms_norm`."""
 
     @abstractmethod

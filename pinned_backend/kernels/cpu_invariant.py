@@ -14,7 +14,7 @@ fixed number of rows, padded with zeros:
 Row reductions (RMSNorm's mean, log-softmax) reduce each row in the same order however many rows there are,
 except that PyTorch splits a reduction across threads when it has a single output; RMSNorm therefore never
 reduces one row alone. Attention runs in float32 whatever the cache dtype. The fused families are composed of
-elementwise torch ops around this module's `rms_norm` (`kernels.composed`); an elementwise op gives an element the
+elementwise torch ops around this module's `rms_norm` (`kernels.unfused`); an elementwise op gives an element the
 same bits wherever it sits. This module knows nothing of the model or scheduling.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode
-from pinned_backend.kernels.composed import ComposedKernels
+from pinned_backend.kernels.unfused import UnfusedKernels
 
 DEFAULT_GEMM_ROWS = 16
 DEFAULT_ATTENTION_ROWS = 8
@@ -31,7 +31,7 @@ DEFAULT_ATTENTION_ROWS = 8
 _TILES_PER_CALL = 32
 
 
-class CpuInvariantKernels(ComposedKernels):
+class CpuInvariantKernels(UnfusedKernels):
     mode: KernelMode = "batch_invariant"
 
     def __init__(

@@ -1,15 +1,15 @@
-"""Specification of the composed fused families: each is exactly the plain torch ops it stands for, bit for bit, on
-the kernel set's own `rms_norm`, in both CPU kernel sets; and in batch_invariant mode a row's bits do not depend on
-the rows around it."""
+"""Specification of the fused families unfused (`kernels.unfused`): each is exactly the plain torch ops it stands
+for, bit for bit, on the kernel set's own `rms_norm`, in both CPU kernel sets; and in batch_invariant mode a row's
+bits do not depend on the rows around it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pinned_backend.kernels.composed import ComposedKernels
-from pinned_backend.kernels.cpu import CpuInvariantKernels
-from pinned_backend.kernels.torch_ops import TorchKernels
+from pinned_backend.kernels.cpu_default import TorchKernels
+from pinned_backend.kernels.cpu_invariant import CpuInvariantKernels
+from pinned_backend.kernels.unfused import UnfusedKernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 KERNEL_SETS = {"default": TorchKernels, "batch_invariant": CpuInvariantKernels}
@@ -22,14 +22,14 @@ def randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> tor
 
 
 @pytest.fixture(params=list(KERNEL_SETS))
-def kernels(request: pytest.FixtureRequest) -> ComposedKernels:
-    made: ComposedKernels = KERNEL_SETS[request.param]()
+def kernels(request: pytest.FixtureRequest) -> UnfusedKernels:
+    made: UnfusedKernels = KERNEL_SETS[request.param]()
     return made
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_is_torchs_add_then_the_sets_own_rms_norm(
-    kernels: ComposedKernels, dtype: torch.dtype
+    kernels: UnfusedKernels, dtype: torch.dtype
 ) -> None:
     x, delta = randn(9, 64, seed=1, dtype=dtype, scale=3), randn(9, 64, seed=2, dtype=dtype)
     weight = randn(64, seed=3, dtype=dtype)
@@ -43,7 +43,7 @@ def test_add_rms_norm_is_torchs_add_then_the_sets_own_rms_norm(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_rounds_silu_to_the_dtype_then_multiplies(
-    kernels: ComposedKernels, dtype: torch.dtype
+    kernels: UnfusedKernels, dtype: torch.dtype
 ) -> None:
     gate_up = randn(7, 2 * 100, seed=4, dtype=dtype, scale=5)
     gate, up = gate_up[:, :100], gate_up[:, 100:]
@@ -58,7 +58,7 @@ def test_silu_mul_rounds_silu_to_the_dtype_then_multiplies(
 
 
 def unfused_qkv(
-    kernels: ComposedKernels,
+    kernels: UnfusedKernels,
     qkv: torch.Tensor,
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
@@ -94,7 +94,7 @@ def unfused_qkv(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
 def test_qkv_rope_cache_is_split_norm_rope_and_a_write_of_exactly_its_slots(
-    kernels: ComposedKernels, dtype: torch.dtype, qk_norm: bool
+    kernels: UnfusedKernels, dtype: torch.dtype, qk_norm: bool
 ) -> None:
     t, max_positions = 11, 64
     qkv = randn(t, (HQ + 2 * HKV) * D, seed=5, dtype=dtype, scale=2)
