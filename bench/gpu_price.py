@@ -13,9 +13,11 @@ numbers are about speed and bit-reproducibility, never about answer quality. The
 
 Measured: matmul TFLOP/s against cuBLAS at the model's shapes for M = 1..512; decode throughput (CUDA graph per
 step) and prefill throughput (one CUDA graph per step, and eager) at batch 1, 8, 32, 128; decode step time against
-the bandwidth floor (weight bytes over the measured copy bandwidth); and the divergence experiment: one prompt
-sent 1000 times at temperature 0 through the engine amid random concurrent requests, in each mode.
-Usage: python -m bench.gpu_price OUT.json [--parts speed,divergence]
+the bandwidth floor (weight bytes over the measured copy bandwidth); the divergence experiment: one prompt sent 1000
+times at temperature 0 through the engine amid random concurrent requests, in each mode; and what the matmul's
+direct launch (`ReusedLaunch`) buys on served steps. The invariant matmuls take the plan file the backend would
+(`--matmul-plans`, as `stackpin-backend serve` takes it).
+Usage: python -m bench.gpu_price OUT.json [--parts speed,divergence,launch] [--matmul-plans auto|none|FILE]
 """
 
 from __future__ import annotations
@@ -26,21 +28,25 @@ import math
 import random
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from bench.gpu_kernels import time_interleaved, weight_copies
 from pinned_backend.checkpoint import ModelConfig, expected_shapes
 from pinned_backend.engine import Engine, EngineConfig, EngineError, TokenOutput
-from pinned_backend.kernels.triton import CublasKernels, TritonKernels, matmul
-from pinned_backend.kernels.triton.dependent_launch import force_dependent_launch
+from pinned_backend.kernels import Kernels, select_kernels
+from pinned_backend.kernels.triton import TritonKernels
+from pinned_backend.kernels.triton.plan_files import plan_file_for, running_on
+from pinned_backend.kernels.triton.timing import time_interleaved, weight_copies
+from pinned_backend.kernels.triton.tuner import compile_ahead, default_workers
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
-from pinned_backend.model import Transformer
+from pinned_backend.model import Transformer, matmul_shapes
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 
+MODES = ("default", "batch_invariant")
 BATCHES = [1, 8, 32, 128]
 MATMUL_M = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 PAGE = 16
@@ -110,7 +116,7 @@ def matmul_table(model: Transformer) -> list[dict[str, Any]]:
         copies = weight_copies(w)
         for m in MATMUL_M:
             flop = 2 * m * n * k
-            us_inv, us_ref = time_interleaved([matmul, F.linear], x[:m], copies)
+            us_inv, us_ref = time_interleaved([model.kernels.matmul, F.linear], x[:m], copies)
             rows.append(
                 {
                     "weight": name,
@@ -313,7 +319,7 @@ ARRIVALS_MAX = 6
 QUEUE_MAX = 32
 
 
-def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int, on_step: Any = None) -> Engine:
+def _engine(model: Transformer, kernels: Kernels, num_blocks: int, on_step: Any = None) -> Engine:
     cache = PagedKVCache(model.config, num_blocks, PAGE, torch.device(DEVICE), torch.bfloat16)
     config = EngineConfig(
         max_model_len=MAX_NOISE_PROMPT + 64,
@@ -329,7 +335,7 @@ def _engine(model: Transformer, kernels: TritonKernels, num_blocks: int, on_step
 
 
 def divergence(
-    model: Transformer, kernels: TritonKernels, trials: int, seed: int, budget_s: float
+    model: Transformer, kernels: Kernels, trials: int, seed: int, budget_s: float
 ) -> dict[str, Any]:
     """The same greedy request `trials` times amid random concurrent requests, through the engine."""
     rng = random.Random(seed)
@@ -436,7 +442,10 @@ def main() -> None:
     parser.add_argument("--embed-std", type=float, default=1.0, help="std of the random embeddings")
     parser.add_argument("--trials", type=int, default=1000, help="divergence trials per mode")
     parser.add_argument("--budget-s", type=float, default=200.0, help="divergence time limit per mode")
-    parser.add_argument("--parts", default="speed,divergence", help="speed, divergence, or both")
+    parser.add_argument("--parts", default="speed,divergence", help="any of speed, divergence, launch")
+    parser.add_argument(
+        "--matmul-plans", default="auto", help="the invariant matmuls' plan file: auto, none or a path"
+    )
     parser.add_argument(
         "--modes", default="default,batch_invariant", help="kernel modes for the divergence part"
     )
@@ -445,13 +454,16 @@ def main() -> None:
     import triton
 
     config = qwen3_1_7b()
-    modes = {"default": CublasKernels(), "batch_invariant": TritonKernels()}
+    plans = args.matmul_plans if args.matmul_plans in ("auto", "none") else Path(args.matmul_plans)
+    plan_file = plan_file_for(running_on(torch.device(DEVICE)), set(matmul_shapes(config).values()), plans)
+    modes = {mode: select_kernels(mode, torch.device(DEVICE), matmul_plans=plan_file) for mode in MODES}
     weights = random_weights(config, seed=0, embed_std=args.embed_std)
     models = {
         name: Transformer(config, dict(weights), k, torch.device(DEVICE), torch.bfloat16)
         for name, k in modes.items()
     }
     del weights
+    compile_plans(modes["batch_invariant"], config)
     props = torch.cuda.get_device_properties(0)
     report: dict[str, Any] = {
         "device": props.name,
@@ -459,11 +471,15 @@ def main() -> None:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "model": "Qwen3-1.7B shape, random seeded bf16 weights (seed 0), tied embeddings",
+        "matmul_plans": None if plan_file is None else plan_file.described(),
         "embed_std": args.embed_std,
         "context_tokens": CONTEXT,
     }
     if "speed" in parts:
         report.update(speed(models, config))
+    if "launch" in parts:
+        report["launch_path"] = launch_path(models["batch_invariant"], config)
+        print("launch path", json.dumps(report["launch_path"]), flush=True)
     if "divergence" in parts:
         report["divergence"] = {}
         for name, model in models.items():
@@ -499,21 +515,114 @@ def speed(models: dict[str, Transformer], config: ModelConfig) -> dict[str, Any]
             out[phase][str(batch)] = row
             print(phase, batch, json.dumps(row), flush=True)
     # What dependent launch buys: the batch-1 step again with every kernel launched after the previous one ends.
-    force_dependent_launch(False)
+    launches = [model.kernels.launches for model in models.values()]  # type: ignore[attr-defined]
+    for launch in launches:
+        launch.dependent_launch = False
     try:
         out["decode_batch1_without_dependent_launch"] = {
             name: decode_rate(model, cache, 1) for name, model in models.items()
         }
     finally:
-        force_dependent_launch(None)
+        for launch in launches:
+            launch.dependent_launch = True
     print("without dependent launch", json.dumps(out["decode_batch1_without_dependent_launch"]), flush=True)
     del cache
     torch.cuda.empty_cache()
     return out
 
 
+# The served workload of the launch-path measurement: requests of random prompts arriving over the first steps.
+LAUNCH_REQUESTS = 48
+LAUNCH_ROUNDS = 2
+
+
+def launch_path(model: Transformer, config: ModelConfig) -> dict[str, Any]:
+    """Served steps with the matmul launched directly (`ReusedLaunch`) and through Triton's own launch path, taken
+    in turn: one workload through a fresh engine each time, its steps replayed from graphs as the backend serves
+    them (graphs captured as new shapes come, as in a fresh server), and eager batch-1 decode and prefill steps."""
+    kernels = model.kernels
+    assert isinstance(kernels, TritonKernels)
+    rng = random.Random(11)
+    workload = [
+        ([rng.randrange(config.vocab_size) for _ in range(rng.randint(16, 600))], rng.randint(8, 48))
+        for _ in range(LAUNCH_REQUESTS)
+    ]
+    cache = PagedKVCache(config, 37 * 16 + 16, PAGE, torch.device(DEVICE), torch.bfloat16)
+    rounds: dict[str, list[dict[str, float]]] = {"reused": [], "triton": []}
+    for _ in range(LAUNCH_ROUNDS):
+        for name in rounds:
+            kernels.launches.reuse_launches = name == "reused"
+            served = _served_workload(model, kernels, workload)
+            served["eager_decode_step_ms"] = decode_rate(model, cache, 1)["eager_step_ms"]
+            served["eager_prefill_step_ms"] = prefill_rate(model, cache, 1)["eager_step_ms"]
+            rounds[name].append(served)
+    kernels.launches.reuse_launches = True
+    del cache
+    torch.cuda.empty_cache()
+    return {name: {key: min(r[key] for r in runs) for key in runs[0]} for name, runs in rounds.items()} | {
+        "requests": LAUNCH_REQUESTS,
+        "rounds": LAUNCH_ROUNDS,
+        "each figure": "the smaller of the rounds",
+    }
+
+
+def _served_workload(
+    model: Transformer, kernels: Kernels, workload: list[tuple[list[int], int]]
+) -> dict[str, float]:
+    steps: list[Any] = []
+    engine = _engine(
+        model, kernels, num_blocks=64 * -(-(MAX_NOISE_PROMPT + 64) // PAGE), on_step=steps.append
+    )
+    pending = list(enumerate(workload))
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    while pending or engine.has_work():
+        for _ in range(min(len(pending), 4)):
+            i, (ids, new) = pending.pop(0)
+            engine.submit(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=new), _raise_errors)
+        engine.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    by_launch = {
+        kind: sum(st.seconds for st in steps if st.launch == kind) for kind in ("graph", "capture", "eager")
+    }
+    return {
+        "wall_s": wall,
+        "steps": float(len(steps)),
+        "captures": float(sum(st.launch == "capture" for st in steps)),
+        "replayed_steps_s": by_launch["graph"],
+        "capture_steps_s": by_launch["capture"],
+    }
+
+
+def _raise_errors(event: TokenOutput | EngineError) -> None:
+    if isinstance(event, EngineError):
+        raise RuntimeError(str(event))
+
+
+def compile_plans(kernels: Kernels, config: ModelConfig) -> None:
+    """Every tile the invariant matmuls will launch, compiled at once in processes of their own."""
+    assert isinstance(kernels, TritonKernels)
+    capability = torch.cuda.get_device_capability()
+    plans = {shape: kernels.plans.plan(*shape, capability) for shape in set(matmul_shapes(config).values())}
+    jobs = {
+        shape: (plan.split_k, list(dict.fromkeys(t for _, t in plan.tiles))) for shape, plan in plans.items()
+    }
+    compile_ahead(jobs, default_workers(), deadline=time.monotonic() + 120)
+
+
 def print_table(r: dict[str, Any]) -> None:
-    print(f"\n{r['device']}  torch {r['torch']}  triton {r['triton']}")
+    print(f"\n{r['device']}  torch {r['torch']}  triton {r['triton']}  matmul plans {r['matmul_plans']}")
+    if "launch_path" in r:
+        lp = r["launch_path"]
+        for key in (
+            "wall_s",
+            "replayed_steps_s",
+            "capture_steps_s",
+            "eager_decode_step_ms",
+            "eager_prefill_step_ms",
+        ):
+            print(f"launch path {key}: reused {lp['reused'][key]:.4f}, Triton's {lp['triton'][key]:.4f}")
     for name, d in r.get("divergence", {}).items():
         print(
             f"divergence {name}: {d['trials']} trials, {d['distinct_completions']} distinct completions, "

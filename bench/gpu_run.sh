@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Everything the GPU reports come from, in one run on one machine: the GPU tests, the matmul sweep and the price
-# of reproducibility. Usage: bench/gpu_run.sh OUT_DIR [STAGE...], stages: tests sweep tune speed divergence
-# (default: tests sweep speed divergence). `tune` is `sweep` that also rewrites matmul_plans.TUNED in this copy of
-# the tree (and leaves the new matmul_plans.py in OUT_DIR), so that the stages after it run the new plans. Each
-# stage writes its JSON and log under OUT_DIR; a failing stage does not stop the others.
+# Everything the GPU reports come from, in one run on one machine, from the repository root. Usage:
+#   bench/gpu_run.sh OUT_DIR [STAGE...]     stages: tests sweep tune matmul speed launch divergence
+# (default: tests sweep speed divergence). `sweep` tunes plans for TUNE_MODELS (default bench/models/qwen3-1.7b)
+# into a plan file in OUT_DIR; `tune` writes it among the shipped ones in this copy of the tree instead (and copies
+# the shipped files to OUT_DIR), so that the stages after it serve it. `matmul` times the served plans and the rule against cuBLAS for
+# MATMUL_MODELS (default Qwen3-8B, Llama-3.1-8B, Qwen3-32B). Each stage writes its JSON and log under OUT_DIR; a
+# failing stage does not stop the others.
 set -u
-out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [speed] [divergence]}
+out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [matmul] [speed] [launch] [divergence]}
 shift
 stages=${*:-tests sweep speed divergence}
+tune_models=${TUNE_MODELS:-bench/models/qwen3-1.7b}
+matmul_models=${MATMUL_MODELS:-bench/models/qwen3-8b bench/models/llama-3.1-8b bench/models/qwen3-32b}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$out/gpu.txt" 2>&1
@@ -20,15 +24,23 @@ for stage in $stages; do
             tests/test_dependent_launch.py \
             tests/test_backend_cuda.py >"$out/pytest.log" 2>&1
         ;;
-    sweep) python3 -m bench.gpu_kernels "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-300}" >"$out/kernels.log" 2>&1 ;;
-    tune)
-        python3 -m bench.gpu_kernels "$out/kernels.json" --budget-s="${SWEEP_BUDGET_S:-300}" --write-tuned \
-            >"$out/kernels.log" 2>&1
+    sweep | tune)
+        # The plan file is named for the GPU, Triton and models; `tune` writes it among the shipped ones.
+        plans_dir=$out
+        [ "$stage" = tune ] && plans_dir=pinned_backend/kernels/triton/plans
+        # shellcheck disable=SC2086  # one argument per model folder
+        python3 -m pinned_backend.cli tune $(printf -- '--model %s ' $tune_models) --out "$plans_dir" \
+            --report "$out/tune.json" --budget-s "${SWEEP_BUDGET_S:-300}" >"$out/tune.log" 2>&1
         status=$?
-        cp pinned_backend/kernels/triton/matmul_plans.py "$out/matmul_plans.py"
+        [ "$stage" = tune ] && cp "$plans_dir"/*.json "$out/" 2>/dev/null
         (exit $status)
         ;;
+    matmul)
+        # shellcheck disable=SC2086
+        python3 -m bench.gpu_kernels "$out/matmul.json" $(printf -- '--model %s ' $matmul_models) >"$out/matmul.log" 2>&1
+        ;;
     speed) python3 -m bench.gpu_price "$out/price.json" --parts speed >"$out/price.log" 2>&1 ;;
+    launch) python3 -m bench.gpu_price "$out/launch.json" --parts launch >"$out/launch.log" 2>&1 ;;
     divergence)
         python3 -m bench.gpu_price "$out/divergence.json" --parts divergence --embed-std 0.02 \
             --trials "${TRIALS:-1000}" --budget-s "${DIVERGENCE_BUDGET_S:-150}" >"$out/divergence.log" 2>&1
@@ -40,8 +52,10 @@ done
 for stage in $stages; do
     case $stage in
     tests) tail -n 3 "$out/pytest.log" ;;
-    sweep | tune) sed -n '/^shape/,$p' "$out/kernels.log" ;;
+    sweep | tune) sed -n '/plan file/,$p' "$out/tune.log" ;;
+    matmul) sed -n '/^model/,$p' "$out/matmul.log" ;;
     speed) sed -n '/^NVIDIA\|^copy\|^matmul worst\|^batch\|^ *[0-9]\|^decode step/p' "$out/price.log" | tail -n 12 ;;
+    launch) grep '^launch path' "$out/launch.log" ;;
     divergence) grep '^divergence' "$out/divergence.log" | tail -n 2 ;;
     esac
 done

@@ -1,10 +1,13 @@
-"""`stackpin-backend`: serve a checkpoint over HTTP, or write the tiny model.
+"""`stackpin-backend`: serve a checkpoint over HTTP, write the tiny model, or tune matmul plans for a GPU.
 
     stackpin-backend serve --model DIR [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
                            [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
-                           [--max-step-graphs N] [--pooling last_token|mean] [--ready-file PATH]
+                           [--max-step-graphs N] [--pooling last_token|mean] [--matmul-plans auto|none|FILE]
+                           [--ready-file PATH]
     stackpin-backend make-tiny DIR
+    stackpin-backend tune --model DIR [--model DIR ...] [--out FILE|DIR] [--report FILE] [--budget-s S]
+                          [--candidates tuner|all]
 
 `serve` writes its base URL (`http://HOST:PORT`) to the ready file once it listens, so a parent process can wait
 for that file and learn the port even when it asked for port 0. Exit codes: 0 after a clean shutdown, 1 when the
@@ -80,9 +83,39 @@ def _parser() -> argparse.ArgumentParser:
         default="last_token",
         help="how /v1/embeddings pools a sequence's final hidden states (part of the stack)",
     )
+    serve.add_argument(
+        "--matmul-plans",
+        default="auto",
+        help="the matmul plan file on cuda in batch_invariant mode: auto (the shipped one for this GPU and Triton "
+        "that holds the most of the model's weight shapes), none (the rule for every weight), or a file, e.g. "
+        "one `tune` wrote; part of the stack",
+    )
     serve.add_argument("--ready-file", type=Path, help="write the base URL here once listening")
     tiny = commands.add_parser("make-tiny", help="train and write the tiny model")
     tiny.add_argument("directory", type=Path)
+    tune = commands.add_parser(
+        "tune", help="tune and prove matmul plans for models' weight shapes on this GPU, into a plan file"
+    )
+    tune.add_argument(
+        "--model",
+        type=Path,
+        action="append",
+        required=True,
+        help="a checkpoint folder; only its config.json is read (repeat for several models)",
+    )
+    tune.add_argument(
+        "--out", type=Path, help="the plan file to write (default: named for the GPU, Triton, models)"
+    )
+    tune.add_argument("--report", type=Path, help="also write every timing and ratio here, as JSON")
+    tune.add_argument(
+        "--budget-s", type=float, default=120.0, help="seconds for compiling and timing tiles (default 120)"
+    )
+    tune.add_argument(
+        "--candidates",
+        choices=["tuner", "all"],
+        default="tuner",
+        help="the candidate tiles (matmul_candidates.py)",
+    )
     return parser
 
 
@@ -94,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(make_tiny(args.directory))
         return 0
+    if args.command == "tune":
+        return _tune(parser, args)
+    matmul_plans = args.matmul_plans if args.matmul_plans in ("auto", "none") else Path(args.matmul_plans)
     try:
         settings = BackendSettings(
             model=args.model,
@@ -111,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             max_step_graphs=args.max_step_graphs,
             pooling=args.pooling,
+            matmul_plans=matmul_plans,
         )
     except ValidationError as exc:
         error = exc.errors()[0]
@@ -123,6 +160,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, ValueError, RuntimeError) as exc:
         print(f"stackpin-backend: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pinned_backend.kernels.triton.tuner import tune_models
+
+    for folder in args.model:
+        if not (folder / "config.json").is_file():
+            parser.error(f"--model: {folder} has no config.json")
+    if args.budget_s <= 0:
+        parser.error("--budget-s must be positive")
+    try:
+        out = tune_models(args.model, args.out, args.report, args.budget_s, args.candidates)
+    except (CheckpointError, RuntimeError) as exc:
+        print(f"stackpin-backend: cannot tune: {exc}", file=sys.stderr)
+        return 1
+    print(out)
     return 0
 
 

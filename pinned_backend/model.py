@@ -40,6 +40,18 @@ class _Layer:
     down: torch.Tensor  # [hidden, intermediate]
 
 
+def matmul_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The (N, K) of each weight the forward pass multiplies by, fused as this module fuses them."""
+    c = config
+    return {
+        "qkv": (c.q_size + 2 * c.kv_size, c.hidden_size),
+        "o_proj": (c.hidden_size, c.q_size),
+        "gate_up": (2 * c.intermediate_size, c.hidden_size),
+        "down": (c.hidden_size, c.intermediate_size),
+        "lm_head": (c.vocab_size, c.hidden_size),
+    }
+
+
 def _check_dtype(dtype: torch.dtype) -> None:
     if dtype not in SERVING_DTYPES:
         names = ", ".join(str(d).removeprefix("torch.") for d in SERVING_DTYPES)

@@ -21,7 +21,7 @@ from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
-from pinned_backend.model import Transformer
+from pinned_backend.model import Transformer, matmul_shapes
 from pinned_backend.runner import EngineRunner
 from pinned_backend.stack import (
     DTYPE_NAMES,
@@ -61,6 +61,10 @@ class BackendSettings(BaseModel):
     max_step_graphs: int = Field(default=DEFAULT_MAX_GRAPHS, ge=0)
     # How /v1/embeddings pools a sequence's final hidden states: part of the stack.
     pooling: Literal["last_token", "mean"] = "last_token"
+    # The matmul plan file of batch_invariant mode on a GPU: "auto" (the shipped file for this GPU and Triton that
+    # holds the most of the model's weight shapes), "none" (the rule for every weight), or a file's path. The stack
+    # names the file and its digest.
+    matmul_plans: Path | Literal["auto", "none"] = "auto"
 
     @model_validator(mode="after")
     def _consistent(self) -> BackendSettings:
@@ -124,7 +128,16 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device; use --device cpu")
     dtype = settings.torch_dtype
     config = load_config(settings.model)
-    kernels = select_kernels(settings.kernel_mode, device, kv_split_size=settings.kv_split_size)
+    plan_file = None
+    invariant_on_gpu = device.type == "cuda" and settings.kernel_mode == "batch_invariant"
+    if invariant_on_gpu:
+        from pinned_backend.kernels.triton.plan_files import plan_file_for, running_on
+
+        shapes = matmul_shapes(config).values()
+        plan_file = plan_file_for(running_on(device), set(shapes), settings.matmul_plans)
+    kernels = select_kernels(
+        settings.kernel_mode, device, kv_split_size=settings.kv_split_size, matmul_plans=plan_file
+    )
     digest = weights_sha256(settings.model)
     model = Transformer.from_pretrained(settings.model, kernels, device, dtype)
     tokenizer = Tokenizer.from_pretrained(settings.model)
@@ -147,11 +160,15 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
     engine = Engine(
         model, cache, BlockAllocator(num_blocks), kernels, engine_config, tokenizer.decode, device, on_step
     )
+    generation, detail = detect_hardware(device)
+    if invariant_on_gpu:
+        # The plans decide the matmuls' reduction orders, and live outside the source the backend version digests.
+        detail = {**detail, "matmul_plans": None if plan_file is None else plan_file.described()}
     stack = build_stack(
         model=settings.served_name,
         weights_sha256=digest,
         quantisation=DTYPE_NAMES[dtype],
-        hardware=detect_hardware(device),
+        hardware=(generation, detail),
         kernel_mode=kernels.mode,
         software=detect_software(device),
         # The CPU's default kernels do not split attention by a fixed size; 0 says so.

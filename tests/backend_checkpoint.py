@@ -99,9 +99,10 @@ def make_engine(
     step_graphs: int = 0,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
+    dependent_launch: bool = True,
 ) -> Engine:
     device = device or torch.device("cpu")
-    kernels = select_kernels(mode, device, kv_split_size=kv_split_size)
+    kernels = select_kernels(mode, device, kv_split_size=kv_split_size, dependent_launch=dependent_launch)
     model = Transformer.from_pretrained(folder, kernels, device, dtype)
     cache = PagedKVCache(model.config, num_blocks, block_size, device, dtype)
     config = EngineConfig(

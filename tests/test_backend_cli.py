@@ -45,6 +45,10 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (("serve", "--model", ".", "--kv-split-size", "100"), "--kv-split-size 100 must be a multiple of"),
         (("serve", "--model", ".", "--device", "cuda", "--kv-split-size", "96"), "choose a multiple of 64"),
         (("serve", "--model", ".", "--max-step-graphs", "-1"), "--max-step-graphs: Input should be greater"),
+        (("tune",), "--model"),
+        (("tune", "--model", "/nonexistent"), "has no config.json"),
+        (("tune", "--model", "bench/models/qwen3-8b", "--budget-s", "0"), "--budget-s must be positive"),
+        (("tune", "--model", "bench/models/qwen3-8b", "--candidates", "few"), "invalid choice: 'few'"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(
@@ -64,6 +68,15 @@ def test_a_folder_without_a_tokenizer_exits_1_naming_the_file(
     folder = write_random_checkpoint(tmp_path / "no-tokenizer")
     assert main(["serve", "--model", str(folder), "--port", "0"]) == 1
     assert "tokenizer.json: file not found" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="on a GPU the tune runs (bench/gpu_run.sh tune)"
+)
+def test_tune_without_a_gpu_exits_1_saying_it_needs_one() -> None:
+    done = run("tune", "--model", str(Path(__file__).parent.parent / "bench/models/qwen3-8b"))
+    assert done.returncode == 1
+    assert "tuning needs a CUDA GPU" in done.stderr
 
 
 def test_serve_writes_its_url_to_the_ready_file_and_stops_cleanly(checkpoint: Path, tmp_path: Path) -> None:

@@ -79,6 +79,15 @@ def test_serve_on_cuda_describes_the_gpu_in_its_stack(server: tuple[str, str]) -
     assert stack["kernel_mode"] == mode
     assert stack["software"]["cuda"] == torch.version.cuda
     assert stack["software"]["driver"]
+    if mode == "batch_invariant":
+        # The plan file the matmuls take (or null: the rule for every weight), by name and digest.
+        from pinned_backend.kernels.triton import plan_files
+
+        named = stack["hardware_detail"]["matmul_plans"]
+        shipped = {f.name: f.sha256 for f in plan_files.shipped()}
+        assert named is None or shipped[named["name"]] == named["sha256"]
+    else:
+        assert "matmul_plans" not in stack["hardware_detail"]
 
 
 def test_batch_invariant_on_cuda_answers_alike_alone_and_amid_others(server: tuple[str, str]) -> None:

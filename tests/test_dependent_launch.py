@@ -1,44 +1,33 @@
-"""Specification of programmatic dependent launch (pinned_backend/kernels/triton/dependent_launch.py): kernels on a
-CUDA device of compute capability 9.0 or later may start while the kernel before them finishes, and that changes
-no request's bits."""
+"""Specification of programmatic dependent launch (pinned_backend/kernels/triton/dependent_launch.py, switched by
+a kernel set's `Launches`): kernels on a CUDA device of compute capability 9.0 or later may start while the kernel
+before them finishes, and that changes no request's bits."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from pinned_backend.kernels.triton import dependent_launch as launch
+from pinned_backend.kernels.triton.launches import Launches
 from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 from tests.backend_checkpoint import make_engine, write_random_checkpoint
 from tests.test_step_graphs import _serve_all
 
 
-@pytest.fixture
-def restore_device_choice() -> Iterator[None]:
-    yield
-    launch.force_dependent_launch(None)
-
-
-def test_a_cpu_never_launches_dependents_and_a_gpu_only_where_it_can(restore_device_choice: None) -> None:
-    launch.force_dependent_launch(True)
-    assert launch.dependent_launch(torch.device("cpu")) is False
+def test_a_cpu_never_launches_dependents_and_a_gpu_only_where_it_can() -> None:
+    assert Launches(dependent_launch=True).dependent(torch.device("cpu")) is False
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
     triton_runs = importlib.util.find_spec("triton") is not None and not os.environ.get("TRITON_INTERPRET")
-    assert launch.dependent_launch(torch.device("cuda")) is (hopper and triton_runs)
-    launch.force_dependent_launch(False)
-    assert launch.dependent_launch(torch.device("cuda")) is False
+    assert Launches().dependent(torch.device("cuda")) is (hopper and triton_runs)
+    assert Launches(dependent_launch=False).dependent(torch.device("cuda")) is False
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_requests_get_the_same_bits_with_dependent_launch_as_without(
-    tmp_path: Path, restore_device_choice: None
-) -> None:
+def test_requests_get_the_same_bits_with_dependent_launch_as_without(tmp_path: Path) -> None:
     pytest.importorskip("triton")
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
@@ -51,9 +40,7 @@ def test_requests_get_the_same_bits_with_dependent_launch_as_without(
         "kv_split_size": 64,
     }
     on_gpu = {"device": torch.device("cuda"), "dtype": torch.bfloat16}
-    launch.force_dependent_launch(False)
-    one_after_another = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=5)
-    launch.force_dependent_launch(True)
+    one_after_another = _serve_all(make_engine(checkpoint, **sizes, **on_gpu, dependent_launch=False), seed=5)
     eager = _serve_all(make_engine(checkpoint, **sizes, **on_gpu), seed=5)
     graphed = _serve_all(make_engine(checkpoint, **sizes, **on_gpu, step_graphs=DEFAULT_MAX_GRAPHS), seed=5)
     assert eager == one_after_another

@@ -23,9 +23,10 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from pinned_backend.kernels.triton import plan_files  # noqa: E402
 from pinned_backend.kernels.triton.matmul import _GROUP_M  # noqa: E402
 from pinned_backend.kernels.triton.matmul_gluon_launch import GluonLaunch, gluon_launch  # noqa: E402
-from pinned_backend.kernels.triton.matmul_plans import TUNED, MatmulPlan, MatmulTile  # noqa: E402
+from pinned_backend.kernels.triton.matmul_plans import MatmulPlan, MatmulTile  # noqa: E402
 
 # Swapped specialized tiles of each number of partitions, whether or not a plan serves them: the largest
 # accumulators each allows, with and without a tail, and two slices of K. (N, K, slices, tile.)
@@ -38,11 +39,15 @@ _PARTITIONED = [
 
 
 def _launches() -> dict[str, GluonLaunch]:
-    """Each distinct launch of a Gluon tile in the tuned plans, as served steps make it (programmatic dependents),
-    and of the swapped specialized tiles above."""
+    """Each distinct launch of a Gluon tile in the shipped plan files, as served steps make it (programmatic
+    dependents), and of the swapped specialized tiles above."""
     launches: dict[str, GluonLaunch] = {}
     served = [
-        (n, k, plan.split_k, tile) for (n, k), plan in TUNED.items() for _, tile in plan.tiles if tile.gluon
+        (n, k, plan.split_k, tile)
+        for shipped in plan_files.shipped()
+        for (n, k), plan in shipped.plans.items()
+        for _, tile in plan.tiles
+        if tile.gluon
     ]
     for n, k, split, tile in served + _PARTITIONED:
         MatmulPlan(split, ((1 << 62, tile),)).check(k)

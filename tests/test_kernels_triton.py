@@ -6,6 +6,7 @@ plain Python and are checked everywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import math
 from typing import Any
@@ -13,10 +14,30 @@ from typing import Any
 import pytest
 import torch
 
+from pinned_backend.kernels.triton import plan_files
+from pinned_backend.kernels.triton.launches import Launches
 from pinned_backend.kernels.triton.matmul import matmul as matmul_with_plan
-from pinned_backend.kernels.triton.matmul_plans import MatmulPlan, MatmulTile, matmul_plan, rule_plan
+from pinned_backend.kernels.triton.matmul_plans import MatmulPlan, MatmulTile, rule_plan, rule_split
+from pinned_backend.kernels.triton.plan_files import MatmulPlans, PlanFile, Proven
 
 QWEN3_1_7B_WEIGHTS = [(4096, 2048), (12288, 2048), (2048, 2048), (2048, 6144), (151936, 2048)]
+# The plans shipped for Qwen3-1.7B's weights, whatever GPU and Triton run the tests: those tests prove them here.
+QWEN3_1_7B_PLANS = MatmulPlans(
+    plan_files.load(plan_files.SHIPPED / "nvidia-h200_triton-3.7.1_qwen3-1.7b.json")
+)
+HOPPER = Proven("NVIDIA H200", (9, 0), "3.7.1")
+
+
+def matmul_plan(n: int, k: int, capability: tuple[int, int]) -> MatmulPlan:
+    """The plan Qwen3-1.7B's shipped plans give a weight of shape (N, K) on a GPU of `capability`."""
+    return QWEN3_1_7B_PLANS.plan(n, k, capability)
+
+
+def plan_file(
+    plans: dict[tuple[int, int], MatmulPlan], proven: Proven = HOPPER, name: str = "t.json"
+) -> PlanFile:
+    return plan_files.parse(plan_files.dump(proven, ["test"], plans, "for a test"), name)
+
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -41,18 +62,16 @@ def test_matmul_plan_depends_on_the_weight_shape_and_the_gpu_only(
     assert plan.tile_for(1) == plan.tiles[0][1] and plan.tile_for(10**9) == plan.tiles[-1][1]
 
 
-def test_a_gpu_no_sweep_has_proven_gets_a_plain_tile_even_where_the_plan_has_one_gluon_or_streamed_tile(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    plans = importlib.import_module("pinned_backend.kernels.triton.matmul_plans")
-    # Shapes no other plan has, one for each tile: plans are cached by shape and GPU.
+def test_a_gpu_no_sweep_has_proven_gets_a_plain_tile_even_where_the_plan_has_one_gluon_or_streamed_tile() -> (
+    None
+):
     for n, tile in (
         (1056, MatmulTile(128, 128, 64, 8, 4, gluon="persistent")),
         (1088, MatmulTile(128, 128, 64, 8, 4, stream=True)),
     ):
-        monkeypatch.setitem(plans.TUNED, (n, 1024), MatmulPlan(1, ((1 << 62, tile),)))
-        assert matmul_plan(n, 1024, (9, 0)).tiles[0][1] == tile
-        unproven = matmul_plan(n, 1024, (8, 0)).tiles[0][1]
+        plans = MatmulPlans(plan_file({(n, 1024): MatmulPlan(1, ((1 << 62, tile),))}))
+        assert plans.plan(n, 1024, (9, 0)).tiles[0][1] == tile
+        unproven = plans.plan(n, 1024, (8, 0)).tiles[0][1]
         assert not (unproven.gluon or unproven.stream or unproven.tma or unproven.swap)
 
 
@@ -90,6 +109,102 @@ def test_rule_plan_gives_small_m_enough_programs_and_large_m_wide_tiles() -> Non
     assert narrow.tile_for(4096).block_m == 128
     assert rule_plan(151936, 2048).tile_for(1).block_n == 128
     assert all(plan.split_k == 1 for plan in (narrow, rule_plan(151936, 2048)))
+
+
+@pytest.mark.parametrize(
+    ("k", "split"),
+    [(2048, 1), (4096, 1), (6144, 1), (8192, 2), (12288, 2), (14336, 2), (25600, 4), (8200, 1)],
+)
+def test_the_rule_cuts_long_reductions_into_slices_by_k_alone(k: int, split: int) -> None:
+    assert rule_split(k) == split
+    for n in (2048, 4096, 5120, 151936):
+        plan = rule_plan(n, k)
+        assert plan.split_k == split
+        plan.check(k)
+
+
+@pytest.mark.parametrize(("n", "k"), [(4096, 12288), (4096, 14336), (5120, 25600), (2048, 8192)])
+def test_at_decode_sizes_the_rule_s_tiles_and_slices_fill_the_multiprocessors(n: int, k: int) -> None:
+    plan = rule_plan(n, k)
+    for m in (1, 16, 32, 64):
+        tile = plan.tile_for(m)
+        slices = plan.split_k if tile.split_programs else 1
+        assert tile.tiles(m, n) * slices >= 128, f"{tile} at M = {m}"
+
+
+def test_a_plan_file_gives_its_plans_on_the_gpu_it_names_and_the_rule_elsewhere() -> None:
+    tile = MatmulTile(64, 128, 64, 4, 6)
+    plans = MatmulPlans(plan_file({(4096, 4096): MatmulPlan(1, ((1 << 62, tile),))}))
+    assert plans.plan(4096, 4096, (9, 0)).tiles == ((1 << 62, tile),)
+    assert plans.plan(4096, 2048, (9, 0)) == rule_plan(4096, 2048)
+    assert plans.plan(4096, 4096, (10, 0)) == rule_plan(4096, 4096, (10, 0))
+
+
+def test_a_plan_file_reads_back_what_was_written_and_names_its_digest() -> None:
+    written = {shape: QWEN3_1_7B_PLANS.plan(*shape, (9, 0)) for shape in QWEN3_1_7B_WEIGHTS}
+    text = plan_files.dump(HOPPER, ["Qwen3-1.7B"], written, "for a test")
+    read = plan_files.parse(text, "p.json")
+    assert read.plans == written and read.proven == HOPPER and read.models == ("Qwen3-1.7B",)
+    assert read.described() == {
+        "name": "p.json",
+        "sha256": __import__("hashlib").sha256(text.encode()).hexdigest(),
+    }
+
+
+@pytest.mark.parametrize(
+    ("edit", "why"),
+    [
+        (
+            lambda t: t.replace('"format": "stackpin-matmul-plans/1"', '"format": "other/1"'),
+            "not a plan file",
+        ),
+        (lambda t: t.replace('"num_warps": 4', '"num_warps": 2', 1), "4 or 8 warps"),
+        (lambda t: t.replace('"up_to_m": null', '"up_to_m": 9999'), "the last every larger M"),
+        (lambda t: t.replace('"split_k": 1', '"split_k": 3', 1), "N = 4096, K = 2048: "),
+        (lambda t: t.replace('"swap": true', '"swap": true, "spin": true', 1), "unexpected keyword argument 'spin'"),
+        (lambda t: t.replace('"block_m": 128', '"block_m": "128"', 1), "sizes are integers"),
+    ],
+)
+def test_a_malformed_plan_file_is_refused_with_what_is_wrong(edit: Any, why: str) -> None:
+    plans = {(4096, 2048): QWEN3_1_7B_PLANS.plan(4096, 2048, (9, 0))}
+    text = plan_files.dump(HOPPER, ["m"], plans, "for a test")
+    with pytest.raises(plan_files.PlanFileError, match=why):
+        plan_files.parse(edit(text), "bad.json")
+
+
+def test_plans_proven_under_another_triton_or_gpu_are_not_used(tmp_path: Any) -> None:
+    plans = {(4096, 2048): QWEN3_1_7B_PLANS.plan(4096, 2048, (9, 0))}
+    path = tmp_path / "h200-3.7.1.json"
+    path.write_text(plan_files.dump(HOPPER, ["m"], plans, "for a test"))
+    assert plan_files.plan_file_for(HOPPER, {(4096, 2048)}, path).plans == plans
+    for other in (Proven("NVIDIA H200", (9, 0), "3.6.0"), Proven("NVIDIA H100 80GB HBM3", (9, 0), "3.7.1")):
+        with pytest.raises(plan_files.PlanFileError, match="proven on NVIDIA H200"):
+            plan_files.plan_file_for(other, {(4096, 2048)}, path)
+        assert plan_files.choose([plan_files.load(path)], other, {(4096, 2048)}) is None
+    assert plan_files.plan_file_for(HOPPER, {(4096, 2048)}, "none") is None
+
+
+def test_a_model_takes_the_matching_plan_file_that_holds_the_most_of_its_shapes() -> None:
+    plan = QWEN3_1_7B_PLANS.plan(4096, 2048, (9, 0))
+    one = plan_file({(4096, 2048): plan}, name="a.json")
+    two = plan_file(
+        {(4096, 2048): plan, (2048, 2048): QWEN3_1_7B_PLANS.plan(2048, 2048, (9, 0))}, name="b.json"
+    )
+    elsewhere = plan_file({(4096, 2048): plan}, Proven("NVIDIA H100", (9, 0), "3.7.1"), "c.json")
+    shapes = {(4096, 2048), (2048, 2048), (12288, 2048)}
+    assert plan_files.choose([one, two, elsewhere], HOPPER, shapes) is two
+    assert plan_files.choose([two, one], HOPPER, {(4096, 2048)}) is one  # as many: the first by name
+    assert plan_files.choose([one, two], HOPPER, {(5, 5)}) is None
+
+
+def test_every_shipped_plan_file_loads_and_names_the_gpu_and_triton_it_was_proven_under() -> None:
+    shipped = plan_files.shipped()
+    assert shipped, "the package ships plan files"
+    for found in shipped:
+        assert found.plans and found.models
+        assert found.proven.triton.count(".") == 2 and found.proven.capability == (9, 0)
+        for (_n, k), plan in found.plans.items():
+            plan.check(k)
 
 
 @pytest.mark.parametrize(
@@ -232,18 +347,14 @@ def test_a_plan_whose_tiles_could_reduce_in_different_orders_is_refused(
         plan.check(k)
 
 
-def test_counters_outgrown_by_a_larger_launch_stay_allocated_for_the_graphs_that_captured_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
-    monkeypatch.setattr(matmul_module, "_ARRIVALS", {})
-    monkeypatch.setattr(matmul_module, "_OUTGROWN", [])
+def test_counters_outgrown_by_a_larger_launch_stay_allocated_for_the_graphs_that_captured_them() -> None:
+    launches = Launches()
     cpu = torch.device("cpu")
-    first = matmul_module._arrival_counters(cpu, 10)
-    assert matmul_module._arrival_counters(cpu, first.numel()) is first
-    larger = matmul_module._arrival_counters(cpu, first.numel() + 1)
+    first = launches.arrival_counters(cpu, 10)
+    assert launches.arrival_counters(cpu, first.numel()) is first
+    larger = launches.arrival_counters(cpu, first.numel() + 1)
     assert larger.numel() > first.numel() and int(larger.count_nonzero()) == 0
-    assert any(kept is first for kept in matmul_module._OUTGROWN)
+    assert any(kept is first for kept in launches.outgrown)
 
 
 @pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
@@ -255,11 +366,10 @@ def test_a_streamed_launch_cuts_chains_only_among_programs_that_fit_on_the_gpu_a
     # GPU at once. So the launch is checked here, without running it.
     matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
     launches: list[tuple[Any, ...]] = []
+    recorder = Launches()
     monkeypatch.setattr(
-        matmul_module, "_STREAM_LAUNCH", lambda grid, args, *_, **__: launches.append((grid, args))
+        recorder, "launch", lambda kernel, grid, args, *_, **__: launches.append((grid, args))
     )
-    monkeypatch.setattr(matmul_module, "_ARRIVALS", {})
-    monkeypatch.setattr(matmul_module, "_OUTGROWN", [])
     multiprocessors = 132
     monkeypatch.setattr(matmul_module, "_multiprocessors", lambda device: multiprocessors)
     split = matmul_plan(n, k, (9, 0)).split_k
@@ -271,7 +381,9 @@ def test_a_streamed_launch_cuts_chains_only_among_programs_that_fit_on_the_gpu_a
             if m * n > 1 << 28:
                 continue
             launches.clear()
-            matmul_with_plan(torch.empty(1, k, dtype=torch.bfloat16).expand(m, k), w, plan, tile)
+            matmul_with_plan(
+                torch.empty(1, k, dtype=torch.bfloat16).expand(m, k), w, plan, tile, launches=recorder
+            )
             ((programs,), args) = launches[0]
             run, row_tiles = args[12], -(-m // tile.block_m)
             groups, left = divmod(programs, row_tiles)
@@ -310,15 +422,17 @@ def test_default_mode_on_cuda_is_cublas_over_the_same_triton_kernels(triton_ops)
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("plans", ["shipped", "rule"])
 @pytest.mark.parametrize(("n", "k"), QWEN3_1_7B_WEIGHTS)
 def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
-    triton_ops, unwritten_elements_show: None, n: int, k: int
+    triton_ops, unwritten_elements_show: None, n: int, k: int, plans: str
 ) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator(device="cuda").manual_seed(n + k)
     x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
-    plan = matmul_plan(n, k, torch.cuda.get_device_capability())
-    full = triton_ops.matmul(x[:512], w)
+    kernels = triton_ops.TritonKernels(plans=QWEN3_1_7B_PLANS if plans == "shipped" else MatmulPlans())
+    plan = kernels.plans.plan(n, k, torch.cuda.get_device_capability())
+    full = kernels.matmul(x[:512], w)
     assert not full.isnan().any(), "the plan left elements unwritten"
     assert _rel_err(full, x[:512].double() @ w.double().T) < 1e-2
     for _, tile in plan.tiles:
@@ -328,14 +442,14 @@ def test_matmul_matches_float64_and_is_invariant_across_m_row_position_and_tile(
     edges = {m + d for m, _ in plan.tiles[:-1] for d in (-1, 0, 1)}
     for m in sorted(edges | {1, 2, 3, 7, 16, 63, 64, 65, 127, 200, 333, 511, 512}):
         if 1 <= m <= 512:
-            assert torch.equal(triton_ops.matmul(x[:m], w), full[:m]), (
+            assert torch.equal(kernels.matmul(x[:m], w), full[:m]), (
                 f"rows changed when M went from 512 to {m}"
             )
     for j in (1, 5, 77):
-        assert torch.equal(triton_ops.matmul(x[j : j + 512], w)[: 512 - j], full[j:]), f"rows shifted by {j}"
+        assert torch.equal(kernels.matmul(x[j : j + 512], w)[: 512 - j], full[j:]), f"rows shifted by {j}"
     # Past 16 row tiles the launch walks bands of row tiles (prefill sizes); a row's bits stay its own.
     for m in (1100, 2200):
-        out = triton_ops.matmul(x[:m], w)
+        out = kernels.matmul(x[:m], w)
         assert torch.equal(out[:512], full), f"rows changed at M = {m}"
         assert not out.isnan().any(), f"elements left unwritten at M = {m}"
 
@@ -353,17 +467,18 @@ _SLICE_PER_PROGRAM_TILES = [
 def test_slices_in_programs_of_their_own_meet_in_slice_order_and_leave_the_counters_at_zero(
     triton_ops, unwritten_elements_show: None, split: int
 ) -> None:  # type: ignore[no-untyped-def]
-    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    launches = Launches()
+    matmul_with = functools.partial(matmul_with_plan, launches=launches)
     x = torch.randn(700, 2048, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(1024, 2048, device="cuda") / 45).to(torch.bfloat16)
     in_one_program = MatmulTile(64, 128, 64, 4, 4)
     for m in (1, 33, 160, 333, 700):
         plan = MatmulPlan(split, ((1 << 62, in_one_program),))
-        expected = matmul_with_plan(x[:m], w, plan, in_one_program)
+        expected = matmul_with(x[:m], w, plan, in_one_program)
         for tile in _SLICE_PER_PROGRAM_TILES:
-            out = matmul_with_plan(x[:m], w, plan, tile)
+            out = matmul_with(x[:m], w, plan, tile)
             assert torch.equal(out, expected), f"{tile} at M = {m} gives other bits than one program per tile"
-    counters = matmul_module._ARRIVALS[x.device]
+    counters = launches.arrivals[x.device]
     assert int(counters.count_nonzero()) == 0, "a tile's last program left its counter set"
 
 
@@ -373,7 +488,8 @@ def test_slices_in_programs_of_their_own_meet_in_slice_order_and_leave_the_count
 def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_program(
     triton_ops, unwritten_elements_show: None, n: int, k: int, split: int
 ) -> None:  # type: ignore[no-untyped-def]
-    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
+    launches = Launches()
+    matmul_with = functools.partial(matmul_with_plan, launches=launches)
     x = torch.randn(700, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
     for plain in (
@@ -385,19 +501,19 @@ def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_p
         plan = MatmulPlan(split, ((1 << 62, plain),))
         # Sizes that leave a last round of tiles part full, and so cut chains between programs.
         for m in (1, 64, 130, 264, 336, 512, 700):
-            expected = matmul_with_plan(x[:m], w, plan, plain)
-            out = matmul_with_plan(x[:m], w, plan, streamed)
+            expected = matmul_with(x[:m], w, plan, plain)
+            out = matmul_with(x[:m], w, plan, streamed)
             assert torch.equal(out, expected), (
                 f"{streamed} at M = {m} gives other bits than one program a chain"
             )
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            replayed = matmul_with_plan(x[:336], w, plan, streamed)
+            replayed = matmul_with(x[:336], w, plan, streamed)
         for _ in range(2):
             replayed.zero_()
             graph.replay()
-            assert torch.equal(replayed, matmul_with_plan(x[:336], w, plan, plain))
-    counters = matmul_module._ARRIVALS[x.device]
+            assert torch.equal(replayed, matmul_with(x[:336], w, plan, plain))
+    counters = launches.arrivals[x.device]
     assert int(counters.count_nonzero()) == 0, "a carry flag or a slice counter was left set"
 
 
@@ -405,26 +521,24 @@ def test_a_streamed_tile_carries_each_chain_across_programs_to_the_bits_of_one_p
 @needs_cuda
 def test_a_slice_per_program_captured_in_a_graph_before_any_eager_launch_replays_right() -> None:
     pytest.importorskip("triton")
-    matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
-    matmul_module._ARRIVALS.clear()  # as in a fresh process whose first such product is captured
+    launches = Launches()  # as in a fresh process whose first such product is captured
+    matmul_with = functools.partial(matmul_with_plan, launches=launches)
     x = torch.randn(200, 2048, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(2048, 2048, device="cuda") / 45).to(torch.bfloat16)
     tile = MatmulTile(64, 128, 64, 4, 4, split_programs=True)
     plan = MatmulPlan(4, ((1 << 62, tile),))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = matmul_with_plan(x, w, plan, tile)
-    assert x.device not in matmul_module._ARRIVALS, (
-        "counters made during a capture must not serve other launches"
-    )
+        out = matmul_with(x, w, plan, tile)
+    assert x.device not in launches.arrivals, "counters made during a capture must not serve other launches"
     one_program = MatmulTile(64, 128, 64, 4, 4)
-    expected = matmul_with_plan(x, w, MatmulPlan(4, ((1 << 62, one_program),)), one_program)
+    expected = matmul_with(x, w, MatmulPlan(4, ((1 << 62, one_program),)), one_program)
     for _ in range(3):
         out.zero_()
         graph.replay()
         assert torch.equal(out, expected)
-    eager = matmul_with_plan(x, w, plan, tile)  # and afterwards, eager launches get counters of their own
-    assert torch.equal(eager, expected) and int(matmul_module._ARRIVALS[x.device].count_nonzero()) == 0
+    eager = matmul_with(x, w, plan, tile)  # and afterwards, eager launches get counters of their own
+    assert torch.equal(eager, expected) and int(launches.arrivals[x.device].count_nonzero()) == 0
 
 
 @gpu
@@ -530,21 +644,17 @@ def test_attention_matches_float64_and_does_not_depend_on_how_the_step_was_built
 @needs_cuda
 def test_a_reused_launch_gives_triton_launchs_bits_and_keeps_specialisations_apart(triton_ops) -> None:  # type: ignore[no-untyped-def]
     matmul_module = importlib.import_module("pinned_backend.kernels.triton.matmul")
-    reused_launch = importlib.import_module("pinned_backend.kernels.triton.reused_launch")
     storage = torch.randn(300 * 512 + 1, device="cuda", dtype=torch.bfloat16)
     aligned = storage[: 300 * 512].view(300, 512)
     shifted = storage[1:].view(300, 512)  # 2 bytes past a 16-byte boundary: Triton compiles it apart
     w = (torch.randn(200, 512, device="cuda") / 23).to(torch.bfloat16)  # N = 200: not divisible by 16
     cases = [(x[:m], wt) for x in (aligned, shifted) for m in (1, 7, 300) for wt in (w, w[:192])]
-    expected = []
-    reused_launch.reuse_launches(False)
-    try:
-        for x, wt in cases:
-            expected.append(matmul_module.matmul(x, wt))
-    finally:
-        reused_launch.reuse_launches(True)
+    through_triton = triton_ops.TritonKernels(launches=Launches(reuse_launches=False))
+    expected = [through_triton.matmul(x, wt) for x, wt in cases]
+    reusing = triton_ops.TritonKernels()
     for _ in range(2):  # the first round compiles through Triton, the second reuses
         for (x, wt), want in zip(cases, expected, strict=True):
-            assert torch.equal(matmul_module.matmul(x, wt), want)
-    alignments = {key[1][0][2] for key in matmul_module._LAUNCH.compiled}
+            assert torch.equal(reusing.matmul(x, wt), want)
+    compiled = reusing.launches.reused_launch(matmul_module._matmul_kernel).compiled
+    alignments = {key[1][0][2] for key in compiled}
     assert alignments == {True, False}, "an unaligned x must not reuse a kernel compiled for an aligned one"

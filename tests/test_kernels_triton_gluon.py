@@ -5,32 +5,40 @@ operand, and in fp16. Needs a Hopper GPU; skipped cleanly without one.
 
 from __future__ import annotations
 
-import importlib
+import functools
 import math
 
 import pytest
 import torch
 
-from pinned_backend.kernels.triton.matmul import matmul as matmul_with_plan
+from pinned_backend.kernels.triton.launches import Launches
+from pinned_backend.kernels.triton.matmul import matmul
 from pinned_backend.kernels.triton.matmul_plans import MatmulPlan, MatmulTile
 from tests.test_kernels_triton import gpu, needs_cuda
 
 
 def _assert_waits_for_the_kernel_writing_its_operand(
-    triton_ops, x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan, tile: MatmulTile, reference: MatmulTile
+    triton_ops,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    plan: MatmulPlan,
+    tile: MatmulTile,
+    reference: MatmulTile,
+    launches: Launches,
 ) -> None:  # type: ignore[no-untyped-def]
     """Launched right after the kernel that writes its operand, in a graph where both launch as programmatic
     dependents, `tile` must wait for that kernel's writes: a stale operand, zeroed before the replay, would show."""
     k = x.shape[1]
     w_in = (torch.randn(k, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+    writer = triton_ops.TritonKernels(launches=launches)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        operand = triton_ops.matmul(x, w_in)
-        chained = matmul_with_plan(operand, w, plan, tile)
+        operand = writer.matmul(x, w_in)
+        chained = matmul(operand, w, plan, tile, launches=launches)
     operand.zero_()
     chained.zero_()
     graph.replay()
-    expected = matmul_with_plan(triton_ops.matmul(x, w_in), w, plan, reference)
+    expected = matmul(writer.matmul(x, w_in), w, plan, reference, launches=launches)
     assert torch.equal(chained, expected), (
         f"{tile} read its operand before the kernel writing it had finished"
     )
@@ -52,6 +60,8 @@ _GLUON_BLOCKS = [
 def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
     triton_ops, unwritten_elements_show: None, n: int, k: int, split: int
 ) -> None:  # type: ignore[no-untyped-def]
+    launches = Launches()
+    matmul_with_plan = functools.partial(matmul, launches=launches)
     x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
     for blocks in _GLUON_BLOCKS:
@@ -85,13 +95,13 @@ def test_a_gluon_tile_gives_the_bits_of_its_tl_dot_twin(
     # fp16 operands too.
     x16, w16 = x[:336].half(), w.half()
     assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, twin))
-    _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, twin)
+    _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, twin, launches)
     # Rows the copy engine cannot address (a stride of K + 1 elements) go to the twin, with the same bits.
     strided = torch.empty(300, k + 1, device="cuda", dtype=torch.bfloat16)[:, :k]
     strided.copy_(x[:300])
     assert torch.equal(matmul_with_plan(strided, w, plan, gluon), matmul_with_plan(x[:300], w, plan, gluon))
     torch.cuda.synchronize()
-    counters = importlib.import_module("pinned_backend.kernels.triton.matmul")._ARRIVALS.get(x.device)
+    counters = launches.arrivals.get(x.device)
     assert counters is None or int(counters.count_nonzero()) == 0, "a tile's slice counter was left set"
 
 
@@ -120,6 +130,8 @@ _GLUON_PARTITIONED_BLOCKS = [
 def test_a_swapped_gluon_tile_gives_every_row_the_bits_of_the_unswapped_tiles(
     triton_ops, unwritten_elements_show: None, n: int, k: int, split: int
 ) -> None:  # type: ignore[no-untyped-def]
+    launches = Launches()
+    matmul_with_plan = functools.partial(matmul, launches=launches)
     x = torch.randn(2200, k, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
     plain = MatmulTile(128, 128, 64, 8, 5, tma=True)
@@ -154,7 +166,7 @@ def test_a_swapped_gluon_tile_gives_every_row_the_bits_of_the_unswapped_tiles(
         replayed.zero_()
         graph.replay()
         assert torch.equal(replayed, expected[:264]), f"{gluon} replayed from a graph"
-        _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, plain)
+        _assert_waits_for_the_kernel_writing_its_operand(triton_ops, x[:264], w, plan, gluon, plain, launches)
         # fp16 operands too.
         x16, w16 = x[:264].half(), w.half()
         assert torch.equal(matmul_with_plan(x16, w16, plan, gluon), matmul_with_plan(x16, w16, plan, plain))
@@ -163,5 +175,5 @@ def test_a_swapped_gluon_tile_gives_every_row_the_bits_of_the_unswapped_tiles(
         strided.copy_(x[:300])
         assert torch.equal(matmul_with_plan(strided, w, plan, gluon), expected[:300]), f"{gluon}'s twin"
     torch.cuda.synchronize()
-    counters = importlib.import_module("pinned_backend.kernels.triton.matmul")._ARRIVALS.get(x.device)
+    counters = launches.arrivals.get(x.device)
     assert counters is None or int(counters.count_nonzero()) == 0, "a tile's slice counter was left set"

@@ -31,15 +31,19 @@ them out, and the kernel sets that do not fuse use that spelling), in one pass o
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from pinned_backend.kernels.triton.plan_files import PlanFile
 
 KernelMode = Literal["default", "batch_invariant"]
 KERNEL_MODES: tuple[KernelMode, ...] = ("default", "batch_invariant")
 # Keys per chunk of the invariant attention's KV reduction, on every device. Part of the stack, since it fixes the
 # reduction order. 128 rather than 256: a batch-1 decode step at 512 tokens of context spreads over twice the
-# programs and takes 1.59 ms instead of 1.67 ms on an H200, for 1.3% of prefill (bench/results/h200.md).
+# programs and takes 1.59 ms instead of 1.67 ms on an H200, for 1.3% of prefill (bench/results/h200.md,
+# "Choices the code rests on").
 DEFAULT_KV_SPLIT_SIZE = 128
 
 
@@ -85,9 +89,17 @@ class Kernels(Protocol):
 
 
 def select_kernels(
-    mode: KernelMode, device: torch.device, *, kv_split_size: int = DEFAULT_KV_SPLIT_SIZE
+    mode: KernelMode,
+    device: torch.device,
+    *,
+    kv_split_size: int = DEFAULT_KV_SPLIT_SIZE,
+    matmul_plans: PlanFile | None = None,
+    dependent_launch: bool = True,
 ) -> Kernels:
-    """The kernels for `mode` on `device`; `kv_split_size` (tokens) is the invariant attention's KV split.
+    """The kernels for `mode` on `device`; `kv_split_size` (tokens) is the invariant attention's KV split. On a GPU,
+    `matmul_plans` is the plan file whose plans the invariant matmuls take where it has the weight's shape (the rule
+    elsewhere), and `dependent_launch` False launches every kernel after the one before ends (for benchmarks that
+    price it; the bits are the same).
 
     On a GPU, `default` is what a fast ordinary server runs: cuBLAS matmuls, whose kernel and split of K follow the
     batch, over the same Triton attention and fused kernels as `batch_invariant` (PyTorch's own attention over a
@@ -116,6 +128,10 @@ def select_kernels(
                 f"{mode} mode on {device} needs the Triton kernels, which failed to import ({exc}); install triton"
             ) from exc
         factory = triton_kernels.CublasKernels if mode == "default" else triton_kernels.TritonKernels
-        kernels: Kernels = factory(kv_split_size=kv_split_size)
+        kernels: Kernels = factory(
+            kv_split_size=kv_split_size,
+            plans=triton_kernels.MatmulPlans(matmul_plans),
+            launches=triton_kernels.Launches(dependent_launch=dependent_launch),
+        )
         return kernels
     raise ValueError(f"no kernels for device type {device.type!r}; use cpu or cuda")

@@ -48,7 +48,7 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, dependent: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, D], delta [M, D], weight [D] -> (x + delta, rms_norm(x + delta)), both [M, D] in x's dtype."""
     if x.dim() != 2 or delta.shape != x.shape:
@@ -70,7 +70,7 @@ def add_rms_norm(
         return summed, normed
     block_d = triton.next_power_of_2(d)
     num_warps = norm_warps(block_d)
-    dependent = launch_options(x.device)
+    options = launch_options(x.device, dependent)
     _add_rms_norm_kernel[(m,)](
         x,
         delta,
@@ -84,7 +84,7 @@ def add_rms_norm(
         d,
         eps,
         BLOCK_D=block_d,
-        **dependent,
+        **options,
         num_warps=num_warps,
     )
     return summed, normed

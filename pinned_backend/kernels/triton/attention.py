@@ -359,11 +359,12 @@ def paged_attention(
     split: int,
     *,
     path: AttentionPath = "auto",
+    dependent: bool = True,
 ) -> torch.Tensor:
     """Causal attention of each query over its sequence's cached keys 0..query_pos -> [T, Hq, D] in q's dtype.
 
     `path` forces one of the two paths (same bits either way); it is for tests and benchmarks only, and the
-    stack always runs "auto".
+    stack always runs "auto". Not `dependent`: never launched as programmatic dependents (`launch_options`).
     """
     t, hq, d = q.shape
     _, page, hkv, d_k = k_cache.shape
@@ -380,11 +381,12 @@ def paged_attention(
     out = torch.empty((t, hq, d), device=q.device, dtype=q.dtype)
     if t == 0:
         return out
+    options = launch_options(q.device, dependent)
     args = (q, k_cache, v_cache, block_tables, query_seq, query_pos, scale * math.log2(math.e), split, out)
     if chosen == "chunks":
-        _launch_chunks(*args, max_chunks)
+        _launch_chunks(*args, max_chunks, options)
     else:
-        _launch_serial(*args)
+        _launch_serial(*args, options)
     return out
 
 
@@ -398,6 +400,7 @@ def _launch_serial(
     scale_log2: float,
     split: int,
     out: torch.Tensor,
+    options: dict[str, bool],
 ) -> None:
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -407,7 +410,6 @@ def _launch_serial(
     # which rows sit side by side, never a row's reduction order: tile shapes, and so every instruction a row
     # meets, are the same either way (the tests compare the two).
     tokens = 1 if t <= block_tables.shape[0] else _ROWS // group
-    dependent = launch_options(q.device)
     _paged_attention_kernel[(-(-t // tokens), hkv)](
         q,
         k_cache,
@@ -430,7 +432,7 @@ def _launch_serial(
         PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=KV_TILE,
-        **dependent,
+        **options,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
@@ -447,6 +449,7 @@ def _launch_chunks(
     split: int,
     out: torch.Tensor,
     max_chunks: int,
+    options: dict[str, bool],
 ) -> None:
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -455,7 +458,6 @@ def _launch_chunks(
     m_ws = torch.empty((t, hq, max_chunks), device=q.device, dtype=torch.float32)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((t, hq, max_chunks, d), device=q.device, dtype=torch.float32)
-    dependent = launch_options(q.device)
     _paged_attention_chunk_kernel[(t, hkv, max_chunks)](
         q,
         k_cache,
@@ -478,7 +480,7 @@ def _launch_chunks(
         PAGE=k_cache.shape[1],
         SPLIT=split,
         BLOCK_N=KV_TILE,
-        **dependent,
+        **options,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
@@ -494,7 +496,7 @@ def _launch_chunks(
         ROWS=_ROWS,
         HEAD_DIM=d,
         SPLIT=split,
-        **dependent,
+        **options,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )

@@ -29,8 +29,6 @@ from ._compat import HAVE_TRITON, interpreted, tl, triton
 if HAVE_TRITON:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_forced: bool | None = None
-
 
 @functools.cache
 def _supported(device_index: int) -> bool:
@@ -39,24 +37,19 @@ def _supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` launch as programmatic dependents: on Hopper and later, unless switched off."""
-    if device.type != "cuda" or _forced is False or not torch.cuda.is_available():
+def dependent_launch_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch as programmatic dependents: a CUDA device of Hopper or later, with
+    Triton compiling (not interpreting) the kernels."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return False
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def force_dependent_launch(enabled: bool | None) -> None:
-    """Switch dependent launch off (False) for every kernel launched from now on, or back to what the device
-    supports (True or None). For benchmarks that price it; it never changes a result's bits."""
-    global _forced
-    _forced = enabled
-
-
-def launch_options(device: torch.device) -> dict[str, bool]:
+def launch_options(device: torch.device, wanted: bool = True) -> dict[str, bool]:
     """A kernel's launch arguments for dependent launch on `device`: its PDL constexpr (whether it waits) and
-    Triton's `launch_pdl` (whether it is launched as a dependent), which must agree or the kernel races."""
-    enabled = dependent_launch(device)
+    Triton's `launch_pdl` (whether it is launched as a dependent), which must agree or the kernel races. Dependent
+    where the device supports it, unless not `wanted` (benchmarks that price it; the bits are the same)."""
+    enabled = wanted and dependent_launch_supported(device)
     return {"PDL": enabled, "launch_pdl": enabled}
 
 

@@ -8,8 +8,9 @@ The kernels that run a plan's tiles (matmul_plans.py says what decides a result'
   chain cut between two programs carrying its fp32 accumulator from one to the next; plain loads or the
   tensor-memory engine.
 A plan may also name a tile run by one of the Gluon kernels of matmul_gluon.py and matmul_gluon_swapped.py.
-`matmul` takes the plan for the weight's shape on the device's compute capability and the tile for M, and launches
-it. This module knows nothing of models or of scheduling.
+`matmul` takes a plan (the weight's, from matmul_plans.py's `MatmulPlans`) and the tile for M, and launches it, its
+launch state (arrival counters, dependent launch) held by a `Launches` (launches.py). This module knows nothing of
+models, of scheduling or of where plans come from.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import torch
 
 from ._compat import HAVE_TRITON, interpreted, tl, triton
 from .dependent_launch import launch_options, start_as_dependent
+from .launches import Launches
 from .matmul_gluon import HAVE_GLUON
 from .matmul_gluon_launch import launch_gluon
-from .matmul_plans import LARGE_M, SWAPPED_PARTITION_ROWS, MatmulPlan, MatmulTile, matmul_plan
-from .reused_launch import ReusedLaunch
+from .matmul_plans import LARGE_M, SWAPPED_PARTITION_ROWS, MatmulPlan, MatmulTile
 
 if HAVE_TRITON:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -197,9 +198,9 @@ def _matmul_stream_kernel(
     # column tiles, are cut into runs of UNITS steps, one run per program: each multiprocessor gets the same work,
     # however many tiles M leaves for a last round. Programs come in groups of one program per row tile, and the
     # programs of a group take the same run of every row tile, so that they read each weight tile at about the
-    # same time and all but the first find it in L2. (In run 43 a weight tile's row tiles came one after another
-    # in one run, to be read at different times; streamed tiles ran as fast as plain ones where a weight tile has
-    # one row tile, and up to 1.8x slower where it has several.) A chain cut between two programs passes its fp32
+    # same time and all but the first find it in L2. (With a weight tile's row tiles one after another in one run,
+    # read at different times, streamed tiles ran as fast as plain ones where a weight tile has one row tile, and up
+    # to 1.8x slower where it has several.) A chain cut between two programs passes its fp32
     # accumulator on, an exact value, so it goes through the very steps, in the very order, that one program would
     # take it through. A run is never shorter than a chain (the launcher sees to it), so a program continues at
     # most one chain from the program before it on its row tile, and leaves at most one to the program after. It
@@ -207,8 +208,8 @@ def _matmul_stream_kernel(
     # seldom waits.
     #
     # A first version, which chose between a zero and a carried accumulator inside its loop over chains, gave one
-    # program's bits on an H200 but ran 1.5 to 2 times slower than the plain tiles (runs 41 and 42 in
-    # bench/results/h200.md): ptxas serialized its tensor-core steps (warning C7515). Here only zeros start a chain
+    # program's bits on an H200 but ran 1.5 to 2 times slower than the plain tiles: ptxas serialized its
+    # tensor-core steps (warning C7515). Here only zeros start a chain
     # inside that loop, and the carried chain has a loop of its own, so ptxas keeps the steps overlapped as in the
     # plain kernel.
     pid = tl.program_id(0)
@@ -370,14 +371,17 @@ def _load_tile(ptr, offs_m, offs_n, M, N, stride_om, SWAP: tl.constexpr):
     return tl.load(ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
 
 
-_LAUNCH = ReusedLaunch(_matmul_kernel)
-
-
 def matmul(
-    x: torch.Tensor, w: torch.Tensor, plan: MatmulPlan | None = None, tile: MatmulTile | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    plan: MatmulPlan,
+    tile: MatmulTile | None = None,
+    *,
+    launches: Launches | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype. `plan` and `tile` are for benchmarks and tests that compare
-    plans and tiles; serving takes `matmul_plan(N, K, the device's capability)` and its tile for M."""
+    """x [M, K] @ w[N, K].T -> [M, N] in x's dtype, by `plan`'s tile for M, or by `tile` (benchmarks and tests that
+    compare tiles), which must reduce K in the plan's order. Without `launches`, the launch keeps no state: its
+    arrival counters are its own."""
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         raise TypeError(f"matmul takes bf16 or fp16 operands of one dtype, got {x.dtype} and {w.dtype}")
     m, k = x.shape
@@ -388,13 +392,11 @@ def matmul(
         x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
-    if plan is None and tile is None:
-        plan = matmul_plan(n, k, _capability(x.device))
+    if tile is None:
         tile = plan.tile_for(m)
     else:
-        plan = plan or matmul_plan(n, k, _capability(x.device))
-        tile = tile or plan.tile_for(m)
         MatmulPlan(plan.split_k, ((LARGE_M, tile),)).check(k)
+    launches = launches or Launches()
     device = x.device
     out = torch.empty((m, n), device=device, dtype=x.dtype)
     if m == 0:
@@ -404,10 +406,22 @@ def matmul(
     partials = arrivals = out
     if programs_k > 1:
         partials = torch.empty((split, m, n), device=device, dtype=torch.float32)
-        arrivals = _arrival_counters(device, tile.tiles(m, n))
+        arrivals = launches.arrival_counters(device, tile.tiles(m, n))
+    dependent = launch_options(device, launches.dependent_launch)
     if tile.gluon:
         if _gluon_runs(x, w, out):
-            launch_gluon(x, w, out, split, tile, _GROUP_M, _multiprocessors(device), partials, arrivals)
+            launch_gluon(
+                x,
+                w,
+                out,
+                split,
+                tile,
+                _GROUP_M,
+                _multiprocessors(device),
+                partials,
+                arrivals,
+                dependent["PDL"],
+            )
             return out
         # The same tile from a `tl.dot` kernel (its slices in the same programs as the Gluon kernel's), which
         # gives the same bits wherever both run: under Triton's interpreter, which runs no Gluon, and for views the
@@ -419,12 +433,12 @@ def matmul(
             twin = dataclasses.replace(twin, block_n=SWAPPED_PARTITION_ROWS)
         tile = twin
     if tile.stream:
-        _launch_stream(x, w, out, split, tile)
+        _launch_stream(x, w, out, split, tile, launches, dependent)
         return out
     grid = (tile.tiles(m, n), programs_k)
-    dependent = launch_options(device)
     tma, x_desc, w_desc = _descriptors(x, w, tile)
-    _LAUNCH(
+    launches.launch(
+        _matmul_kernel,
         grid,
         (
             x,
@@ -464,10 +478,15 @@ def matmul(
     return out
 
 
-_STREAM_LAUNCH = ReusedLaunch(_matmul_stream_kernel)
-
-
-def _launch_stream(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: int, tile: MatmulTile) -> None:
+def _launch_stream(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    split: int,
+    tile: MatmulTile,
+    launches: Launches,
+    dependent: dict[str, bool],
+) -> None:
     (m, k), n, device = x.shape, w.shape[0], x.device
     steps = k // split // tile.block_k
     row_tiles, column_tiles = -(-m // tile.block_m), -(-n // tile.block_n)
@@ -480,11 +499,11 @@ def _launch_stream(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, split: i
     tiles = row_tiles * column_tiles
     partials = out if split == 1 else torch.empty((split, m, n), device=device, dtype=torch.float32)
     # Each slice's arrival per tile, then each program's carry flag: all zero between launches.
-    counters = _arrival_counters(device, tiles + programs)
+    counters = launches.arrival_counters(device, tiles + programs)
     carry = torch.empty((programs, tile.block_m * tile.block_n), device=device, dtype=torch.float32)
-    dependent = launch_options(device)
     tma, x_desc, w_desc = _descriptors(x, w, tile)
-    _STREAM_LAUNCH(
+    launches.launch(
+        _matmul_stream_kernel,
         (programs,),
         (
             x,
@@ -525,30 +544,6 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 6
 
 
-# Arrival counters per device, all zero between launches (a tile's last program resets its own). One set serves
-# every launch on the device, because the launches that use them run one after another: the backend issues a
-# device's kernels from one stream, and a graph's kernels run in stream order too.
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-# Counters outgrown by a larger launch stay allocated: graphs captured earlier hold their address and replay into it.
-_OUTGROWN: list[torch.Tensor] = []
-_MIN_ARRIVALS = 1 << 14
-
-
-def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    counters = _ARRIVALS.get(device)
-    if counters is not None and counters.numel() >= tiles:
-        return counters
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # Memory allocated while a graph is captured is the graph's, and zeroed only when it replays: counters
-        # made here are this launch's own (the graph zeroes them at each replay), never kept for other launches.
-        return torch.zeros(tiles, device=device, dtype=torch.int32)
-    if device in _ARRIVALS:
-        _OUTGROWN.append(_ARRIVALS[device])
-    counters = torch.zeros(max(tiles, _MIN_ARRIVALS), device=device, dtype=torch.int32)
-    _ARRIVALS[device] = counters
-    return counters
-
-
 def _descriptors(x: torch.Tensor, w: torch.Tensor, tile: MatmulTile) -> tuple[bool, Any, Any]:
     """Whether the tile loads through the copy engine, and if so its descriptors of x and w. The engine needs 16-byte
     aligned rows; a view that has none takes the same tile with plain loads, which gives the same bits."""
@@ -565,7 +560,7 @@ def _gluon_runs(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
         HAVE_GLUON
         and not interpreted()
         and x.is_cuda
-        and _capability(x.device)[0] == 9
+        and capability(x.device)[0] == 9
         and all(_tma_ready(t) for t in (x, w, out))
     )
 
@@ -575,6 +570,7 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    # Tensors off the GPU only reach the kernels under Triton's interpreter, which follows the proven plans.
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability whose plans a matmul on `device` takes. Tensors off the GPU only reach the kernels
+    under Triton's interpreter, which follows Hopper's plans."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (9, 0)

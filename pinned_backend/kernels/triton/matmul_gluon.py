@@ -17,7 +17,7 @@ helpers here; matmul_gluon_launch.py launches them all.
 The arithmetic is the `tl.dot` tiles' to the bit, for the reasons matmul_plans.py gives: each slice of K is one
 chain of `wgmma` steps of K = 16 in K order into an fp32 accumulator whose first step adds to nothing (as Triton
 starts a zeroed accumulator), and a program's slices are added in slice order, the first taken as it is. The
-sweep and the GPU tests prove it as they prove every tile (bench/results/h200.md, "Below tl.dot").
+tuner and the GPU tests prove it as they prove every tile (tuner.py, tests/test_kernels_triton_gluon.py).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ if HAVE_GLUON:
         band_rows = gl.minimum(num_m - first_m, GROUP_M)
         in_band = tile % (GROUP_M * N_TILES)
         # A part-empty last row tile moves back to end at row M, so that no copy of x reaches past its end: such
-        # copies ran slower (bench/results/h200.md, runs 55 and 57). The rows it shares with the tile before go
+        # copies ran slower on an H200. The rows it shares with the tile before go
         # through the same chains there and here, so both programs write them with the same bits.
         row = gl.minimum((first_m + in_band % band_rows) * BLOCK_M, gl.maximum(M - BLOCK_M, 0))
         return row, (in_band // band_rows) * BLOCK_N

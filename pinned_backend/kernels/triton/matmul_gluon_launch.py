@@ -87,15 +87,17 @@ def launch_gluon(
     multiprocessors: int,
     partials: torch.Tensor,
     arrivals: torch.Tensor,
+    dependent: bool = True,
 ) -> None:
     """out = x @ w.T by the Gluon kernel `tile.gluon`, tiles in bands of `group_m` row tiles, a persistent launch on
-    at most `multiprocessors` programs. A tile's `split` slices of K run in one program, or with
-    `tile.split_programs` each in its own, which leaves its fp32 partial in `partials` [split, M, N] and counts its
-    arrival in `arrivals` (a zeroed counter per tile, which the tile's last program zeroes again). The operands must
-    be on a Hopper GPU, with non-empty rows the tensor-memory engine can address (matmul.py sees to both)."""
+        at most `multiprocessors` programs. A tile's `split` slices of K run in one program, or with
+        `tile.split_programs` each in its own, which leaves its fp32 partial in `partials` [split, M, N] and counts its
+        arrival in `arrivals` (a zeroed counter per tile, which the tile's last program zeroes again). The operands must
+        be on a Hopper GPU, with non-empty rows the tensor-memory engine can address (matmul.py sees to both). Launched as
+    programmatic dependents where the device supports it, unless not `dependent`."""
     (m, k), n = x.shape, w.shape[0]
-    dependent = launch_options(x.device)
-    launch = gluon_launch(tile, split, n, k, group_m, dependent["PDL"])
+    options = launch_options(x.device, dependent)
+    launch = gluon_launch(tile, split, n, k, group_m, options["PDL"])
     tiles = tile.tiles(m, n)
     walks = tile.gluon == "persistent" or tile.partitions > 0
     programs = min(tiles, multiprocessors) if walks else tiles
@@ -111,6 +113,6 @@ def launch_gluon(
         m,
         n,
         **launch.constants,
-        launch_pdl=dependent["launch_pdl"],
+        launch_pdl=options["launch_pdl"],
         **registers,
     )

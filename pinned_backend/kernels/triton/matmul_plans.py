@@ -16,19 +16,19 @@ Two things are kept apart here, because only one of them decides a result's bits
 
 That equivalence is a claim about the hardware and the compiler, so it is proven rather than assumed: on the GPU,
 every tile of a plan is checked bit-identical to every other at every M = 1..512 and at shifted row windows
-(`tests/test_kernels_triton.py`, `bench/gpu_kernels.py`). Tiles are kept to `wgmma`'s shapes (64, 128 or 256 rows,
+(`stackpin-backend tune` for the plans it writes, `tests/test_kernels_triton.py` for every plan). Tiles are kept to `wgmma`'s shapes (64, 128 or 256 rows,
 4 or 8 warps), so no tile falls back to the older `mma` instruction, whose internal sums could differ. A swapped
-tile computes out.T = w @ x.T, the weight's rows in that role; the sweep proved that the tensor cores' sum of a
+tile computes out.T = w @ x.T, the weight's rows in that role; the proofs showed that the tensor cores' sum of a
 16-wide step does not depend on which operand is which. All of this was proven on Hopper (an H200) only: an older
-GPU runs every tile on `mma`, where tiles may follow M only once a sweep there has proven them.
+GPU runs every tile on `mma`, where tiles may follow M only once a tune there has proven them.
 
-`TUNED` holds the plans measured best for the weights of the models we serve; other shapes get `rule_plan`.
-The kernels that run the tiles are in matmul.py. This module knows nothing of models, of scheduling, or of Triton.
+Plans tuned for a weight on one GPU under one Triton are data: plan files (plan_files.py), written and proven by
+`stackpin-backend tune` (tuner.py); every other shape gets `rule_plan`. The kernels that run the tiles are in
+matmul.py. This module knows nothing of models, of scheduling, of files, or of Triton.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 # The tensor cores' K step for 16-bit operands; the reduction chain is made of these whatever the tile.
@@ -51,8 +51,6 @@ _SWAPPED_PARTITIONS = (1, 2, 3, 4)
 # Registers a thread of a Gluon tile needs beside its accumulators (addresses, counters, barriers' phases); a
 # 3-partition tile with 96 accumulator registers a thread compiled to 128 without spilling, for sm_90a.
 _GLUON_OTHER_REGISTERS = 32
-# Without a split, fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
-_TARGET_PROGRAMS = 128
 
 
 @dataclass(frozen=True)
@@ -242,157 +240,84 @@ def _tile(
 
 LARGE_M = 1 << 62
 
-# (N, K) -> plan for Qwen3-1.7B's weights, from `bench/gpu_kernels.py` on an H200 (bench/results/h200.md): for each
-# reduction order, the fastest proven tile at each timed M, up to that M, and the order whose worst ratio to cuBLAS is
-# smallest. The tiles at M = 129..512 are run 73's (the down projection's run 76's), swept there alone
-# (`--within=129:512`) against the tiles the plans held, once swapped Gluon tiles could take a warpgroup for each 64
-# weight rows; gate_up's at 289..352 and o_proj's at 257..304 are run 82's, swept there under Triton 3.7. At M <= 128
-# the plans keep runs 57's and 58's: run 62's, faster alone, slowed the decode step (run 64). Past M = 512 every
-# weight keeps the tiles that run 59 measured end to end: the sweep picks those from one timing each at M = 2048 and
-# 8192, too little to choose between tiles a few percent apart (run 58's, so chosen, prefilled 3% slower). Tiles
-# compete on GPU time alone: the backend replays its steps from CUDA graphs (step_graphs.py), so a TMA tile's host
-# cost (two descriptors a launch, up to 150 us) never reaches a served step, though it makes an eager step of one
-# prompt wait on the host. The down projection keeps at least two slices of K: with K whole it is 1.3x of cuBLAS at
-# decode sizes, and measured end to end that lost more decode (0.93-0.97 of default) than it won prefill
-# (bench/results/h200.md).
-TUNED: dict[tuple[int, int], MatmulPlan] = {
-    (2048, 2048): MatmulPlan(
-        1,
-        (
-            (64, _tile(16, 64, 128, 4, 6, swap=True)),
-            (128, _tile(32, 64, 128, 4, 6, swap=True)),
-            (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (288, _tile(64, 64, 64, 4, 10, swap=True, tail=32, gluon="specialized")),
-            (304, _tile(64, 64, 64, 4, 11, swap=True, tail=16, gluon="specialized")),
-            (384, _tile(64, 64, 128, 4, 5, swap=True, tail=32, gluon="persistent")),
-            (448, _tile(64, 128, 64, 4, 8, swap=True, gluon="specialized")),
-            (480, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (496, _tile(64, 128, 64, 4, 8, swap=True, gluon="specialized")),
-            (512, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (2048, _tile(128, 256, 64, 8, 3, gluon="specialized")),
-            (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
-        ),
-    ),
-    (4096, 2048): MatmulPlan(
-        1,
-        (
-            (32, _tile(16, 64, 128, 4, 6, swap=True)),
-            (64, _tile(32, 64, 128, 4, 6, swap=True)),
-            (96, _tile(64, 64, 128, 4, 4)),
-            (128, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (192, _tile(64, 64, 128, 4, 5, swap=True, tail=32, gluon="pipelined")),
-            (256, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (272, _tile(128, 64, 128, 4, 4, swap=True, tail=16, gluon="pipelined")),
-            (288, _tile(128, 64, 128, 4, 4, swap=True, tail=16, gluon="persistent")),
-            (320, _tile(64, 128, 64, 4, 7, swap=True, tail=16, gluon="specialized")),
-            (384, _tile(64, 128, 64, 4, 7, swap=True, tail=32, gluon="specialized")),
-            (512, _tile(128, 128, 64, 4, 6, swap=True, gluon="specialized")),
-            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
-            (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
-        ),
-    ),
-    (12288, 2048): MatmulPlan(
-        1,
-        (
-            (8, _tile(64, 64, 64, 4, 6)),
-            (16, _tile(64, 128, 64, 4, 6, swap=True)),
-            (32, _tile(64, 128, 64, 4, 6)),
-            (64, _tile(64, 128, 64, 4, 6, gluon="persistent")),
-            (96, _tile(128, 128, 64, 8, 5)),
-            (128, _tile(128, 128, 64, 8, 5, tma=True)),
-            (144, _tile(128, 128, 64, 4, 5, swap=True, tail=16, gluon="specialized")),
-            (160, _tile(128, 128, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
-            (192, _tile(64, 192, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
-            (256, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
-            (288, _tile(128, 192, 64, 4, 4, swap=True, tail=16, gluon="specialized")),
-            (304, _tile(64, 128, 64, 4, 7, swap=True, tail=16, gluon="specialized")),
-            (320, _tile(64, 192, 64, 4, 5, swap=True, tail=16, gluon="specialized")),
-            (352, _tile(64, 192, 64, 4, 6, swap=True, gluon="specialized")),
-            (384, _tile(64, 192, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
-            (416, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
-            (448, _tile(64, 128, 64, 4, 6, swap=True, tail=64, gluon="specialized")),
-            (496, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
-            (512, _tile(64, 128, 64, 4, 6, swap=True, tail=64, gluon="specialized")),
-            (2048, _tile(128, 128, 64, 8, 3, tma=True)),
-            (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
-        ),
-    ),
-    (151936, 2048): MatmulPlan(
-        1,
-        (
-            (8, _tile(16, 64, 128, 4, 6, swap=True)),
-            (32, _tile(32, 128, 128, 4, 4, swap=True)),
-            (96, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (128, _tile(128, 128, 64, 8, 5, gluon="persistent")),
-            (144, _tile(128, 128, 64, 4, 5, swap=True, tail=16, gluon="specialized")),
-            (160, _tile(128, 128, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
-            (192, _tile(128, 128, 64, 4, 4, swap=True, tail=64, gluon="specialized")),
-            (200, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
-            (256, _tile(128, 128, 64, 4, 6, swap=True, gluon="specialized")),
-            (288, _tile(128, 192, 64, 4, 4, swap=True, tail=16, gluon="specialized")),
-            (320, _tile(128, 128, 64, 4, 5, swap=True, tail=32, gluon="specialized")),
-            (384, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
-            (416, _tile(128, 192, 64, 4, 4, swap=True, tail=16, gluon="specialized")),
-            (512, _tile(128, 192, 64, 4, 4, swap=True, gluon="specialized")),
-            (LARGE_M, _tile(128, 256, 64, 8, 3, gluon="persistent")),
-        ),
-    ),
-    (2048, 6144): MatmulPlan(
-        2,
-        (
-            (32, _tile(16, 64, 128, 4, 6, split_programs=True, swap=True)),
-            (64, _tile(64, 32, 128, 4, 6, split_programs=True)),
-            (128, _tile(64, 64, 64, 4, 8, split_programs=True, gluon="specialized")),
-            (192, _tile(64, 64, 64, 4, 13, swap=True, gluon="specialized")),
-            (256, _tile(64, 64, 64, 4, 8, gluon="specialized")),
-            (288, _tile(64, 64, 64, 4, 10, swap=True, tail=32, gluon="specialized")),
-            (304, _tile(64, 64, 64, 4, 11, swap=True, tail=16, gluon="specialized")),
-            (384, _tile(64, 64, 64, 4, 10, swap=True, tail=32, gluon="specialized")),
-            (448, _tile(64, 128, 64, 4, 8, swap=True, gluon="specialized")),
-            (464, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (496, _tile(64, 128, 128, 4, 4, gluon="pipelined")),
-            (512, _tile(64, 128, 128, 4, 4, gluon="persistent")),
-            (LARGE_M, _tile(128, 128, 64, 8, 5, tma=True)),
-        ),
-    ),  # down
-}
 
-
-def rule_plan(n: int, k: int) -> MatmulPlan:
-    """A plan for any (N, K): no split of K, narrow tiles while M is small so that N alone
-    gives the chip enough programs, wide tiles once M is large enough to be bound by arithmetic."""
-    block_k = 64 if k % 64 == 0 else INSTRUCTION_K if k % INSTRUCTION_K == 0 else 0
-    if block_k == 0:
-        return MatmulPlan(1, ((LARGE_M, _tile(64, 64, 64, 4, 4)),))
-    narrow = 128
-    while narrow > 16 and -(-n // narrow) < _TARGET_PROGRAMS:
-        narrow //= 2
-    return MatmulPlan(
-        1,
-        (
-            (64, _tile(64, narrow, block_k, 4, 4)),
-            (256, _tile(64, 128, block_k, 4, 4)),
-            (LARGE_M, _tile(128, 128, block_k, 8, 3)),
-        ),
-    )
-
-
-# Compute capabilities on which `bench/gpu_kernels.py` proved that tiles may follow M: Hopper (H100, H200).
+# Compute capabilities on which tiles were proven to give one another's bits at every M (`stackpin-backend tune`
+# proves each plan it writes; the GPU tests prove the rule's): Hopper (H100, H200).
 PROVEN_CAPABILITIES = frozenset({(9, 0)})
+# K from which the rule cuts the reduction into slices: a weight of few rows and long K (a down projection) has too
+# few tiles at decode sizes to stream its bytes from every multiprocessor, and its slices in programs of their own
+# multiply them. Slices cost little where K stays long: each is still thousands of steps.
+_LONG_K = 8192
+_MAX_RULE_SLICES = 4
+# Fewer programs than this leave multiprocessors idle at decode sizes (an H200 has 132).
+_TARGET_PROGRAMS = 128
+# The M up to which each of the rule's tiles serves, past decode sizes.
+_RULE_BANDS = (64, 128, 256, 384, 512)
 
 
-@functools.cache
-def matmul_plan(n: int, k: int, capability: tuple[int, int]) -> MatmulPlan:
-    """The one plan used for a weight of shape (N, K) on a GPU of `capability`, whatever the number of rows.
+def rule_split(k: int) -> int:
+    """The rule's reduction order for any weight of K columns: K in 1, 2 or 4 equal slices, by K alone (so every
+    weight of one K reduces alike), each a whole number of K steps of 128."""
+    split = 1
+    while split < _MAX_RULE_SLICES and k >= _LONG_K * split and k % (2 * split * 128) == 0:
+        split *= 2
+    return split
 
-    Where no sweep has proven that tiles give the same bits (another instruction set may sum a step otherwise), the
-    plan is one plain tile for every M: invariant by construction, slower at decode sizes."""
-    plan = TUNED.get((n, k)) or rule_plan(n, k)
-    last = plan.tiles[-1][1]
-    if capability not in PROVEN_CAPABILITIES and (
-        len(plan.tiles) > 1 or last.tma or last.swap or last.stream or last.gluon
-    ):
-        block_k = last.block_k
-        plan = MatmulPlan(plan.split_k, ((LARGE_M, _tile(128, 128, block_k, 8, 2)),))
-    plan.check(k)
-    return plan
+
+def rule_plan(n: int, k: int, capability: tuple[int, int] = (9, 0)) -> MatmulPlan:
+    """A plan for any (N, K) on a GPU of `capability`: `rule_split(k)` slices of K, and tiles by M whose columns
+    fill the multiprocessors. At decode sizes (M <= 32) the widest column tile that still makes enough programs,
+    slices in programs of their own where there are several: x's rows as the tensor cores' columns where it has 64
+    weight rows or more, six stages of 128 K in flight; then 64 rows of x against the widest column tile that still
+    fills the chip; from M = 129 on 128 x 128 tiles over 8 warps where they fill it, through the copy engine at
+    prefill sizes. Where no tile was proven against another on the GPU, one plain tile for every M: invariant by
+    construction, slower at decode sizes."""
+    if k % 64:
+        # A ragged K, or steps of 16: one plain tile and one slice, whose zero-padded last step only it takes.
+        block_k = 64 if k % INSTRUCTION_K else INSTRUCTION_K
+        return MatmulPlan(1, ((LARGE_M, _tile(64, 64, block_k, 4, 4)),))
+    split = rule_split(k)
+    if capability not in PROVEN_CAPABILITIES:
+        return unproven_plan(n, k)
+    decode_k = 128 if (k // split) % 128 == 0 else 64
+    apart = split > 1
+    slices = split if apart else 1
+    chosen: list[tuple[int, MatmulTile]] = []
+    for max_m in (16, 32):
+        bn = _columns(n, 1, slices)
+        if bn >= 64:
+            stages = 6 if bn == 64 else 4
+            chosen.append((max_m, _tile(max_m, bn, decode_k, 4, stages, split_programs=apart, swap=True)))
+        else:
+            chosen.append((max_m, _tile(64, bn, decode_k, 4, 6, split_programs=apart)))
+    for max_m in _RULE_BANDS:
+        if max_m > 128 and -(-max_m // 128) * -(-n // 128) >= _TARGET_PROGRAMS:
+            tile = _tile(128, 128, 64, 8, 4)
+        else:
+            bn = _columns(n, -(-max_m // 64), slices)
+            filled = -(-max_m // 64) * -(-n // bn) >= _TARGET_PROGRAMS
+            tile = _tile(64, bn, 64, 4, 6, split_programs=apart and not filled)
+        chosen.append((max_m, tile))
+    chosen.append((LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)))
+    merged: list[tuple[int, MatmulTile]] = []
+    for max_m, tile in chosen:
+        if merged and merged[-1][1] == tile:
+            merged[-1] = (max_m, tile)
+        else:
+            merged.append((max_m, tile))
+    return MatmulPlan(split, tuple(merged))
+
+
+def unproven_plan(n: int, k: int) -> MatmulPlan:
+    """The rule's plan where no tile was proven against another on the GPU: one plain tile for every M."""
+    if k % 64:
+        return rule_plan(n, k)  # one plain tile already
+    return MatmulPlan(rule_split(k), ((LARGE_M, _tile(128, 128, 64, 8, 2)),))
+
+
+def _columns(n: int, row_tiles: int, slices: int) -> int:
+    """The widest column tile, from 128 of the weight's rows down to 16, that gives `_TARGET_PROGRAMS` programs."""
+    for bn in (128, 64, 32):
+        if row_tiles * -(-n // bn) * slices >= _TARGET_PROGRAMS:
+            return bn
+    return 16

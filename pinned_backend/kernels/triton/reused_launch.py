@@ -1,7 +1,7 @@
 """Launching a Triton kernel again without Triton's per-call binding.
 
 `kernel[grid](*args)` binds every argument, specialises it and builds a cache key on every call: on the H200's host
-a matmul launch took some 36 us against 18 for cuBLAS's (bench/results/h200.md), and an eager step of one 512-token
+a matmul launch took some 36 us against 18 for cuBLAS's, and an eager step of one 512-token
 prompt, about 300 launches, waits on its host. `ReusedLaunch` goes through Triton once per specialisation, which
 compiles or finds the kernel, and launches that compiled kernel directly afterwards.
 
@@ -27,13 +27,6 @@ if HAVE_TRITON:
     from triton.runtime import driver
 
 _INT32 = range(-(1 << 31), 1 << 31)
-_enabled = True
-
-
-def reuse_launches(enabled: bool) -> None:
-    """Switch direct launches off (False) or on, for benchmarks that price them; results are the same bits."""
-    global _enabled
-    _enabled = enabled
 
 
 def _specialisation(value: object) -> object:
@@ -78,7 +71,7 @@ class ReusedLaunch:
         constexprs: dict[str, object],
         **options: Any,
     ) -> None:
-        if not _enabled or self.interpreted or _hooked():
+        if self.interpreted or _hooked():
             self._through_triton(grid, args, constexprs, options)
             return
         device = driver.active.get_current_device()

@@ -64,8 +64,9 @@ def norm_warps(block_d: int) -> int:
     return max(1, min(8, block_d // 256))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [M, D] or [M, H, D] (last dimension contiguous), weight [D] -> same shape as x, x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, dependent: bool = True) -> torch.Tensor:
+    """x [M, D] or [M, H, D] (last dimension contiguous), weight [D] -> same shape as x, x's dtype; launched as
+    a programmatic dependent where the device supports it, unless not `dependent` (`launch_options`)."""
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},)")
@@ -84,7 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block_d = triton.next_power_of_2(d)
     num_warps = norm_warps(block_d)
-    dependent = launch_options(x.device)
+    options = launch_options(x.device, dependent)
     _rms_norm_kernel[(rows,)](
         x3,
         weight,
@@ -97,7 +98,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         d,
         eps,
         BLOCK_D=block_d,
-        **dependent,
+        **options,
         num_warps=num_warps,
     )
     return out

@@ -125,6 +125,8 @@ def qkv_rope_cache(
     slots: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    *,
+    dependent: bool = True,
 ) -> torch.Tensor:
     """Normalise and rotate q and k, write k and v at `slots` -> q [T, Hq, D] in qkv's dtype."""
     t, width = qkv.shape
@@ -155,7 +157,7 @@ def qkv_rope_cache(
         return q
     block_d = triton.next_power_of_2(d)
     num_warps = norm_warps(block_d)
-    dependent = launch_options(qkv.device)
+    options = launch_options(qkv.device, dependent)
     _qkv_rope_cache_kernel[(t, hq + hkv)](
         qkv,
         qkv if q_norm is None else q_norm,  # never read without a norm: NORM_Q is then False
@@ -183,7 +185,7 @@ def qkv_rope_cache(
         BLOCK_D=block_d,
         NORM_Q=q_norm is not None,
         NORM_K=k_norm is not None,
-        **dependent,
+        **options,
         num_warps=num_warps,
     )
     return q

@@ -34,7 +34,7 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, dependent: bool = True) -> torch.Tensor:
     """gate_up [T, 2I] (gate columns first) -> [T, I] in gate_up's dtype."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 != 0:
         raise ValueError(f"silu_mul takes [T, 2I], got {tuple(gate_up.shape)}")
@@ -45,7 +45,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, inner), device=gate_up.device, dtype=gate_up.dtype)
     if t == 0 or inner == 0:
         return out
-    dependent = launch_options(gate_up.device)
+    options = launch_options(gate_up.device, dependent)
     grid = (t, -(-inner // _BLOCK))
     _silu_mul_kernel[grid](
         gate_up,
@@ -54,7 +54,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.stride(0),
         out.stride(0),
         BLOCK=_BLOCK,
-        **dependent,
+        **options,
         num_warps=_NUM_WARPS,
     )
     return out

@@ -42,7 +42,7 @@ def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK: tl.constex
         tl.store(o_row + start + lanes, x - log_z, mask=mask)
 
 
-def log_softmax(x: torch.Tensor) -> torch.Tensor:
+def log_softmax(x: torch.Tensor, *, dependent: bool = True) -> torch.Tensor:
     """x [M, V] -> [M, V] float32, log-softmax of each row."""
     if x.dim() != 2:
         raise ValueError(f"log_softmax takes 2-D input, got {x.dim()}-D")
@@ -52,6 +52,6 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((m, v), device=x.device, dtype=torch.float32)
     if m == 0:
         return out
-    dependent = launch_options(x.device)
-    _log_softmax_kernel[(m,)](x, out, v, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=8, **dependent)
+    options = launch_options(x.device, dependent)
+    _log_softmax_kernel[(m,)](x, out, v, x.stride(0), out.stride(0), BLOCK=_BLOCK, num_warps=8, **options)
     return out

@@ -1,18 +1,21 @@
-"""The matmul tiles that `bench/gpu_kernels.py` sweeps: each family of candidate tiles, why it is there, and which of
-them fit a weight's shape and reduction order by the plans' own rules."""
+"""The matmul tiles the tuner (tuner.py) may try: each family of candidate tiles, why it is there, and which of them
+fit a weight's shape and reduction order by the plans' own rules.
+
+Two sets: "tuner", a few tiles of each kind that a time-bounded tune can afford (the kinds that won some size in the
+sweeps behind the shipped plans), and "all", every family those sweeps tried, for a tune given the time. Knows
+nothing of timing or of GPUs.
+"""
 
 from __future__ import annotations
 
-import importlib
-
-from pinned_backend.kernels.triton.matmul_plans import LARGE_M, MatmulPlan, MatmulTile
+from .matmul_plans import LARGE_M, MatmulPlan, MatmulTile, rule_plan
 
 # Shared memory a `tl.dot` tile's stages may take (a Gluon tile is held to the plans' own check instead).
 SMEM_BYTES = 220 * 1024
 
 # (block_m, block_n, block_k, warps, stages): narrow tiles with deep pipelines for small M (enough programs and
-# weight bytes in flight), wide tiles for large M (arithmetic); all of them wgmma's shapes. The lists hold the tiles
-# that won some M in runs 11 to 29, and their neighbours.
+# weight bytes in flight), wide tiles for large M (arithmetic); all of them wgmma's shapes: tiles that won some M in
+# the sweeps, and their neighbours.
 SMALL_TILES = [
     (64, 16, 128, 4, 6),
     (64, 32, 128, 4, 6),
@@ -71,10 +74,9 @@ WIDE_SWAP_TILES = [
     (64, 128, 64, 4, 4, 16),
     (64, 128, 64, 4, 4, 32),
 ]
-# A TMA launch encodes two descriptors on the host (59 to 150 us a call against 36 to 81 for plain loads, runs 32 to
-# 35), which used to keep TMA tiles from M <= 512 unless the product outlasted that. Served steps now replay from
-# CUDA graphs (pinned_backend/step_graphs.py), where no launch costs the host anything, so TMA tiles compete at
-# every M on their GPU time alone.
+# A TMA launch encodes two descriptors on the host (59 to 150 us a call against 36 to 81 for plain loads), but served
+# steps replay from CUDA graphs (pinned_backend/step_graphs.py), where no launch costs the host anything, so TMA
+# tiles compete at every M on their GPU time alone.
 # A slice per program: the tile's last program adds the slices, so it costs no second launch and may serve any M.
 SPLIT_PROGRAM_TILES = [
     (64, 16, 128, 4, 6),
@@ -109,8 +111,8 @@ STREAM_TMA_TILES = [
     (128, 128, 64, 8, 5),
     (128, 256, 64, 8, 3),
 ]
-# Tiles for the Gluon kernels (matmul_gluon.py): the tiles and kernels that won some size in run 51
-# (`gpu_explore.py gluon`), each of the three kernels.
+# Tiles for the Gluon kernels (matmul_gluon.py): the tiles and kernels that won some size when each Gluon tile was
+# timed alone against the plans, each of the three kernels.
 GLUON_TILES = [
     (64, 64, 64, 4, 8),
     (64, 128, 64, 4, 6),
@@ -122,8 +124,8 @@ GLUON_TILES = [
 GLUON_KERNELS = ("specialized", "pipelined", "persistent")
 # Gluon tiles with a slice of K per program, for reduction orders of several slices: twice the programs of the
 # tile, which at M = 257..512 fill the multiprocessors with tiles wide enough to run near the tensor cores' rate
-# (a 128 x 128 Gluon tile of the down projection took 31 us at every M from 128 to 512 in run 52: 16 to 64
-# programs, each walking all of K). Not persistent: a persistent program walks whole tiles.
+# (a 128 x 128 Gluon tile of the down projection took 31 us at every M from 128 to 512: 16 to 64 programs, each
+# walking all of K). Not persistent: a persistent program walks whole tiles.
 GLUON_SPLIT_PROGRAM_TILES = [
     (64, 64, 64, 4, 4),
     (64, 64, 64, 4, 8),
@@ -137,8 +139,8 @@ GLUON_SPLIT_PROGRAM_TILES = [
 GLUON_SPLIT_PROGRAM_KERNELS = ("specialized", "pipelined")
 # Swapped Gluon tiles (`_swapped_kernel`): x's rows as the tensor cores' columns, so that a tile's rows of x fit M as
 # a main block and a tail (64 + 32 = 96: M = 264 in three tiles, not five of 64), for M = 129..512; and narrow ones
-# for decode sizes. Each keeps about 200 KB of copies in flight: run 61's rings of 120 KB fed a multiprocessor 77 GB/s
-# where unswapped tiles with 192 KB took 109, as a fixed latency would. (x's rows, weight rows, K step, warps, stages,
+# for decode sizes. Each keeps about 200 KB of copies in flight: rings of 120 KB fed a multiprocessor 77 GB/s where
+# unswapped tiles with 192 KB took 109, as a fixed latency would. (x's rows, weight rows, K step, warps, stages,
 # tail).
 GLUON_SWAP_TILES = [
     (16, 64, 128, 4, 8, 0),
@@ -158,8 +160,8 @@ GLUON_SWAP_TILES = [
 GLUON_SWAP_KERNELS = ("pipelined", "persistent")
 # Swapped Gluon tiles with a slice of K per program, for reduction orders of several slices: the down projection at
 # M = 257..384 as three tiles of 64 + 32 rows against 128 weight rows, two programs each (96 programs, about 130 MB
-# of operand copies, against five 64-row tiles' 190 MB in 80 programs). In run 63 they fed each multiprocessor
-# about half the bytes a second of their whole-K twins and won no size above M = 32.
+# of operand copies, against five 64-row tiles' 190 MB in 80 programs). They fed each multiprocessor about half the
+# bytes a second of their whole-K twins and won no size above M = 32.
 GLUON_SWAP_SPLIT_PROGRAM_TILES = [
     (32, 64, 128, 4, 8, 0),
     (64, 64, 128, 4, 5, 16),
@@ -209,16 +211,57 @@ def partitioned_tiles() -> list[MatmulTile]:
     return [MatmulTile(*t[:5], swap=True, tail=t[5], gluon="specialized") for t in GLUON_PARTITIONED_TILES]
 
 
-def candidate_tiles(n: int, k: int, split: int, families: str = "all") -> list[MatmulTile]:
-    """The tiles a sweep tries for a weight [N, K] in `split` slices: every family above ("all"), or those named,
-    joined by "+": "committed" (the committed plan's tiles) and "partitioned" (GLUON_PARTITIONED_TILES)."""
-    if families != "all":
-        named = {
-            "committed": lambda: [tile for _, tile in committed_plan(n, k).tiles],
-            "partitioned": partitioned_tiles,
-        }
-        tiles = [tile for family in families.split("+") for tile in named[family]()]
-        return usable(list(dict.fromkeys(tiles)), n, k, split)
+# The "tuner" set: the kinds of tile that won some M in the sweeps behind the shipped plans, most often winning first,
+# so that a tune cut short by its time bound has tried those. Decode sizes: swapped and narrow plain tiles with deep
+# rings; M = 65..128: Gluon tiles of 64 and 128 rows; M = 129..512: swapped specialized Gluon tiles with one
+# warpgroup per 64 weight rows (192 of them where N makes one round of 128 tiles), with tails, and wide pipelined
+# and persistent ones; prefill sizes: 128 x 256 persistent and a TMA 128 x 128.
+TUNER_TILES = [
+    MatmulTile(16, 64, 128, 4, 6, swap=True),
+    MatmulTile(128, 192, 64, 4, 4, swap=True, gluon="specialized"),
+    MatmulTile(64, 128, 128, 4, 4, gluon="persistent"),
+    MatmulTile(128, 256, 64, 8, 3, gluon="persistent"),
+    MatmulTile(32, 64, 128, 4, 6, swap=True),
+    MatmulTile(128, 128, 64, 4, 5, swap=True, tail=32, gluon="specialized"),
+    MatmulTile(64, 64, 64, 4, 8, gluon="specialized"),
+    MatmulTile(64, 128, 64, 4, 7, swap=True, tail=32, gluon="specialized"),
+    MatmulTile(64, 128, 128, 4, 4, gluon="pipelined"),
+    MatmulTile(32, 128, 128, 4, 4, swap=True),
+    MatmulTile(128, 128, 64, 4, 6, swap=True, gluon="specialized"),
+    MatmulTile(64, 192, 64, 4, 5, swap=True, tail=32, gluon="specialized"),
+    MatmulTile(64, 64, 64, 4, 6),
+    MatmulTile(128, 128, 64, 8, 5, gluon="persistent"),
+    MatmulTile(128, 128, 64, 8, 5, tma=True),
+    MatmulTile(16, 128, 128, 4, 4, swap=True),
+    MatmulTile(64, 64, 64, 4, 10, swap=True, tail=32, gluon="specialized"),
+    MatmulTile(64, 128, 64, 4, 6),
+    MatmulTile(64, 64, 128, 4, 4),
+    MatmulTile(128, 256, 64, 8, 3, gluon="specialized"),
+]
+# With slices of K, the decode tiles that run a slice per program, multiplying programs where tiles are few.
+TUNER_SPLIT_TILES = [
+    MatmulTile(16, 64, 128, 4, 6, split_programs=True, swap=True),
+    MatmulTile(32, 64, 128, 4, 6, split_programs=True, swap=True),
+    MatmulTile(64, 32, 128, 4, 6, split_programs=True),
+    MatmulTile(64, 64, 64, 4, 6, split_programs=True),
+    MatmulTile(64, 64, 64, 4, 8, split_programs=True, gluon="specialized"),
+]
+
+
+def candidate_tiles(n: int, k: int, split: int, families: str = "tuner") -> list[MatmulTile]:
+    """The tiles a tune tries for a weight [N, K] in `split` slices, the rule's own first: the "tuner" set, or every
+    family above ("all")."""
+    if families not in ("tuner", "all"):
+        raise ValueError(f"candidate families {families!r}: choose tuner or all")
+    tiles = [tile for _, tile in rule_plan(n, k).tiles]
+    if families == "tuner":
+        tiles += (TUNER_SPLIT_TILES if split > 1 else []) + TUNER_TILES
+    else:
+        tiles += _every_family(split)
+    return usable(list(dict.fromkeys(tiles)), n, k, split)
+
+
+def _every_family(split: int) -> list[MatmulTile]:
     tiles = [MatmulTile(*t) for t in SMALL_TILES + LARGE_TILES]
     tiles += [MatmulTile(*t, tma=True) for t in TMA_TILES] + [MatmulTile(*t, swap=True) for t in SWAP_TILES]
     tiles += [MatmulTile(*t[:5], swap=True, tail=t[5]) for t in WIDE_SWAP_TILES]
@@ -244,16 +287,12 @@ def candidate_tiles(n: int, k: int, split: int, families: str = "all") -> list[M
             MatmulTile(*t[:5], split_programs=True, swap=True, tail=t[5], gluon="pipelined")
             for t in GLUON_SWAP_SPLIT_PROGRAM_TILES
         ]
-    return usable(tiles + partitioned_tiles(), n, k, split)
+    return tiles + partitioned_tiles()
 
 
 def usable(tiles: list[MatmulTile], n: int, k: int, split: int) -> list[MatmulTile]:
     slice_k = k // split
     return [t for t in tiles if slice_k % t.block_k == 0 and 8 <= n / t.block_n <= 2400 and fits(t, k, split)]
-
-
-def committed_plan(n: int, k: int) -> MatmulPlan:
-    return importlib.import_module("pinned_backend.kernels.triton.matmul_plans").TUNED[(n, k)]
 
 
 def fits(tile: MatmulTile, k: int, split: int) -> bool:
