@@ -265,13 +265,18 @@ def rule_split(k: int) -> int:
 
 
 def rule_plan(n: int, k: int, capability: tuple[int, int] = (9, 0)) -> MatmulPlan:
-    """A plan for any (N, K) on a GPU of `capability`: `rule_split(k)` slices of K, and tiles by M whose columns
-    fill the multiprocessors. At decode sizes (M <= 32) the widest column tile that still makes enough programs,
-    slices in programs of their own where there are several: x's rows as the tensor cores' columns where it has 64
-    weight rows or more, six stages of 128 K in flight; then 64 rows of x against the widest column tile that still
-    fills the chip; from M = 129 on 128 x 128 tiles over 8 warps where they fill it, through the copy engine at
-    prefill sizes. Where no tile was proven against another on the GPU, one plain tile for every M: invariant by
-    construction, slower at decode sizes."""
+    """A plan for any (N, K) on a GPU of `capability`: `rule_split(k)` slices of K, each slice in a program of its
+    own, and tiles by M whose columns fill the multiprocessors. At decode sizes (M <= 32) x's rows are the tensor
+    cores' columns: 128 weight rows a tile where that makes enough programs, else 64 with six stages of 128 K in
+    flight where that makes half as many, else 64 rows of x against the widest narrow column tile that fills the
+    chip; then 64 rows of x against the widest column tile that still fills it; from M = 129 on 128 x 128 tiles over
+    8 warps where they fill it, through the copy engine at prefill sizes. Where no tile was proven against another
+    on the GPU, one plain tile for every M: invariant by construction, slower at decode sizes.
+
+    Measured on an H200 against the tuned plans of Qwen3-8B and Llama-3.1-8B (bench/results/h200.md): 64-row
+    swapped tiles are what the tuner chose at decode sizes for weights of 4096 to 6144 rows; and slices of K added
+    inside one `tl.dot` program ran 1.4 to 15 times slower than cuBLAS at M = 256..512, where slices in programs
+    of their own ran within 1.35 of it at M <= 128."""
     if k % 64:
         # A ragged K, or steps of 16: one plain tile and one slice, whose zero-padded last step only it takes.
         block_k = 64 if k % INSTRUCTION_K else INSTRUCTION_K
@@ -284,21 +289,20 @@ def rule_plan(n: int, k: int, capability: tuple[int, int] = (9, 0)) -> MatmulPla
     slices = split if apart else 1
     chosen: list[tuple[int, MatmulTile]] = []
     for max_m in (16, 32):
-        bn = _columns(n, 1, slices)
-        if bn >= 64:
-            stages = 6 if bn == 64 else 4
-            chosen.append((max_m, _tile(max_m, bn, decode_k, 4, stages, split_programs=apart, swap=True)))
+        if -(-n // 128) * slices >= _TARGET_PROGRAMS:
+            tile = _tile(max_m, 128, decode_k, 4, 4, split_programs=apart, swap=True)
+        elif -(-n // 64) * slices >= _TARGET_PROGRAMS // 2:
+            tile = _tile(max_m, 64, decode_k, 4, 6, split_programs=apart, swap=True)
         else:
-            chosen.append((max_m, _tile(64, bn, decode_k, 4, 6, split_programs=apart)))
+            tile = _tile(64, _columns(n, 1, slices), decode_k, 4, 6, split_programs=apart)
+        chosen.append((max_m, tile))
     for max_m in _RULE_BANDS:
         if max_m > 128 and -(-max_m // 128) * -(-n // 128) >= _TARGET_PROGRAMS:
-            tile = _tile(128, 128, 64, 8, 4)
+            tile = _tile(128, 128, 64, 8, 4, split_programs=apart)
         else:
-            bn = _columns(n, -(-max_m // 64), slices)
-            filled = -(-max_m // 64) * -(-n // bn) >= _TARGET_PROGRAMS
-            tile = _tile(64, bn, 64, 4, 6, split_programs=apart and not filled)
+            tile = _tile(64, _columns(n, -(-max_m // 64), slices), 64, 4, 6, split_programs=apart)
         chosen.append((max_m, tile))
-    chosen.append((LARGE_M, _tile(128, 128, 64, 8, 4, tma=True)))
+    chosen.append((LARGE_M, _tile(128, 128, 64, 8, 4, split_programs=apart, tma=True)))
     merged: list[tuple[int, MatmulTile]] = []
     for max_m, tile in chosen:
         if merged and merged[-1][1] == tile:

@@ -306,7 +306,7 @@ def tune_models(
         raise RuntimeError("no tile passed for any weight shape")
     names = [name for name, _ in models]
     slug = "-".join(proven.gpu.lower().split())
-    path = out / f"{slug}_triton-{proven.triton}_{'+'.join(names)}.json" if out.is_dir() else out
+    path = out / f"{slug}_triton-{proven.triton}_{'_'.join(names)}.json" if out.is_dir() else out
     path.write_text(dump(proven, names, plans, PROVEN))
     if report is not None:
         document = {"proven_on": str(proven), "budget_s": budget_s, "families": families}
