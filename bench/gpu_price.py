@@ -14,10 +14,9 @@ numbers are about speed and bit-reproducibility, never about answer quality. The
 Measured: matmul TFLOP/s against cuBLAS at the model's shapes for M = 1..512; decode throughput (CUDA graph per
 step) and prefill throughput (one CUDA graph per step, and eager) at batch 1, 8, 32, 128; decode step time against
 the bandwidth floor (weight bytes over the measured copy bandwidth); the divergence experiment: one prompt sent 1000
-times at temperature 0 through the engine amid random concurrent requests, in each mode; and what the matmul's
-direct launch (`ReusedLaunch`) buys on served steps. The invariant matmuls take the plan file the backend would
-(`--matmul-plans`, as `stackpin-backend serve` takes it).
-Usage: python -m bench.gpu_price OUT.json [--parts speed,divergence,launch] [--matmul-plans auto|none|FILE]
+times at temperature 0 through the engine amid random concurrent requests, in each mode. The invariant matmuls
+take the plan file the backend would (`--matmul-plans`, as `stackpin-backend serve` takes it).
+Usage: python -m bench.gpu_price OUT.json [--parts speed,divergence] [--matmul-plans auto|none|FILE]
 """
 
 from __future__ import annotations
@@ -442,7 +441,7 @@ def main() -> None:
     parser.add_argument("--embed-std", type=float, default=1.0, help="std of the random embeddings")
     parser.add_argument("--trials", type=int, default=1000, help="divergence trials per mode")
     parser.add_argument("--budget-s", type=float, default=200.0, help="divergence time limit per mode")
-    parser.add_argument("--parts", default="speed,divergence", help="any of speed, divergence, launch")
+    parser.add_argument("--parts", default="speed,divergence", help="speed, divergence, or both")
     parser.add_argument(
         "--matmul-plans", default="auto", help="the invariant matmuls' plan file: auto, none or a path"
     )
@@ -477,9 +476,6 @@ def main() -> None:
     }
     if "speed" in parts:
         report.update(speed(models, config))
-    if "launch" in parts:
-        report["launch_path"] = launch_path(models["batch_invariant"], config)
-        print("launch path", json.dumps(report["launch_path"]), flush=True)
     if "divergence" in parts:
         report["divergence"] = {}
         for name, model in models.items():
@@ -531,75 +527,6 @@ def speed(models: dict[str, Transformer], config: ModelConfig) -> dict[str, Any]
     return out
 
 
-# The served workload of the launch-path measurement: requests of random prompts arriving over the first steps.
-LAUNCH_REQUESTS = 48
-LAUNCH_ROUNDS = 2
-
-
-def launch_path(model: Transformer, config: ModelConfig) -> dict[str, Any]:
-    """Served steps with the matmul launched directly (`ReusedLaunch`) and through Triton's own launch path, taken
-    in turn: one workload through a fresh engine each time, its steps replayed from graphs as the backend serves
-    them (graphs captured as new shapes come, as in a fresh server), and eager batch-1 decode and prefill steps."""
-    kernels = model.kernels
-    assert isinstance(kernels, TritonKernels)
-    rng = random.Random(11)
-    workload = [
-        ([rng.randrange(config.vocab_size) for _ in range(rng.randint(16, 600))], rng.randint(8, 48))
-        for _ in range(LAUNCH_REQUESTS)
-    ]
-    cache = PagedKVCache(config, 37 * 16 + 16, PAGE, torch.device(DEVICE), torch.bfloat16)
-    rounds: dict[str, list[dict[str, float]]] = {"reused": [], "triton": []}
-    for _ in range(LAUNCH_ROUNDS):
-        for name in rounds:
-            kernels.launches.reuse_launches = name == "reused"
-            served = _served_workload(model, kernels, workload)
-            served["eager_decode_step_ms"] = decode_rate(model, cache, 1)["eager_step_ms"]
-            served["eager_prefill_step_ms"] = prefill_rate(model, cache, 1)["eager_step_ms"]
-            rounds[name].append(served)
-    kernels.launches.reuse_launches = True
-    del cache
-    torch.cuda.empty_cache()
-    return {name: {key: min(r[key] for r in runs) for key in runs[0]} for name, runs in rounds.items()} | {
-        "requests": LAUNCH_REQUESTS,
-        "rounds": LAUNCH_ROUNDS,
-        "each figure": "the smaller of the rounds",
-    }
-
-
-def _served_workload(
-    model: Transformer, kernels: Kernels, workload: list[tuple[list[int], int]]
-) -> dict[str, float]:
-    steps: list[Any] = []
-    engine = _engine(
-        model, kernels, num_blocks=64 * -(-(MAX_NOISE_PROMPT + 64) // PAGE), on_step=steps.append
-    )
-    pending = list(enumerate(workload))
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    while pending or engine.has_work():
-        for _ in range(min(len(pending), 4)):
-            i, (ids, new) = pending.pop(0)
-            engine.submit(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=new), _raise_errors)
-        engine.step()
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - started
-    by_launch = {
-        kind: sum(st.seconds for st in steps if st.launch == kind) for kind in ("graph", "capture", "eager")
-    }
-    return {
-        "wall_s": wall,
-        "steps": float(len(steps)),
-        "captures": float(sum(st.launch == "capture" for st in steps)),
-        "replayed_steps_s": by_launch["graph"],
-        "capture_steps_s": by_launch["capture"],
-    }
-
-
-def _raise_errors(event: TokenOutput | EngineError) -> None:
-    if isinstance(event, EngineError):
-        raise RuntimeError(str(event))
-
-
 def compile_plans(kernels: Kernels, config: ModelConfig) -> None:
     """Every tile the invariant matmuls will launch, compiled at once in processes of their own."""
     assert isinstance(kernels, TritonKernels)
@@ -613,16 +540,6 @@ def compile_plans(kernels: Kernels, config: ModelConfig) -> None:
 
 def print_table(r: dict[str, Any]) -> None:
     print(f"\n{r['device']}  torch {r['torch']}  triton {r['triton']}  matmul plans {r['matmul_plans']}")
-    if "launch_path" in r:
-        lp = r["launch_path"]
-        for key in (
-            "wall_s",
-            "replayed_steps_s",
-            "capture_steps_s",
-            "eager_decode_step_ms",
-            "eager_prefill_step_ms",
-        ):
-            print(f"launch path {key}: reused {lp['reused'][key]:.4f}, Triton's {lp['triton'][key]:.4f}")
     for name, d in r.get("divergence", {}).items():
         print(
             f"divergence {name}: {d['trials']} trials, {d['distinct_completions']} distinct completions, "

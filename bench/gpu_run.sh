@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU reports come from, in one run on one machine, from the repository root. Usage:
-#   bench/gpu_run.sh OUT_DIR [STAGE...]     stages: tests sweep tune matmul speed launch divergence
+#   bench/gpu_run.sh OUT_DIR [STAGE...]     stages: tests sweep tune matmul speed divergence
 # (default: tests sweep speed divergence). `sweep` tunes plans for TUNE_MODELS (default bench/models/qwen3-1.7b)
 # into a plan file in OUT_DIR; `tune` writes it among the shipped ones in this copy of the tree instead (and copies
 # the shipped files to OUT_DIR), so that the stages after it serve it. `matmul` times the served plans and the rule against cuBLAS for
 # MATMUL_MODELS (default Qwen3-8B, Llama-3.1-8B, Qwen3-32B). Each stage writes its JSON and log under OUT_DIR; a
 # failing stage does not stop the others.
 set -u
-out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [matmul] [speed] [launch] [divergence]}
+out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [matmul] [speed] [divergence]}
 shift
 stages=${*:-tests sweep speed divergence}
 tune_models=${TUNE_MODELS:-bench/models/qwen3-1.7b}
@@ -40,7 +40,6 @@ for stage in $stages; do
         python3 -m bench.gpu_kernels "$out/matmul.json" $(printf -- '--model %s ' $matmul_models) >"$out/matmul.log" 2>&1
         ;;
     speed) python3 -m bench.gpu_price "$out/price.json" --parts speed >"$out/price.log" 2>&1 ;;
-    launch) python3 -m bench.gpu_price "$out/launch.json" --parts launch >"$out/launch.log" 2>&1 ;;
     divergence)
         python3 -m bench.gpu_price "$out/divergence.json" --parts divergence --embed-std 0.02 \
             --trials "${TRIALS:-1000}" --budget-s "${DIVERGENCE_BUDGET_S:-150}" >"$out/divergence.log" 2>&1
@@ -55,7 +54,6 @@ for stage in $stages; do
     sweep | tune) sed -n '/plan file/,$p' "$out/tune.log" ;;
     matmul) sed -n '/^model/,$p' "$out/matmul.log" ;;
     speed) sed -n '/^NVIDIA\|^copy\|^matmul worst\|^batch\|^ *[0-9]\|^decode step/p' "$out/price.log" | tail -n 12 ;;
-    launch) grep '^launch path' "$out/launch.log" ;;
     divergence) grep '^divergence' "$out/divergence.log" | tail -n 2 ;;
     esac
 done

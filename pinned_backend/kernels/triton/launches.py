@@ -4,28 +4,27 @@ Two things outlive a launch: whether kernels launch as programmatic dependents (
 benchmarks turn off to price it, and the matmul's arrival counters, one zeroed set per device that every launch
 splitting K among programs counts its slices in (matmul.py). Keeping them here, not in module globals, gives each
 kernel set its own and lets a test or benchmark make a fresh one. None of it changes a result's bits.
+
+Kernels launch through Triton's own launch path. Bypassing it for the matmul (reusing the compiled kernel without
+Triton's per-call binding, on Triton's private launch API) was measured on served steps and did not pay: the steps
+replayed from graphs took the same time, and graph captures and eager steps were slower with it
+(bench/results/h200.md, "Choices the code rests on").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import torch
 
 from .dependent_launch import dependent_launch_supported
-from .reused_launch import ReusedLaunch
 
 # Counters allocated at once, so that a decode step's launches never allocate.
 _MIN_ARRIVALS = 1 << 14
 
 
 class Launches:
-    def __init__(self, *, dependent_launch: bool = True, reuse_launches: bool = True) -> None:
+    def __init__(self, *, dependent_launch: bool = True) -> None:
         # Whether kernels launch as programmatic dependents where the device supports it.
         self.dependent_launch = dependent_launch
-        # Whether the matmul's kernels launch through `ReusedLaunch` rather than Triton's own launch path.
-        self.reuse_launches = reuse_launches
         # Arrival counters per device, all zero between launches (a tile's last program resets its own). One set
         # serves every launch on the device, because the launches that use them run one after another: the backend
         # issues a device's kernels from one stream, and a graph's kernels run in stream order too.
@@ -33,7 +32,6 @@ class Launches:
         # Counters outgrown by a larger launch stay allocated: graphs captured earlier hold their address and
         # replay into it.
         self.outgrown: list[torch.Tensor] = []
-        self._reused: dict[int, ReusedLaunch] = {}
 
     def dependent(self, device: torch.device) -> bool:
         """Whether kernels on `device` launch as programmatic dependents."""
@@ -53,25 +51,3 @@ class Launches:
         counters = torch.zeros(max(tiles, _MIN_ARRIVALS), device=device, dtype=torch.int32)
         self.arrivals[device] = counters
         return counters
-
-    def launch(
-        self,
-        kernel: Any,
-        grid: Sequence[int],
-        args: Sequence[object],
-        constexprs: dict[str, object],
-        **options: Any,
-    ) -> None:
-        """`kernel[grid](*args, **constexprs, **options)`, the constexprs given in the order the kernel declares
-        them."""
-        if not self.reuse_launches:
-            kernel[tuple(grid)](*args, **constexprs, **options)
-            return
-        self.reused_launch(kernel)(grid, args, constexprs, **options)
-
-    def reused_launch(self, kernel: Any) -> ReusedLaunch:
-        """The `ReusedLaunch` of `kernel`, which keeps the kernels it compiled."""
-        reused = self._reused.get(id(kernel))
-        if reused is None:
-            reused = self._reused[id(kernel)] = ReusedLaunch(kernel)
-        return reused
