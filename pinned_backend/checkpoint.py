@@ -2,7 +2,8 @@
 files.
 
 A folder holds `config.json` and either one `model.safetensors` or shards listed in
-`model.safetensors.index.json`. This module turns `config.json` into a frozen `ModelConfig`, loads the
+`model.safetensors.index.json`. This module turns `config.json` into a frozen `ModelConfig` (with a `MoeConfig`
+for a mixture-of-experts model: Qwen3-MoE or Mixtral), loads the
 tensors by their Hugging Face names with the shapes that config implies, and computes `weights_sha256`
 exactly as docs/protocol.md defines it. Every problem with the folder is a `CheckpointError` that names the
 file and what is wrong with it. It knows nothing of how the tensors are arranged for the forward pass
@@ -26,7 +27,7 @@ CONFIG_FILE = "config.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 # Tensors some exporters add that carry nothing the forward pass needs.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -46,6 +47,20 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """The sparse MLP layers of a mixture-of-experts model, in the checkpoint's naming `layout`."""
+
+    layout: (
+        str  # "qwen3_moe": mlp.gate, mlp.experts.E.{gate,up,down}_proj; "mixtral": block_sparse_moe..w1/w3/w2
+    )
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to one
+    sparse_layers: frozenset[int]  # the layers whose MLP is the experts; the others are dense
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -62,6 +77,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     rope_scaling: RopeScaling | None = None
+    moe: MoeConfig | None = None
 
     @property
     def q_size(self) -> int:
@@ -112,6 +128,38 @@ def _parse_rope_scaling(raw: Any, where: str) -> RopeScaling | None:
     return scaling
 
 
+def _parse_moe(raw: dict[str, Any], model_type: str, layers: int, where: str) -> MoeConfig | None:
+    """Qwen3-MoE's keys as Hugging Face's Qwen3MoeConfig reads them (its defaults where a key is absent); Mixtral's
+    experts are every layer's MLP, their top-k always renormalised."""
+    if model_type == "mixtral":
+        experts, size = (
+            _require(raw, "num_local_experts", int, where),
+            _require(raw, "intermediate_size", int, where),
+        )
+        sparse, norm = frozenset(range(layers)), True
+    elif model_type == "qwen3_moe":
+        experts, size = (
+            _require(raw, "num_experts", int, where),
+            _require(raw, "moe_intermediate_size", int, where),
+        )
+        step = _require(raw, "decoder_sparse_step", int, where) if "decoder_sparse_step" in raw else 1
+        dense = raw.get("mlp_only_layers", [])
+        if not isinstance(dense, list) or not all(isinstance(i, int) and 0 <= i < layers for i in dense):
+            raise CheckpointError(
+                f"{where}: 'mlp_only_layers' must be a list of layer indices below {layers}"
+            )
+        sparse = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        norm = raw.get("norm_topk_prob", False)
+        if not isinstance(norm, bool):
+            raise CheckpointError(f"{where}: 'norm_topk_prob' must be true or false, got {norm!r}")
+    else:
+        return None
+    top_k = _require(raw, "num_experts_per_tok", int, where)
+    if top_k > experts:
+        raise CheckpointError(f"{where}: num_experts_per_tok {top_k} is more than the {experts} experts")
+    return MoeConfig(model_type, experts, top_k, size, norm, sparse)
+
+
 def parse_config(raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
     """Validate a parsed config.json object; `where` names the file in error messages."""
     if not isinstance(raw, dict):
@@ -125,6 +173,10 @@ def parse_config(raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
     for key, unsupported in (("use_sliding_window", True), ("mlp_bias", True)):
         if raw.get(key) is unsupported:
             raise CheckpointError(f"{where}: {key}={unsupported!r} is not supported")
+    if model_type == "mixtral" and raw.get("sliding_window") is not None:
+        raise CheckpointError(
+            f"{where}: sliding_window={raw['sliding_window']!r} is not supported; only null is"
+        )
     if raw.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {raw['hidden_act']!r} is not supported; only 'silu' is")
     hidden = _require(raw, "hidden_size", int, where)
@@ -149,12 +201,13 @@ def parse_config(raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
         raise CheckpointError(f"{where}: 'tie_word_embeddings' must be true or false, got {tie!r}")
     # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
     bias = model_type == "qwen2" or raw.get("attention_bias", False) is True
+    layers = _require(raw, "num_hidden_layers", int, where)
     return ModelConfig(
         model_type=model_type,
         vocab_size=_require(raw, "vocab_size", int, where),
         hidden_size=hidden,
         intermediate_size=_require(raw, "intermediate_size", int, where),
-        num_hidden_layers=_require(raw, "num_hidden_layers", int, where),
+        num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -163,8 +216,9 @@ def parse_config(raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
         max_position_embeddings=_require(raw, "max_position_embeddings", int, where),
         tie_word_embeddings=tie,
         attention_bias=bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling=_parse_rope_scaling(raw.get("rope_scaling"), where),
+        moe=_parse_moe(raw, model_type, layers, where),
     )
 
 
@@ -211,9 +265,38 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        if c.moe is not None and i in c.moe.sparse_layers:
+            shapes.update(_expert_shapes(p, c.hidden_size, c.moe))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
         shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+    return shapes
+
+
+def expert_names(prefix: str, moe: MoeConfig) -> tuple[str, list[tuple[str, str, str]]]:
+    """A sparse layer's router weight name and each expert's (gate, up, down) weight names, in expert order."""
+    if moe.layout == "mixtral":
+        block, gate, up, down = prefix + "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        block, gate, up, down = prefix + "mlp.", "gate_proj", "up_proj", "down_proj"
+    experts = [
+        (
+            f"{block}experts.{e}.{gate}.weight",
+            f"{block}experts.{e}.{up}.weight",
+            f"{block}experts.{e}.{down}.weight",
+        )
+        for e in range(moe.num_experts)
+    ]
+    return block + "gate.weight", experts
+
+
+def _expert_shapes(prefix: str, hidden: int, moe: MoeConfig) -> dict[str, tuple[int, ...]]:
+    router, experts = expert_names(prefix, moe)
+    size = moe.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {router: (moe.num_experts, hidden)}
+    for gate, up, down in experts:
+        shapes.update({gate: (size, hidden), up: (size, hidden), down: (hidden, size)})
     return shapes
 
 

@@ -4,6 +4,7 @@
                            [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
                            [--max-step-graphs N] [--pooling last_token|mean] [--matmul-plans auto|none|FILE]
+                           [--expert-capacity-factor F] [--expert-overflow pass_through|next_expert]
                            [--ready-file PATH]
     stackpin-backend make-tiny DIR
     stackpin-backend tune --model DIR [--model DIR ...] [--out FILE|DIR] [--report FILE] [--budget-s S]
@@ -29,6 +30,7 @@ from pydantic import ValidationError
 
 from pinned_backend.checkpoint import CheckpointError
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE
+from pinned_backend.routing import OVERFLOW_POLICIES
 from pinned_backend.runtime import BackendSettings
 from pinned_backend.server import create_app
 from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
@@ -90,6 +92,18 @@ def _parser() -> argparse.ArgumentParser:
         "that holds the most of the model's weight shapes), none (the rule for every weight), or a file, e.g. "
         "one `tune` wrote; part of the stack",
     )
+    serve.add_argument(
+        "--expert-capacity-factor",
+        type=float,
+        help="a mixture-of-experts model: cap each expert at ceil(F * step tokens * k / experts) tokens per step, "
+        "so that answers depend on the batch (part of the stack; default: dropless routing)",
+    )
+    serve.add_argument(
+        "--expert-overflow",
+        choices=list(OVERFLOW_POLICIES),
+        help="with --expert-capacity-factor: a refused token is passed through unprocessed, or rerouted to its "
+        "next-ranked expert with room (default: pass_through)",
+    )
     serve.add_argument("--ready-file", type=Path, help="write the base URL here once listening")
     tiny = commands.add_parser("make-tiny", help="train and write the tiny model")
     tiny.add_argument("directory", type=Path)
@@ -148,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_step_graphs=args.max_step_graphs,
             pooling=args.pooling,
             matmul_plans=matmul_plans,
+            expert_capacity_factor=args.expert_capacity_factor,
+            expert_overflow=args.expert_overflow,
         )
     except ValidationError as exc:
         error = exc.errors()[0]

@@ -1,7 +1,8 @@
 """A Llama/Qwen-family decoder over a paged KV cache, every reduction routed through a `Kernels` object.
 
 Covers Llama 2/3.x (including `llama3` RoPE scaling), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
-RMSNorm), tied or untied embeddings, grouped-query attention and a SwiGLU MLP. Weights arrive under their
+RMSNorm), tied or untied embeddings, grouped-query attention and a SwiGLU MLP; in Qwen3-MoE and Mixtral, the
+sparse layers' MLP is a mixture of experts (moe.py, routed as routing.py decides). Weights arrive under their
 Hugging Face names (checkpoint.py) and are fused here: q/k/v into one matrix, gate/up into another, so each
 layer issues four GEMMs. This module computes one step's logits; which tokens make up a step, the block
 tables and sampling belong to the engine, and the reduction order of each op belongs to the kernels.
@@ -23,6 +24,8 @@ from pinned_backend.kernels import Kernels
 from pinned_backend.kernels.unfused import apply_rope as apply_rope
 from pinned_backend.kernels.unfused import silu as silu
 from pinned_backend.kvcache import PagedKVCache
+from pinned_backend.moe import ExpertWeights, moe_mlp, take_experts
+from pinned_backend.routing import DROPLESS, ExpertRouting
 
 SERVING_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,8 +39,9 @@ class _Layer:
     k_norm: torch.Tensor | None  # [head_dim]
     o: torch.Tensor  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None in a sparse layer
+    down: torch.Tensor | None  # [hidden, intermediate]
+    experts: ExpertWeights | None = None  # a sparse layer's router and experts
 
 
 def matmul_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -89,10 +93,18 @@ class Transformer:
         kernels: Kernels,
         device: torch.device,
         dtype: torch.dtype,
+        *,
+        routing: ExpertRouting = DROPLESS,
     ) -> None:
-        """`weights`: every tensor `checkpoint.expected_shapes(config)` names; consumed (fused) here."""
+        """`weights`: every tensor `checkpoint.expected_shapes(config)` names; consumed (fused) here. `routing`:
+        how a mixture-of-experts model's tokens find their experts (a dense model takes only the default)."""
         _check_dtype(dtype)
+        if config.moe is None and routing != DROPLESS:
+            raise ValueError(
+                f"an expert capacity factor applies to mixture-of-experts models; this {config.model_type} is dense"
+            )
         self.config = config
+        self.routing = routing
         self.kernels = kernels
         self.device = device
         self.dtype = dtype
@@ -118,6 +130,12 @@ class Transformer:
         bias = None
         if self.config.attention_bias:
             bias = torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"])
+        moe, experts, gate_up, down = self.config.moe, None, None, None
+        if moe is not None and i in moe.sparse_layers:
+            experts = take_experts(p, moe, take)
+        else:
+            gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous()
+            down = take(mlp + "down_proj.weight")
         return _Layer(
             input_norm=take(p + "input_layernorm.weight"),
             qkv=torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
@@ -126,19 +144,26 @@ class Transformer:
             k_norm=take(attn + "k_norm.weight") if self.config.qk_norm else None,
             o=take(attn + "o_proj.weight"),
             post_norm=take(p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]).contiguous(),
-            down=take(mlp + "down_proj.weight"),
+            gate_up=gate_up,
+            down=down,
+            experts=experts,
         )
 
     @classmethod
     def from_pretrained(
-        cls, path: Path, kernels: Kernels, device: torch.device, dtype: torch.dtype
+        cls,
+        path: Path,
+        kernels: Kernels,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        routing: ExpertRouting = DROPLESS,
     ) -> Transformer:
         """Load a Hugging Face checkpoint folder; a CheckpointError names any missing or malformed file."""
         _check_dtype(dtype)
         path = Path(path)
         config = load_config(path)
-        return cls(config, load_weights(path, config, dtype), kernels, device, dtype)
+        return cls(config, load_weights(path, config, dtype), kernels, device, dtype, routing=routing)
 
     def forward(
         self,
@@ -212,4 +237,7 @@ class Transformer:
         return self.kernels.matmul(attended.reshape(h.shape[0], c.q_size), layer.o)
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        if layer.experts is not None and self.config.moe is not None:
+            return moe_mlp(self.kernels, layer.experts, h, self.config.moe, self.routing)
+        assert layer.gate_up is not None and layer.down is not None
         return self.kernels.matmul(self.kernels.silu_mul(self.kernels.matmul(h, layer.gate_up)), layer.down)

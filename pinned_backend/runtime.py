@@ -22,6 +22,7 @@ from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer, matmul_shapes
+from pinned_backend.routing import ExpertRouting, OverflowPolicy
 from pinned_backend.runner import EngineRunner
 from pinned_backend.stack import (
     DTYPE_NAMES,
@@ -65,6 +66,9 @@ class BackendSettings(BaseModel):
     # holds the most of the model's weight shapes), "none" (the rule for every weight), or a file's path. The stack
     # names the file and its digest.
     matmul_plans: Path | Literal["auto", "none"] = "auto"
+    # A mixture-of-experts model's routing: dropless unless a capacity factor caps each expert's tokens per step.
+    expert_capacity_factor: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    expert_overflow: OverflowPolicy | None = None  # what a refused token does; pass_through unless said
 
     @model_validator(mode="after")
     def _consistent(self) -> BackendSettings:
@@ -78,6 +82,8 @@ class BackendSettings(BaseModel):
             raise ValueError(
                 "the kernels on cuda run bf16 or fp16 on the tensor cores; choose --dtype bf16 (or fp16)"
             )
+        if self.expert_overflow is not None and self.expert_capacity_factor is None:
+            raise ValueError("--expert-overflow applies only with --expert-capacity-factor")
         if self.kv_split_size % self.block_size:
             raise ValueError(
                 f"--kv-split-size {self.kv_split_size} must be a multiple of the KV cache's block size, "
@@ -98,6 +104,10 @@ class BackendSettings(BaseModel):
         if self.dtype == "auto":
             return torch.bfloat16 if self.device == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    @property
+    def expert_routing(self) -> ExpertRouting:
+        return ExpertRouting(self.expert_capacity_factor, self.expert_overflow or "pass_through")
 
     @property
     def served_name(self) -> str:
@@ -139,13 +149,16 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         settings.kernel_mode, device, kv_split_size=settings.kv_split_size, matmul_plans=plan_file
     )
     digest = weights_sha256(settings.model)
-    model = Transformer.from_pretrained(settings.model, kernels, device, dtype)
+    model = Transformer.from_pretrained(
+        settings.model, kernels, device, dtype, routing=settings.expert_routing
+    )
     tokenizer = Tokenizer.from_pretrained(settings.model)
     num_blocks = PagedKVCache.blocks_for_budget(
         config, int(settings.kv_cache_mb * 2**20), settings.block_size, dtype
     )
     cache = PagedKVCache(config, num_blocks, settings.block_size, device, dtype)
-    graphed = device.type == "cuda" and kernels.mode == "batch_invariant"
+    # A mixture-of-experts step reads on the host which experts its tokens chose, which a graph cannot replay.
+    graphed = device.type == "cuda" and kernels.mode == "batch_invariant" and config.moe is None
     engine_config = EngineConfig(
         max_model_len=config.max_position_embeddings,
         num_blocks=num_blocks,
@@ -173,7 +186,10 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         software=detect_software(device),
         # The CPU's default kernels do not split attention by a fixed size; 0 says so.
         batching=batching_policy(
-            settings.max_batch_size, settings.max_step_tokens, getattr(kernels, "kv_split_size", 0)
+            settings.max_batch_size,
+            settings.max_step_tokens,
+            getattr(kernels, "kv_split_size", 0),
+            settings.expert_routing.describe() if config.moe is not None else None,
         ),
         embedding=embedding_method(settings.pooling),
     )

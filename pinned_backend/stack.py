@@ -81,13 +81,23 @@ def gpu_hardware(name: str, compute_capability: tuple[int, int]) -> tuple[str, d
     return generation, {"name": name, "compute_capability": f"{major}.{minor}"}
 
 
-def batching_policy(max_batch_size: int, max_step_tokens: int, kv_split_size: int) -> dict[str, Any]:
-    return {
+def batching_policy(
+    max_batch_size: int,
+    max_step_tokens: int,
+    kv_split_size: int,
+    expert_routing: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`expert_routing`: a mixture-of-experts model's routing (`ExpertRouting.describe()`), None for a dense model,
+    whose stack then has no such key: a capacity factor makes what the batch holds change a token's experts."""
+    policy: dict[str, Any] = {
         "policy": "continuous",
         "max_batch_size": max_batch_size,
         "max_step_tokens": max_step_tokens,
         "kv_split_size": kv_split_size,
     }
+    if expert_routing is not None:
+        policy["expert_routing"] = dict(expert_routing)
+    return policy
 
 
 def embedding_method(pooling: str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Small random checkpoints in the Hugging Face folder format, and engines over them, for the backend's tests.
 
-The weights are seeded noise: the model's answers mean nothing, but they are a real Qwen3-shaped decoder loaded by
-the real loader and run by the real kernels, small enough that many scheduled runs take seconds.
+The weights are seeded noise: the model's answers mean nothing, but they are a real Qwen3-shaped decoder (dense, or
+Qwen3-MoE-shaped with `MOE_CONFIG`) loaded by the real loader and run by the real kernels, small enough that many
+scheduled runs take seconds. The same seed writes the same bytes.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import string
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from pinned_backend.engine import Engine, EngineConfig, EngineError, StepStats, 
 from pinned_backend.kernels import KernelMode, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
+from pinned_backend.routing import DROPLESS, ExpertRouting
 
 SMALL_CONFIG = {
     "model_type": "qwen3",
@@ -37,6 +39,18 @@ SMALL_CONFIG = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
 }
+# Two layers, the first sparse, the second dense; four experts of which each token takes two.
+MOE_CONFIG = {
+    **SMALL_CONFIG,
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [1],
+}
 
 
 CHARACTERS = string.ascii_letters + string.digits + " ,.!?'\n"
@@ -47,10 +61,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_random_checkpoint(folder: Path, seed: int = 0, *, with_tokenizer: bool = False) -> Path:
-    """A random Qwen3-format checkpoint; `with_tokenizer` adds a character-level tokenizer and chat template."""
+def write_random_checkpoint(
+    folder: Path, seed: int = 0, *, with_tokenizer: bool = False, config: Mapping[str, object] = SMALL_CONFIG
+) -> Path:
+    """A random checkpoint of `config`'s shape; `with_tokenizer` adds a character-level tokenizer and chat
+    template."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(SMALL_CONFIG)
+    config = dict(config)
     if with_tokenizer:
         config["vocab_size"] = _write_character_tokenizer(folder)
     (folder / "config.json").write_text(json.dumps(config))
@@ -100,10 +117,11 @@ def make_engine(
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
     dependent_launch: bool = True,
+    routing: ExpertRouting = DROPLESS,
 ) -> Engine:
     device = device or torch.device("cpu")
     kernels = select_kernels(mode, device, kv_split_size=kv_split_size, dependent_launch=dependent_launch)
-    model = Transformer.from_pretrained(folder, kernels, device, dtype)
+    model = Transformer.from_pretrained(folder, kernels, device, dtype, routing=routing)
     cache = PagedKVCache(model.config, num_blocks, block_size, device, dtype)
     config = EngineConfig(
         max_model_len=model.config.max_position_embeddings,

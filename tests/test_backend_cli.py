@@ -49,6 +49,15 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (("tune", "--model", "/nonexistent"), "has no config.json"),
         (("tune", "--model", "bench/models/qwen3-8b", "--budget-s", "0"), "--budget-s must be positive"),
         (("tune", "--model", "bench/models/qwen3-8b", "--candidates", "few"), "invalid choice: 'few'"),
+        (
+            ("serve", "--model", ".", "--expert-capacity-factor", "0"),
+            "--expert-capacity-factor: Input should be",
+        ),
+        (
+            ("serve", "--model", ".", "--expert-overflow", "next_expert"),
+            "applies only with --expert-capacity",
+        ),
+        (("serve", "--model", ".", "--expert-overflow", "drop"), "invalid choice: 'drop'"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from pinned_backend.checkpoint import CheckpointError, weights_sha256
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.runtime import BackendSettings, load_runtime
-from pinned_backend.stack import STACK_KEYS
-from tests.backend_checkpoint import write_random_checkpoint
+from pinned_backend.stack import STACK_KEYS, fingerprint
+from tests.backend_checkpoint import MOE_CONFIG, write_random_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,33 @@ def test_the_stack_reports_the_loaded_weights_dtype_and_mode(checkpoint: Path) -
     assert runtime.stack["kernel_mode"] == "default"
     assert runtime.stack["batching"]["kv_split_size"] == 0  # plain kernels split nothing
     assert runtime.stack["model"] == "random-qwen3"
+
+
+def test_a_dense_models_stack_names_no_expert_routing(checkpoint: Path) -> None:
+    runtime = load_runtime(BackendSettings(model=checkpoint, block_size=4, kv_split_size=8))
+    assert "expert_routing" not in runtime.stack["batching"]
+    with pytest.raises(ValueError, match="applies to mixture-of-experts models"):
+        load_runtime(
+            BackendSettings(model=checkpoint, block_size=4, kv_split_size=8, expert_capacity_factor=1.0)
+        )
+
+
+def test_a_mixture_of_experts_stack_names_its_routing(tmp_path: Path) -> None:
+    folder = write_random_checkpoint(tmp_path / "random-moe", with_tokenizer=True, config=MOE_CONFIG)
+    base = {"model": folder, "block_size": 4, "kv_split_size": 8}
+    dropless = load_runtime(BackendSettings(**base)).stack  # type: ignore[arg-type]
+    assert dropless["batching"]["expert_routing"] == {"policy": "dropless"}
+    capped = load_runtime(BackendSettings(**base, expert_capacity_factor=1.25)).stack  # type: ignore[arg-type]
+    assert capped["batching"]["expert_routing"] == {
+        "policy": "capacity",
+        "capacity_factor": 1.25,
+        "overflow": "pass_through",
+    }
+    rerouted = load_runtime(
+        BackendSettings(**base, expert_capacity_factor=1.25, expert_overflow="next_expert")  # type: ignore[arg-type]
+    ).stack
+    assert rerouted["batching"]["expert_routing"]["overflow"] == "next_expert"
+    assert len({fingerprint(s) for s in (dropless, capped, rerouted)}) == 3
 
 
 def test_the_kv_budget_sets_the_number_of_blocks(checkpoint: Path) -> None:

@@ -119,6 +119,74 @@ def test_qwen2_config_has_attention_biases() -> None:
     assert "model.layers.0.self_attn.q_proj.bias" in expected_shapes(config)
 
 
+QWEN3_MOE = {
+    **QWEN3,
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 6,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 2,
+    "mlp_only_layers": [3],
+}
+
+
+def test_qwen3_moe_config_places_experts_as_hugging_face_does() -> None:
+    config = parse_config(QWEN3_MOE)
+    assert config.qk_norm and config.moe is not None
+    # Every second layer (1, 3, 5) is sparse, except 3, which mlp_only_layers keeps dense.
+    assert config.moe.sparse_layers == {1, 5} and config.moe.norm_topk_prob
+    shapes = expected_shapes(config)
+    assert shapes["model.layers.1.mlp.gate.weight"] == (8, 32)
+    assert shapes["model.layers.1.mlp.experts.7.gate_proj.weight"] == (24, 32)
+    assert shapes["model.layers.5.mlp.experts.0.down_proj.weight"] == (32, 24)
+    assert shapes["model.layers.3.mlp.gate_proj.weight"] == (48, 32)
+    assert "model.layers.1.mlp.gate_proj.weight" not in shapes
+    # Hugging Face's defaults: every layer sparse, top-k probabilities not renormalised.
+    plain = parse_config(
+        {
+            k: v
+            for k, v in QWEN3_MOE.items()
+            if k not in ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")
+        }
+    )
+    assert plain.moe is not None and plain.moe.sparse_layers == set(range(6)) and not plain.moe.norm_topk_prob
+
+
+def test_mixtral_config_makes_every_mlp_its_experts() -> None:
+    raw = {
+        **LLAMA32,
+        "model_type": "mixtral",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rope_scaling": None,
+    }
+    config = parse_config(raw)
+    assert config.moe is not None and config.moe.sparse_layers == {0, 1} and config.moe.norm_topk_prob
+    shapes = expected_shapes(config)
+    assert shapes["model.layers.0.block_sparse_moe.gate.weight"] == (4, 32)
+    assert shapes["model.layers.1.block_sparse_moe.experts.3.w2.weight"] == (32, 48)
+    with pytest.raises(CheckpointError, match="sliding_window=4096 is not supported"):
+        parse_config({**raw, "sliding_window": 4096})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 is more than the 8 experts"),
+        ({"num_experts": 0}, "'num_experts' must be positive"),
+        ({"mlp_only_layers": [6]}, "'mlp_only_layers' must be a list of layer indices below 6"),
+        ({"mlp_only_layers": "all"}, "'mlp_only_layers' must be a list"),
+        ({"norm_topk_prob": 1}, "'norm_topk_prob' must be true or false"),
+    ],
+)
+def test_malformed_moe_config_is_an_error_naming_the_key(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(CheckpointError, match=r"config\.json") as info:
+        parse_config({**QWEN3_MOE, **change}, where="folder/config.json")
+    assert message in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -7,6 +7,10 @@ engine's step loop is driven directly from a scripted arrival schedule, so every
 
 In `default` mode the same schedules run and the differences found are reported, not asserted: whether plain
 PyTorch kernels change a row's result with the batch depends on the hardware.
+
+The mixture-of-experts model (Qwen3-MoE-shaped) is held to the same property with dropless routing. With an expert
+capacity factor, a token's experts depend on the rest of the step by design; how often that changes an answer is
+reported, not asserted.
 """
 
 from __future__ import annotations
@@ -21,20 +25,30 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pinned_backend.engine import TokenOutput
 from pinned_backend.kernels import KernelMode
+from pinned_backend.routing import DROPLESS, OVERFLOW_POLICIES, ExpertRouting
 from pinned_backend.runtime import BackendSettings
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.schedule import Arrival, run_schedule
 from pinned_backend.server import create_app
-from tests.backend_checkpoint import make_engine, write_random_checkpoint
+from tests.backend_checkpoint import MOE_CONFIG, make_engine, write_random_checkpoint
 
 CASES = 24
 DEFAULT_CASES = 12  # the default mode is only reported, so fewer cases keep the suite quick
+MOE_CASES = 6  # fewer: the dense cases above already cover the engine; these cover the experts
+CAPACITY_FACTOR = 1.0
 VOCAB = 96
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_checkpoint(tmp_path_factory.mktemp("invariance") / "random-qwen3")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(
+        tmp_path_factory.mktemp("invariance") / "random-qwen3-moe", config=MOE_CONFIG
+    )
 
 
 def random_request(rng: random.Random, request_id: str, step: int) -> Arrival:
@@ -60,11 +74,15 @@ def crowded_schedule(rng: random.Random, target: Arrival) -> list[Arrival]:
     return [Arrival(rng.randint(0, 12), "target", target.prompt, target.params), *others]
 
 
-def compare_alone_and_crowded(checkpoint: Path, mode: KernelMode, seed: int) -> tuple[bool, bool, int]:
+def compare_alone_and_crowded(
+    checkpoint: Path, mode: KernelMode, seed: int, routing: ExpertRouting = DROPLESS
+) -> tuple[bool, bool, int]:
     """Serve one random request alone and amid others: (same bits?, same tokens?, largest batch it shared)."""
     rng = random.Random(seed)
     target = random_request(rng, "target", 0)
-    engine = make_engine(checkpoint, mode, num_blocks=96, max_batch_size=8, max_step_tokens=24, max_queue=32)
+    engine = make_engine(
+        checkpoint, mode, num_blocks=96, max_batch_size=8, max_step_tokens=24, max_queue=32, routing=routing
+    )
     alone = run_schedule(engine, [target])["target"]
     crowded = run_schedule(engine, crowded_schedule(rng, target))["target"]
     assert len(alone) == target.params.max_tokens
@@ -87,6 +105,35 @@ def test_default_mode_is_reported(checkpoint: Path, record_property: pytest.Reco
     print(
         f"default mode on this CPU: amid others, {bits} of {DEFAULT_CASES} answers changed logprob bits, {tokens} tokens"
     )
+
+
+@pytest.mark.parametrize("seed", range(MOE_CASES))
+def test_dropless_mixture_of_experts_answers_do_not_depend_on_the_batch(
+    moe_checkpoint: Path, seed: int
+) -> None:
+    same, _, shared = compare_alone_and_crowded(moe_checkpoint, "batch_invariant", seed)
+    assert same, (
+        f"case {seed}: the MoE model's answer changed when served amid others (largest batch {shared})"
+    )
+
+
+def test_expert_capacity_divergence_is_reported(
+    moe_checkpoint: Path, record_property: pytest.RecordProperty
+) -> None:
+    for overflow in OVERFLOW_POLICIES:
+        routing = ExpertRouting(CAPACITY_FACTOR, overflow)
+        results = [
+            compare_alone_and_crowded(moe_checkpoint, "batch_invariant", seed, routing)
+            for seed in range(MOE_CASES)
+        ]
+        bits = sum(1 for same, _, _ in results if not same)
+        tokens = sum(1 for _, same_tokens, _ in results if not same_tokens)
+        record_property(f"capacity_{overflow}_differing_logprob_bits", f"{bits}/{MOE_CASES}")
+        record_property(f"capacity_{overflow}_differing_tokens", f"{tokens}/{MOE_CASES}")
+        print(
+            f"expert capacity factor {CAPACITY_FACTOR}, overflow {overflow}: amid others, {bits} of {MOE_CASES} "
+            f"answers changed logprob bits, {tokens} tokens"
+        )
 
 
 def test_default_mode_repeats_itself_under_an_identical_schedule(checkpoint: Path) -> None:

@@ -1,0 +1,113 @@
+"""Which experts each token of a step goes to, and with what weight: the router's decision, apart from the experts.
+
+Dropless routing (the default) sends every token to its top-k experts whatever else is in the step: the choice and
+the weights of a token are functions of its own router logits alone. The router's softmax runs over each row in
+float32 (PyTorch's last-dimension softmax reduces a row in one order however many rows there are); the experts are
+ranked by a stable descending sort, so that of two equal probabilities the lower expert index ranks first; the top-k
+probabilities are summed by rank, one elementwise add at a time, when they are renormalised.
+
+A capacity factor F, opt-in, caps each expert at ceil(F * tokens * k / experts) assignments in a step, as
+capacity-limited implementations do. Assignments are granted rank by rank (every token's first choice before any
+token's second), in the step's row order; an assignment refused for want of room is either passed through (that
+slot contributes nothing, the token's residual carries on) or rerouted to the token's next-ranked expert that has
+room and does not already serve it, with that expert's probability as its weight. The cap follows the number of
+tokens in the step and the order follows where a token sits in it, so what a token gets depends on the batch: this
+is the cause of divergence that dropless routing removes, kept here so that it can be measured. This module knows
+nothing of the experts' matmuls (moe.py) or of the stack beyond `describe`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+OverflowPolicy = Literal["pass_through", "next_expert"]
+OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("pass_through", "next_expert")
+DROPPED = -1  # the expert index of an assignment that was refused and passed through
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """Dropless when `capacity_factor` is None; otherwise capped, with `overflow` deciding what a refusal does."""
+
+    capacity_factor: float | None = None
+    overflow: OverflowPolicy = "pass_through"
+
+    def __post_init__(self) -> None:
+        if self.capacity_factor is not None and not (
+            math.isfinite(self.capacity_factor) and self.capacity_factor > 0
+        ):
+            raise ValueError(
+                f"the expert capacity factor must be a positive number, got {self.capacity_factor}"
+            )
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ValueError(
+                f"unknown overflow policy {self.overflow!r}; choose one of {', '.join(OVERFLOW_POLICIES)}"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """The routing as the stack names it: only what changes answers."""
+        if self.capacity_factor is None:
+            return {"policy": "dropless"}
+        return {"policy": "capacity", "capacity_factor": self.capacity_factor, "overflow": self.overflow}
+
+
+DROPLESS = ExpertRouting()
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """How many assignments one expert may take in a step of `tokens` tokens."""
+    return math.ceil(factor * tokens * top_k / num_experts)
+
+
+def route(
+    logits: torch.Tensor,  # [T, E] the router's logits, any float dtype
+    top_k: int,
+    norm_topk_prob: bool,
+    routing: ExpertRouting = DROPLESS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k experts [T, k] int64 (by rank; DROPPED where refused) and their weights [T, k] float32."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    ranked_probs, ranked = torch.sort(probs, dim=-1, descending=True, stable=True)
+    if routing.capacity_factor is None:
+        ranks = torch.arange(top_k).expand(probs.shape[0], top_k)
+    else:
+        capacity = expert_capacity(probs.shape[0], top_k, probs.shape[1], routing.capacity_factor)
+        ranks = torch.tensor(_grant(ranked.tolist(), top_k, capacity, routing.overflow), dtype=torch.long)
+        ranks = ranks.reshape(probs.shape[0], top_k)
+    kept = ranks >= 0
+    safe = ranks.clamp(min=0)
+    experts = torch.where(kept, ranked.gather(1, safe), DROPPED)
+    weights = torch.where(kept, ranked_probs.gather(1, safe), 0.0)
+    if norm_topk_prob:
+        weights = weights / sum_by_rank(ranked_probs[:, :top_k])[:, None]
+    return experts, weights
+
+
+def sum_by_rank(values: torch.Tensor) -> torch.Tensor:
+    """values [T, k] -> [T], added left to right: the order of each row's sum is fixed by rank."""
+    total = values[:, 0]
+    for r in range(1, values.shape[1]):
+        total = total + values[:, r]
+    return total
+
+
+def _grant(ranked: list[list[int]], top_k: int, capacity: int, overflow: OverflowPolicy) -> list[int]:
+    """For each token's k slots (flattened, token-major), the rank of the expert it got, or -1 if refused."""
+    load = [0] * len(ranked[0]) if ranked else []
+    taken: list[set[int]] = [set() for _ in ranked]
+    granted = [-1] * (len(ranked) * top_k)
+    for slot in range(top_k):
+        for token, order in enumerate(ranked):
+            candidates = [slot] if overflow == "pass_through" else range(slot, len(order))
+            for rank in candidates:
+                expert = order[rank]
+                if expert not in taken[token] and load[expert] < capacity:
+                    load[expert] += 1
+                    taken[token].add(expert)
+                    granted[token * top_k + slot] = rank
+                    break
+    return granted
