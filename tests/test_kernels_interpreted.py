@@ -1,7 +1,8 @@
 """Specification of the GPU matmul's bookkeeping, checked on the CPU under Triton's interpreter: however a launch
 cuts the work between programs (a slice of K per program, or equal runs of K steps with chains carried from one
 program to the next) and however it loads its operands (plain loads or the copy engine's descriptors), every element
-gets the bits of one program per tile. Skipped where Triton is not installed.
+gets the bits of one program per tile; and that the grouped expert matmul gives each row its expert's product, the
+same bits whatever the other rows went to. Skipped where Triton is not installed.
 """
 
 from __future__ import annotations
@@ -19,8 +20,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_way_of_cutting_a_matmul_between_programs_gives_one_programs_bits() -> None:
+    run_interpreted("tests.interpreted_kernels")
+
+
+def test_a_grouped_expert_matmuls_row_does_not_depend_on_how_the_step_spread_over_the_experts() -> None:
+    run_interpreted("tests.interpreted_expert_matmul")
+
+
+def run_interpreted(module: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.interpreted_kernels"],
+        [sys.executable, "-m", module],
         cwd=ROOT,
         env={**os.environ, "TRITON_INTERPRET": "1"},
         capture_output=True,
