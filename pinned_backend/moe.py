@@ -3,7 +3,7 @@
 Which experts a token gets is routing.py's decision; this module runs them. Tokens are gathered per expert and each
 expert's two GEMMs go through the kernels' `matmul`, so their reduction order is the kernels' business: in
 `batch_invariant` mode it depends only on the expert's weight shape, never on how many tokens the expert got in
-this step (on the CPU, GEMMs of a fixed number of rows; kernels/cpu.py). How a token's k outputs are combined is
+this step (on the CPU, GEMMs of a fixed number of rows; kernels/cpu_invariant.py). How a token's k outputs are combined is
 decided here:
 - `batch_invariant`: each output lands in the token's slot for that rank, and the k weighted outputs are added in
   rank order, so a token's sum has one order whatever experts its neighbours chose;
