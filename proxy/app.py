@@ -1,6 +1,7 @@
 """create_app: the proxy's aiohttp application, its resources as cleanup contexts, its routes.
 
-Resources, acquired in order and released in reverse: the audit store, the HTTP client for replicas, the embedded
+Resources, acquired in order and released in reverse: the audit store (whose streams left open by a stopped
+proxy are closed as interrupted first, proxy/sweep.py), the HTTP client for replicas, the embedded
 local backend (when configured), the replica registry with its health monitor, which checks every replica
 before the first request is accepted, and the fleet (proxy/fleet/runtime.py): rate limits, and in fleet mode the
 shared view in Redis. The audit page (proxy/ui/) is a sub-application at /ui over the same resources.
@@ -21,14 +22,16 @@ from prometheus_client import CollectorRegistry
 from proxy.audit import AuditStore
 from proxy.config import Secrets, Settings
 from proxy.fleet.runtime import fleet_for
-from proxy.handlers import error_middleware, routes
+from proxy.handlers import routes
 from proxy.health import HealthMonitor
 from proxy.keys import PROMPTS, PROXY, ROUTES
 from proxy.local_backend import LocalBackend
 from proxy.metrics import ProxyMetrics
+from proxy.middleware import error_middleware
 from proxy.prompts import PromptBook
 from proxy.registry import Registry, Replica
 from proxy.serving import Proxy
+from proxy.sweep import mark_interrupted_streams
 from proxy.ui import ui_app
 
 log = structlog.get_logger("stackpin.app")
@@ -82,6 +85,16 @@ def create_app(
             observer=metrics,
             durability=settings.store.durability,
         )
+        try:
+            await mark_interrupted_streams(
+                store,
+                clock(),
+                fleet=settings.fleet.redis_url is not None,
+                replica_timeout_s=settings.server.replica_timeout_s,
+            )
+        except BaseException:
+            await store.close()
+            raise
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
         registry = registry_from(settings)
         monitor_task: asyncio.Task[None] | None = None

@@ -10,16 +10,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from proxy.config import Settings, load_settings
-from proxy.errors import ConfigError
+from proxy.audit import AuditError
+from proxy.config import Settings, load_settings, read_settings
+from proxy.errors import ConfigError, StackpinError
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
+FINGERPRINT_PREFIX = re.compile(r"^[0-9a-f]{1,64}$")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except ConfigError as e:
+    except (ConfigError, StackpinError, AuditError) as e:
+        # What the user can fix: one line, never a traceback.
         print(f"stackpin: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
@@ -35,7 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stackpin", description=__doc__.splitlines()[0])
+    description, epilog = (" ".join(part.split()) for part in __doc__.split("\n\n")[:2])
+    parser = argparse.ArgumentParser(prog="stackpin", description=description, epilog=epilog)
     config = argparse.ArgumentParser(add_help=False)
     config.add_argument(
         "--config", type=Path, help="TOML configuration (default: ./stackpin.toml if present)"
@@ -43,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", parents=[config], help="run the proxy")
+    serve.add_argument("--host", help="address to listen on (default: [server] host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default: [server] port, 8080)")
     serve.set_defaults(run=_serve)
 
     db = commands.add_parser("db", help="the audit store's schema")
@@ -66,12 +73,14 @@ def _parser() -> argparse.ArgumentParser:
     audit.set_defaults(run=_audit)
 
     records = commands.add_parser("records", parents=[config], help="list records")
-    records.add_argument("--stack", help="fingerprint")
+    records.add_argument("--stack", help="fingerprint, or its first characters (the listing shows 12)")
     records.add_argument("--model")
     records.add_argument("--tenant")
-    records.add_argument("--since", type=datetime.fromisoformat, help="ISO 8601 time")
-    records.add_argument("--until", type=datetime.fromisoformat, help="ISO 8601 time")
-    records.add_argument("--limit", type=int, default=50)
+    records.add_argument("--since", help="ISO 8601 time with its zone, e.g. 2026-12-01T07:22:00+00:00")
+    records.add_argument(
+        "--until", help="ISO 8601 time with its zone (exclusive): the next page of a listing"
+    )
+    records.add_argument("--limit", type=int, default=50, help="most records listed (1 to 1000, default 50)")
     records.add_argument("--json", action="store_true")
     records.set_defaults(run=_records)
 
@@ -134,13 +143,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings(args.config)[0]
+    """The settings without their secrets: enough for every command but `serve`."""
+    return read_settings(args.config)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from proxy.serve import serve
 
-    settings, secrets = load_settings(args.config)
+    flags = {name: value for name, value in (("host", args.host), ("port", args.port)) if value is not None}
+    settings, secrets = load_settings(args.config, server=flags)
     return serve(settings, secrets)
 
 
@@ -174,34 +185,51 @@ def _audit(args: argparse.Namespace) -> int:
 def _records(args: argparse.Namespace) -> int:
     from proxy.inspect import list_records
 
+    stack = args.stack.lower() if args.stack else None
+    if stack is not None and not FINGERPRINT_PREFIX.match(stack):
+        raise ConfigError(f"--stack must be a fingerprint or its first characters (hex), got {args.stack!r}")
+    if not 1 <= args.limit <= 1000:
+        raise ConfigError(f"--limit must be between 1 and 1000, got {args.limit}")
     filters: dict[str, Any] = {
-        "fingerprint": args.stack,
+        "fingerprint": stack,
         "model": args.model,
         "tenant": args.tenant,
-        "since": args.since,
-        "until": args.until,
+        "since": _moment("--since", args.since),
+        "until": _moment("--until", args.until),
         "limit": args.limit,
     }
     return asyncio.run(list_records(_settings(args).store, filters, as_json=args.json))
 
 
+def _moment(option: str, text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(
+            f"{option} must be an ISO 8601 time, e.g. 2026-12-01T07:22:00+00:00; got {text!r}"
+        ) from None
+    if moment.tzinfo is None:
+        raise ConfigError(f"{option} must carry its time zone, e.g. {text}+00:00 or {text}Z")
+    return moment
+
+
 def _replay(args: argparse.Namespace) -> int:
     from proxy.client import replay
 
-    settings, _ = load_settings(args.config)
-    return asyncio.run(replay(_client_target(args, settings), args.record, on=args.on, as_json=args.json))
+    return asyncio.run(
+        replay(_client_target(args, _settings(args)), args.record, on=args.on, as_json=args.json)
+    )
 
 
 def _probe(args: argparse.Namespace) -> int:
     from proxy.client import probe
 
-    settings, _ = load_settings(args.config)
-    return asyncio.run(probe(_client_target(args, settings), args))
+    return asyncio.run(probe(_client_target(args, _settings(args)), args))
 
 
 def _fleet_redis_url(args: argparse.Namespace, settings: Settings, command: str) -> str:
-    import re
-
     redis_url: str | None = args.redis or settings.fleet.redis_url
     if not redis_url:
         raise ConfigError(f"fleet {command} needs Redis: pass --redis URL or set [fleet] redis_url")
@@ -211,8 +239,6 @@ def _fleet_redis_url(args: argparse.Namespace, settings: Settings, command: str)
 
 
 def _fleet_heartbeat(args: argparse.Namespace) -> int:
-    import re
-
     from proxy.app import utc_now
     from proxy.fleet.heartbeat import run_sidecar
     from proxy.logs import configure_logging

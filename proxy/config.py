@@ -49,6 +49,13 @@ class ServerSettings(_Section):
     retry_deadline_s: float = Field(default=30.0, gt=0)
     # The route that serves a request which names no model; without one such a request is a 400.
     default_route: str | None = None
+    body_timeout_s: float = Field(default=30.0, gt=0)  # for a request's whole body, once its headers are in
+    # A connection that sends no complete request for this long (from its start, or since its last answer) is
+    # closed: slow or idle sockets cannot pile up.
+    idle_timeout_s: float = Field(default=75.0, gt=0)
+    # Past this many open connections only the probes are answered (proxy/listener.py). Default: half the
+    # process's file-descriptor limit, at most 4096, so that a flood of sockets cannot exhaust it.
+    max_connections: int | None = Field(default=None, ge=1)
 
     @property
     def loopback_only(self) -> bool:
@@ -258,12 +265,30 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def load_settings(path: Path | None, environ: Mapping[str, str] | None = None) -> tuple[Settings, Secrets]:
-    """Read the TOML file (if any), apply environment overrides, validate, and resolve secrets.
+def load_settings(
+    path: Path | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    server: Mapping[str, Any] | None = None,
+) -> tuple[Settings, Secrets]:
+    """Read the settings (`read_settings`), override `[server]` fields with `server` (command-line flags, which
+    win over the environment), and resolve the secrets: what serving needs."""
+    environ = os.environ if environ is None else environ
+    settings = read_settings(path)
+    if server:
+        try:
+            settings.server = ServerSettings.model_validate({**settings.server.model_dump(), **server})
+        except ValidationError as e:
+            raise ConfigError(f"the server options are invalid:\n{_describe(e)}") from e
+    return settings, resolve_secrets(settings, environ)
+
+
+def read_settings(path: Path | None) -> Settings:
+    """Read the TOML file (if any), apply environment overrides and validate; no secret is resolved, so that
+    commands that only read the store need no key.
 
     `path=None` uses `stackpin.toml` in the working folder when it exists, else the embedded default.
     """
-    environ = os.environ if environ is None else environ
     data: dict[str, Any] = {}
     if path is None and DEFAULT_CONFIG_FILE.exists():
         path = DEFAULT_CONFIG_FILE
@@ -275,10 +300,9 @@ def load_settings(path: Path | None, environ: Mapping[str, str] | None = None) -
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"configuration file {path} is not valid TOML: {e}") from e
     try:
-        settings = Settings(**data)
+        return Settings(**data)
     except ValidationError as e:
         raise ConfigError(f"configuration {path or '(defaults)'} is invalid:\n{_describe(e)}") from e
-    return settings, resolve_secrets(settings, environ)
 
 
 def resolve_secrets(settings: Settings, environ: Mapping[str, str]) -> Secrets:

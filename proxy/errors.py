@@ -4,11 +4,16 @@
       BadRequest (400)             malformed JSON, wrong types, unknown pin keys, unknown prompt versions
       Unauthorized (401)           missing or unknown API key
       NotFound (404)               unknown route or record (also another tenant's record)
+      RequestTimeout (408)         a body that did not arrive within `server.body_timeout_s`
       PayloadTooLarge (413)        a body over `server.max_body_bytes`
       NoMatchingStack (409)        no known stack matches the pin
       NoLiveReplica (503)          stacks match the pin but none of their replicas is in rotation
       ReplicaFailed (502)          the replica failed, timed out or answered garbage; nothing was recorded
       RateLimited (429)            the tenant's requests or tokens per minute are used up; says when to retry
+      AuditStoreUnavailable (503)  the audit store cannot commit or read now, so nothing is served; retry soon
+      AtCapacity (503)             the proxy holds `server.max_connections` connections; only probes are answered
+
+A `retry_after_s` becomes a `Retry-After` header; `close_connection` closes the connection after the answer.
 
 The OpenAI SDKs map these statuses to BadRequestError, AuthenticationError, NotFoundError,
 ConflictError and InternalServerError.
@@ -25,6 +30,8 @@ class StackpinError(Exception):
     status = 500
     type = "server_error"
     code: str | None = None
+    retry_after_s: int | None = None
+    close_connection = False
 
     def __init__(
         self, message: str, *, param: str | None = None, extra: dict[str, Any] | None = None
@@ -44,8 +51,28 @@ class StackpinError(Exception):
         error.update(self.extra)
         return {"error": error}
 
-    def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+    def response(self, body: dict[str, Any] | None = None) -> web.Response:
+        """The answer; `body` replaces `self.body()` (the caller's redacted copy of it)."""
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        response = web.json_response(
+            self.body() if body is None else body, status=self.status, headers=headers
+        )
+        if self.close_connection:
+            response.force_close()
+        return response
+
+
+class HttpError(StackpinError):
+    """A refusal made by HTTP itself (404 unknown path, 405 method, a header line over aiohttp's limit)."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = str(status)
+        if status >= 500:
+            self.type = "server_error"
 
 
 class BadRequest(StackpinError):
@@ -64,6 +91,13 @@ class NotFound(StackpinError):
     status = 404
     type = "not_found_error"
     code = "not_found"
+
+
+class RequestTimeout(StackpinError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    close_connection = True  # the rest of the body may still be on its way
 
 
 class PayloadTooLarge(StackpinError):
@@ -101,10 +135,22 @@ class RateLimited(StackpinError):
         self.type = limit
         self.retry_after_s = retry_after_s
 
-    def response(self) -> web.Response:
-        return web.json_response(
-            self.body(), status=self.status, headers={"Retry-After": str(self.retry_after_s)}
-        )
+
+class AuditStoreUnavailable(StackpinError):
+    """No answer is served without its record (invariant 1), so while the store is away nothing is served."""
+
+    status = 503
+    type = "audit_store_unavailable"
+    code = "audit_store_unavailable"
+    retry_after_s = 1
+
+
+class AtCapacity(StackpinError):
+    status = 503
+    type = "too_many_connections"
+    code = "too_many_connections"
+    retry_after_s = 1
+    close_connection = True
 
 
 class ConfigError(Exception):

@@ -1,4 +1,4 @@
-"""HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in `error_middleware` only.
+"""HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in proxy/middleware.py only.
 
 The OpenAI routes (chat, completions, embeddings, responses) share one handler and one serving path
 (proxy/serving.py); `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for.
@@ -6,6 +6,7 @@ The OpenAI routes (chat, completions, embeddings, responses) share one handler a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -18,8 +19,7 @@ from proxy.audit import AuditRecord
 from proxy.auth import authenticate
 from proxy.compare import Comparison
 from proxy.endpoints import ENDPOINTS
-from proxy.errors import BadRequest, NotFound, PayloadTooLarge, StackpinError
-from proxy.forward import ReplicaRejected
+from proxy.errors import BadRequest, NotFound, RequestTimeout
 from proxy.keys import PROMPTS, PROXY, ROUTES
 from proxy.pins import Pin, parse_pin_body
 from proxy.records import Served
@@ -31,53 +31,27 @@ from proxy.sinks import HttpSink
 log = structlog.get_logger("stackpin.http")
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    structlog.contextvars.clear_contextvars()
+async def read_body(request: web.Request) -> bytes:
+    """The whole body, within `server.body_timeout_s`; an undecodable one is the client's to fix."""
+    limit = request.config_dict[PROXY].settings.server.body_timeout_s
     try:
-        return await handler(request)
-    except StackpinError as e:
-        _count_error(request, e.type)
-        log.info("request_refused", path=request.path, status=e.status, error=e.message)
-        return e.response()
-    except ReplicaRejected as e:
-        _count_error(request, "replica_rejected")
-        return web.json_response(e.body, status=e.status)
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[PROXY].settings.server.max_body_bytes
-        _count_error(request, "body_too_large")
-        message = f"the request body is larger than the proxy accepts ({limit} bytes; server.max_body_bytes)"
-        return PayloadTooLarge(message).response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        message = f"{request.method} {request.path}: {e.reason}"
-        return web.json_response(
-            {
-                "error": {
-                    "message": message,
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": str(e.status),
-                }
-            },
-            status=e.status,
-        )
-    except Exception:
-        log.exception("unhandled_error", path=request.path)
-        _count_error(request, "server_error")
-        failure = StackpinError("the proxy failed unexpectedly; the error is in its log")
-        return failure.response()
-
-
-def _count_error(request: web.Request, error: str) -> None:
-    request.app[PROXY].metrics.errors.labels(request.path, "none", error).inc()
+        async with asyncio.timeout(limit):
+            return await request.read()
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {limit:g} s (server.body_timeout_s)"
+        ) from None
+    except web.RequestPayloadError as e:
+        reason = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
+        raise BadRequest(
+            f"the request body cannot be read ({reason}); send JSON, uncompressed or as gzip or deflate"
+        ) from None
 
 
 async def openai_route(request: web.Request) -> web.StreamResponse:
     proxy = request.app[PROXY]
     tenant = authenticate(request.headers, proxy.secrets)
-    body = parse_body(await request.read())
+    body = parse_body(await read_body(request))
     pin_header = request.headers.get("Stackpin-Pin")
     return await serve_completion(request.config_dict, tenant, request.path, body, pin_header, request)
 
@@ -194,7 +168,7 @@ async def replay_record(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
     tenant = authenticate(request.headers, proxy.secrets)
     record = await _record_of(request, tenant)
-    raw = await request.read()
+    raw = await read_body(request)
     options = parse_body(raw) if raw.strip() else {}
     on = parse_pin_body(options["on"]) if options.get("on") is not None else None
     replay_id, comparison, fingerprint = await counted_replay(proxy, record, tenant, on)

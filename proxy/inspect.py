@@ -7,6 +7,7 @@ these commands are for operators and auditors.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,8 +32,13 @@ async def _store(settings: StoreSettings) -> AsyncIterator[AuditStore]:
 async def verify(store_settings: StoreSettings, expect_head: tuple[int, str] | None) -> int:
     async with _store(store_settings) as store:
         report = await store.verify(expect_head=expect_head)
+        streams = await store.stream_counts()
     print(
         f"checked {report.entries_checked} entries, {report.stacks_checked} stacks, {report.prompts_checked} prompts"
+    )
+    print(
+        f"streams: {streams.marked_at_start} marked interrupted at a proxy's start (left open by a proxy that "
+        f"stopped), {streams.open} open now"
     )
     print(f"head: {report.head_position}:{report.head_sha256}  (keep this to detect a cut tail later)")
     if report.ok:
@@ -183,6 +189,13 @@ async def list_records(store_settings: StoreSettings, filters: dict[str, Any], *
     except ValidationError as e:  # a filter the listing cannot use, e.g. a --stack that is not hex
         print(f"stackpin: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
         return EXIT_ERROR
+    if len(records) == filters["limit"]:
+        # On stderr, so that --json output stays one JSON document.
+        print(
+            f"stopped at the limit of {len(records)} records; the next page: --until "
+            f"{records[-1].created_at.isoformat()} (or a larger --limit, up to 1000)",
+            file=sys.stderr,
+        )
     if as_json:
         print(json.dumps([r.model_dump(mode="json") for r in records], indent=2, sort_keys=True))
         return EXIT_OK

@@ -5,8 +5,9 @@ A non-streamed answer is one `answer` entry holding the whole body the client go
 entry committed before its first byte and a `closed` entry at its end (complete or interrupted) holding every event
 the client read, byte for byte, the one sent after the record (`data: [DONE]`, or the response's terminal event),
 and the answer those events assemble into. A replay is recorded as its original was, linked to it, with its outcome.
-A `flag` entry marks an earlier record, e.g. because the stack that served it was later found changed. Entries
-carry the exact forwarded request; never a client or upstream key (those travel only in headers).
+A stream left open by a proxy that stopped without closing it is closed as interrupted at the next start
+(`marked_at_start`). A `flag` entry marks an earlier record, e.g. because the stack that served it was later found
+changed. Entries carry the exact forwarded request; never a client or upstream key (those travel only in headers).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from proxy.audit import NewEntry
+from proxy.audit import NewEntry, OpenStream
 from proxy.pins import Pin
 from proxy.prompts import PromptVersion
 from proxy.registry import Replica
@@ -173,6 +174,33 @@ def closed_entry(
     if replay is not None:
         content["replay"] = replay
     return _base(served, "closed", status, now, content)
+
+
+def interrupted_at_start_entry(stream: OpenStream, now: datetime) -> NewEntry:
+    """The end of a stream that a proxy opened and never closed (it stopped: a crash, kill -9, a lost machine)."""
+    # What the client was sent before the proxy stopped is not known: no events, no answer.
+    content = {
+        "events": None,
+        "terminal": None,
+        "answer": None,
+        "usage": None,
+        "chunks": None,
+        "upstream_fingerprint": None,
+        "error": "the proxy stopped before the stream ended; marked interrupted at a proxy's start",
+        "marked_at_start": True,
+        "closed_at": now.isoformat(),
+    }
+    return NewEntry(
+        record_id=stream.record_id,
+        part="closed",
+        tenant=stream.tenant,
+        created_at=now,
+        replica=stream.replica,
+        model=stream.model,
+        fingerprint=stream.fingerprint,
+        status="interrupted",
+        content=content,
+    )
 
 
 def flag_entry(

@@ -16,7 +16,7 @@ from typing import Any
 
 from proxy.answers import ChunkAssembly, ResponseAssembly, assembly_for
 from proxy.endpoints import RESPONSES, TERMINAL_EVENTS
-from proxy.errors import ReplicaFailed
+from proxy.errors import ReplicaFailed, StackpinError
 from proxy.forward import Event
 from proxy.responses_api import Echo, ResponsesStream
 
@@ -77,7 +77,10 @@ class Relay:
             return self.held if self.endpoint == RESPONSES else DONE
         if client_left:
             return None
-        message = ReplicaFailed(f"the stream is incomplete: {error}")
+        return self.failure(ReplicaFailed(f"the stream is incomplete: {error}"))
+
+    def failure(self, message: StackpinError) -> str:
+        """An error event in the stream's own shape: what ends a stream that cannot end with its answer."""
         if self.endpoint != RESPONSES:
             return sse(None, message.body())
         failure = {"type": "error", "sequence_number": self.sequence + 1, "code": message.code,

@@ -17,6 +17,7 @@ from proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, check_requ
 from proxy.errors import BadRequest
 from proxy.pins import Pin, resolve_request_pin
 from proxy.prompts import PromptBook, PromptVersion, inject
+from proxy.recordable import MAX_DEPTH, Unrecordable, check_recordable
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "ClientRequest", "parse_body", "read_request"]
 
@@ -40,15 +41,29 @@ class ClientRequest:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object the audit log can hold (proxy/recordable.py), or BadRequest naming the field."""
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise BadRequest(
+            f"the request body is nested too deeply; the proxy reads at most {MAX_DEPTH} levels"
+        ) from None
     except ValueError as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    try:
+        check_recordable(body)
+    except Unrecordable as e:
+        where = f"'{e.path}'" if e.path else "the request body"
+        raise BadRequest(f"{where} {e.reason}", param=e.path or None) from e
     return body
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (JSON has no NaN or infinities)")
 
 
 def read_request(

@@ -11,9 +11,10 @@ there and back; `previous_response_id` is resolved from the audit store into the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -22,18 +23,19 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
-from proxy.audit import AuditRecord, AuditStore, NewEntry
+from proxy.audit import AuditError, AuditRecord, AuditStore, NewEntry
 from proxy.compare import Comparison
 from proxy.config import Secrets, Settings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
 from proxy.endpoints import CHAT, RESPONSES, answer_problem
-from proxy.errors import BadRequest, ReplicaFailed
+from proxy.errors import AuditStoreUnavailable, BadRequest, ReplicaFailed
 from proxy.fleet.runtime import Fleet
-from proxy.forward import Answer, ReplicaGarbage, ReplicaUnavailable, Stream, open_stream, post_json
+from proxy.forward import Answer, Event, ReplicaGarbage, ReplicaUnavailable, Stream, open_stream, post_json
 from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
 from proxy.pins import Pin
 from proxy.records import Served, answer_entry, closed_entry, opened_entry
+from proxy.redact import Redactor
 from proxy.registry import Registry, Replica
 from proxy.relay import Relay
 from proxy.replay import Answered, Replaying, recorded, replay_request
@@ -72,6 +74,11 @@ class Proxy:
     health: HealthMonitor
     clock: Callable[[], datetime]
     fleet: Fleet | None = None  # rate limits, and the shared view in fleet mode
+    # What comes from replicas, answers and events alike, is relayed and recorded without any configured key.
+    redactor: Redactor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.redactor = Redactor(key.get_secret_value() for key in self.secrets.replica_keys.values())
 
     async def continued(self, request: ClientRequest, tenant: str) -> ClientRequest:
         """A Responses request with `previous_response_id` resolved into the input it stands for."""
@@ -167,6 +174,10 @@ class Proxy:
         received_at = self.clock()
         if request.stream:
             served, status = await self.stream(request, tenant, received_at, BufferSink(), replaying)
+            if status == "unrecorded":
+                raise AuditStoreUnavailable(
+                    f"the replayed stream's end could not be recorded ({served.record_id})"
+                )
             if status != "complete" or replaying.comparison is None:
                 raise ReplicaFailed(f"the replayed stream did not complete; its record is {served.record_id}")
         else:
@@ -199,6 +210,8 @@ class Proxy:
             )
         finally:
             self.registry.release(replica.name)
+        if self.redactor:
+            answer = Answer(self.redactor.value(answer.body), answer.stack_header)
         check_fingerprint(replica, answer.stack_header or _body_fingerprint(answer.body))
         problem = answer_problem(endpoint, answer.body)
         if problem is not None:
@@ -245,27 +258,55 @@ class Proxy:
                 }
             )
             async for event in upstream.events():
-                for text in relay.feed(event):
+                for text in relay.feed(self._redacted(event)):
                     await sink.write(text.encode())
+                # Events already buffered are relayed without waiting, so a fast stream would hold the event
+                # loop to its end and every other client would wait: let them in between events.
+                await asyncio.sleep(0)
             for text in relay.finish():
                 await sink.write(text.encode())
         except (ReplicaUnavailable, ReplicaGarbage) as e:
-            status, error = "interrupted", f"replica: {e}"
+            status, error = "interrupted", self.redactor.text(f"replica: {e}")
         except (ConnectionResetError, asyncio.CancelledError) as e:
             status, error, client_left = "interrupted", f"client went away: {type(e).__name__}", True
+        except Exception as e:
+            # Once the response has started nothing may escape to the middleware: its error response would land
+            # inside this one's body.
+            log.exception("stream_relay_failed")
+            status, error = "interrupted", f"the proxy failed: {type(e).__name__}"
         finally:
             upstream.close()
             closed, terminal = self._closed(served, relay, status, error, client_left, replaying)
             status = closed.status
-            # The closing record must land even when the client's disconnect cancels this task.
-            await asyncio.shield(self.store.append(closed))
+            if not await self._record_close(closed):
+                # Never the answer's end: the client must not take for recorded what is not. The record stays
+                # `opened` until a start marks it interrupted (proxy/sweep.py).
+                status = "unrecorded"
+                unconfirmed = AuditStoreUnavailable(
+                    "the end of this stream could not be recorded; it is not confirmed"
+                )
+                terminal = None if client_left else relay.failure(unconfirmed)
         log.info("stream_closed", status=status, chunks=len(relay.events))
         if status == "complete":
             self._count_tokens(served, relay.answer().get("usage"))
         if terminal is not None:
-            await sink.write(terminal.encode())
+            with contextlib.suppress(ConnectionResetError):
+                await sink.write(terminal.encode())
         await sink.close()
         return status
+
+    async def _record_close(self, closed: NewEntry) -> bool:
+        """Commits a stream's `closed` entry; False when the store cannot take it."""
+        try:
+            # The closing record must land even when the client's disconnect cancels this task.
+            await asyncio.shield(self.store.append(closed))
+        except AuditError as e:
+            log.error("stream_close_not_recorded", error=str(e))
+            return False
+        return True
+
+    def _redacted(self, event: Event) -> Event:
+        return Event(event.name, self.redactor.value(event.data)) if self.redactor else event
 
     def _relay_for(self, served: Served, request: ClientRequest) -> Relay:
         if served.endpoint != RESPONSES:

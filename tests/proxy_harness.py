@@ -1,4 +1,5 @@
-"""A real proxy for the proxy's tests: create_app on a loopback port, fake replicas, a real audit store.
+"""A real proxy for the proxy's tests: create_app behind the proxy's own listener on a loopback port, fake
+replicas, a real audit store.
 
 `running_proxy` yields a `Harness` with the proxy's base URL, its application, and helpers to build clients. The
 store is an SQLite file or a fresh PostgreSQL schema (tests/audit_databases.py).
@@ -18,6 +19,7 @@ from aiohttp import web
 from proxy.app import create_app
 from proxy.config import Secrets, Settings, resolve_secrets
 from proxy.keys import PROXY
+from proxy.listener import bind, serving
 from proxy.serving import Proxy
 from tests.audit_databases import audit_database
 from tests.fake_replica import FakeReplica
@@ -87,12 +89,9 @@ async def running_proxy(
         settings = settings_for(fakes, database.url, database.schema, **sections)
         secrets = resolve_secrets(settings, environ or {})
         app = create_app(settings, secrets)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        sock = bind("127.0.0.1", 0)
         try:
-            yield Harness(f"http://127.0.0.1:{port}", app, settings, secrets)
+            async with serving(app, sock, settings.server) as url:
+                yield Harness(url, app, settings, secrets)
         finally:
-            await runner.cleanup()
+            sock.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -123,8 +124,8 @@ def test_a_bad_configuration_is_one_clear_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text('[server]\nhost = "0.0.0.0"\n')
-    assert stackpin(["records", "--config", str(path)]) == 2
+    path.write_text('[server]\nhost = "0.0.0.0"\n[local_backend]\nenabled = "off"\n')
+    assert stackpin(["serve", "--config", str(path)]) == 2
     assert "tenants" in capsys.readouterr().err
     path.write_text("[store\n")
     assert stackpin(["records", "--config", str(path)]) == 2
@@ -151,3 +152,83 @@ async def test_audit_shows_every_choice_and_its_tool_calls(
     )
     out = capsys.readouterr().out
     assert "tool     call_0 weather({" in out and '"units": "metric"' in out
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got:\n{text}"
+    return lines[0]
+
+
+def test_commands_that_only_read_the_store_need_no_secret(
+    config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    production = tmp_path / "production.toml"
+    production.write_text(
+        config.read_text()
+        + '[server]\nhost = "0.0.0.0"\n'
+        + '[[replicas]]\nname = "openai"\nurl = "https://api.openai.com"\napi_key_env = "STACKPIN_TEST_UNSET_UP"\n'
+        + 'stack = { model = "gpt-4o-mini" }\n'
+        + '[[tenants]]\nname = "acme"\napi_key_env = "STACKPIN_TEST_UNSET_ACME"\n'
+    )
+    assert "STACKPIN_TEST_UNSET_UP" not in os.environ and "STACKPIN_TEST_UNSET_ACME" not in os.environ
+    assert stackpin(["verify", "--config", str(production)]) == 0
+    assert stackpin(["audit", "rec_0002", "--config", str(production)]) == 0
+    capsys.readouterr()
+    assert stackpin(["records", "--config", str(production), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 6
+    assert stackpin(["serve", "--config", str(production)]) == 2, "serving needs the keys"
+    assert "STACKPIN_TEST_UNSET_UP" in one_line(capsys.readouterr().err)
+
+
+def test_usage_errors_are_one_line_and_exit_2(config: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert stackpin(["replay", "rec_0001", "--config", str(config), "--on", "foo=bar"]) == 2
+    assert "foo" in one_line(capsys.readouterr().err)
+    assert stackpin(["records", "--config", str(config), "--since", "2026-12-01T07:22:00"]) == 2
+    assert "time zone" in one_line(capsys.readouterr().err)
+    assert stackpin(["records", "--config", str(config), "--stack", "not-hex"]) == 2
+    assert "--stack" in one_line(capsys.readouterr().err)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert stackpin(["serve", "--config", str(config), "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in one_line(capsys.readouterr().err)
+    assert stackpin(["serve", "--config", str(config), "--host", "0.0.0.0"]) == 2
+    assert "tenants" in one_line(capsys.readouterr().err), "--host is checked like [server] host"
+
+
+def test_records_take_the_fingerprint_prefix_that_the_listing_prints(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert stackpin(["records", "--config", str(config)]) == 0
+    prefix = capsys.readouterr().out.splitlines()[0].split()[4]
+    assert len(prefix) == 12
+    assert stackpin(["records", "--config", str(config), "--stack", prefix, "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 6
+    assert stackpin(["records", "--config", str(config), "--stack", "f" * 12]) == 0
+    assert "no records match" in capsys.readouterr().out
+
+
+def test_records_say_where_they_stopped_and_how_to_page_on(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert stackpin(["records", "--config", str(config), "--limit", "4", "--json"]) == 0
+    captured = capsys.readouterr()
+    first = [r["id"] for r in json.loads(captured.out)]
+    assert "stopped at the limit of 4 records" in one_line(captured.err)
+    until = one_line(captured.err).split("--until ", 1)[1].split()[0]
+    assert stackpin(["records", "--config", str(config), "--limit", "4", "--until", until, "--json"]) == 0
+    captured = capsys.readouterr()
+    rest = [r["id"] for r in json.loads(captured.out)]
+    assert sorted(first + rest) == [f"rec_{i:04d}" for i in range(6)]
+    assert captured.err == "", "a listing shorter than its limit is whole"
+
+
+def test_help_shows_the_description_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        stackpin(["--help"])
+    assert exit_info.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "registers a backend in a fleet (`stackpin fleet heartbeat`)." in shown
+    assert "replay` exits 0 when reproduced, 1 when diverged, 2 on error" in shown

@@ -14,6 +14,7 @@ from proxy.audit.errors import (
     SchemaOutdated,
     SchemaTooNew,
     StoreClosed,
+    StoreUnavailable,
     UnknownStack,
 )
 from proxy.audit.listing import RecordFilter
@@ -24,9 +25,11 @@ from proxy.audit.values import (
     EntryView,
     LinkCheck,
     NewEntry,
+    OpenStream,
     RecordCounts,
     RecordSummary,
     StoredEntry,
+    StreamCounts,
     VerifyReport,
 )
 
@@ -42,6 +45,7 @@ __all__ = [
     "EntryView",
     "LinkCheck",
     "NewEntry",
+    "OpenStream",
     "RecordCounts",
     "RecordFilter",
     "RecordSummary",
@@ -49,7 +53,9 @@ __all__ = [
     "SchemaOutdated",
     "SchemaTooNew",
     "StoreClosed",
+    "StoreUnavailable",
     "StoredEntry",
+    "StreamCounts",
     "UnknownStack",
     "VerifyReport",
     "canonical_json",

@@ -24,7 +24,14 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from proxy.audit.chain import Link, chain_links
-from proxy.audit.errors import AuditError, DuplicateEntry, StoreClosed, UnknownStack
+from proxy.audit.errors import (
+    AuditError,
+    DuplicateEntry,
+    StoreClosed,
+    StoreUnavailable,
+    UnknownStack,
+    failure_reason,
+)
 from proxy.audit.models import ChainHead, Entry, Prompt, Stack
 from proxy.audit.values import NewEntry, StoredEntry
 from proxy.audit.writer import TransactionRunner
@@ -125,8 +132,7 @@ class GroupCommitter:
             # The writer must outlive any one batch, or every later append would wait forever.
             except Exception as exc:
                 log.exception("audit_batch_failed", batch_size=len(batch))
-                for pending in batch:
-                    pending.fail(exc)
+                _fail_each(batch, exc)
 
     async def _collect(self) -> tuple[list[_Pending], bool]:
         """The next batch, and whether the stop mark was reached."""
@@ -180,8 +186,8 @@ class GroupCommitter:
             await self._commit_each(batch)
             return
         except Exception as exc:
-            for pending in batch:
-                pending.fail(exc)
+            log.error("audit_batch_failed", batch_size=len(batch), error=failure_reason(exc))
+            _fail_each(batch, exc)
             return
         self._resolve(committed, started)
 
@@ -194,7 +200,8 @@ class GroupCommitter:
                 pending.fail(_explain_integrity_error(pending.entry, exc))
                 continue
             except Exception as exc:
-                pending.fail(exc)
+                log.error("audit_batch_failed", batch_size=1, error=failure_reason(exc))
+                _fail_each([pending], exc)
                 continue
             self._resolve(committed, started)
 
@@ -351,6 +358,14 @@ def _entry_row(entry: NewEntry, position: int, prev_sha256: str, sha256: str) ->
         "sha256": sha256,
         "prev_sha256": prev_sha256,
     }
+
+
+def _fail_each(batch: list[_Pending], exc: Exception) -> None:
+    """Fails every caller of a batch with an exception of its own: one shared object, raised again in every
+    caller's task, would carry every caller's traceback."""
+    reason = failure_reason(exc)
+    for pending in batch:
+        pending.fail(StoreUnavailable(f"the audit store could not commit ({reason})"))
 
 
 def _duplicate(entry: NewEntry) -> DuplicateEntry:

@@ -7,12 +7,15 @@
     │   └── SchemaTooNew   newer than this stackpin knows: upgrade stackpin
     ├── UnknownStack       an entry names a fingerprint whose stack was never stored
     ├── DuplicateEntry     the record already has an entry of that part
+    ├── StoreUnavailable   the database failed a commit or a read (down, unreachable, restarting); try again
     └── StoreClosed        append after close()
 
 Invalid entries are rejected earlier, when `NewEntry` is built (pydantic's ValidationError).
 """
 
 from __future__ import annotations
+
+from sqlalchemy.exc import DBAPIError
 
 
 class AuditError(Exception):
@@ -43,5 +46,18 @@ class DuplicateEntry(AuditError, ValueError):
     pass
 
 
+class StoreUnavailable(AuditError):
+    """Each failed caller gets an exception of its own, so that no traceback grows across callers."""
+
+
 class StoreClosed(AuditError):
     pass
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One short line on a database failure: the driver's error, without SQLAlchemy's statement and
+    parameters, which would carry request content into a log line or an error message."""
+    cause = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    text = str(cause).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(cause).__name__}: {first}"[:300] if first else type(cause).__name__

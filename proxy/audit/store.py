@@ -8,19 +8,21 @@ business; how a chain is judged is `chain.py`'s; the schema is made only by the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import exists, func, select, text
 from sqlalchemy.engine import RowMapping
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from proxy.audit import listing
 from proxy.audit.chain import load_canonical
 from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import Durability, describe, make_engine, make_writer, parse_url
-from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew
+from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew, StoreUnavailable, failure_reason
 from proxy.audit.listing import RecordFilter
 from proxy.audit.models import Entry, Prompt, Stack
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
@@ -29,9 +31,11 @@ from proxy.audit.values import (
     EntryView,
     LinkCheck,
     NewEntry,
+    OpenStream,
     RecordCounts,
     RecordSummary,
     StoredEntry,
+    StreamCounts,
     VerifyReport,
 )
 from proxy.audit.verify import PAGE_SIZE, verify_chain, verify_record_links
@@ -52,6 +56,9 @@ SUMMARY_COLUMNS = (
     "replay_of",
     "part",
 )
+# How a `closed` entry written by a proxy's start says so: content is canonical JSON (no whitespace, quotes
+# inside strings escaped), so this text appears in it only as that key and value.
+MARKED_AT_START = '"marked_at_start":true'
 
 
 class AuditStore:
@@ -113,9 +120,18 @@ class AuditStore:
         async with self._reader.connect() as connection:
             await connection.execute(text("SELECT 1"))
 
+    @asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncConnection]:
+        """A connection to read on; a database that fails the read is `StoreUnavailable`, one per caller."""
+        try:
+            async with self._reader.connect() as connection:
+                yield connection
+        except (DBAPIError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"the audit store cannot be read ({failure_reason(exc)})") from exc
+
     async def get_record(self, record_id: str, tenant: str | None) -> AuditRecord | None:
         """The record, or None when it does not exist or belongs to another tenant (`tenant=None`: any)."""
-        async with self._reader.connect() as connection:
+        async with self._read() as connection:
             rows = (
                 (
                     await connection.execute(
@@ -184,7 +200,7 @@ class AuditStore:
             raise TypeError("give a RecordFilter or its fields as keywords, not both")
         selected = selected or RecordFilter(**filters)
         listed = [ENTRIES.c[name] for name in SUMMARY_COLUMNS]  # never the content: it can be large
-        async with self._reader.connect() as connection:
+        async with self._read() as connection:
             cursors = {}
             for name, record_id in (("before", before), ("after", after)):
                 if record_id is not None:
@@ -198,7 +214,7 @@ class AuditStore:
 
     async def count_records(self, selected: RecordFilter) -> RecordCounts:
         """How many records `selected` selects, and how many of those are replays and flagged."""
-        async with self._reader.connect() as connection:
+        async with self._read() as connection:
             total, replays, flagged = (await connection.execute(listing.counts(selected))).one()
         return RecordCounts(total=total, replays=replays, flagged=int(flagged))
 
@@ -245,11 +261,49 @@ class AuditStore:
             .group_by(ENTRIES.c.record_id)
             .order_by(func.min(ENTRIES.c.position))
         )
-        async with self._reader.connect() as connection:
+        async with self._read() as connection:
             return list((await connection.execute(query)).scalars())
 
+    async def open_streams(self, *, opened_before: datetime | None = None) -> list[OpenStream]:
+        """Streams whose `opened` entry no `closed` entry follows, oldest first (to mark those left by a crash)."""
+        closed = ENTRIES.alias("closed")
+        query = select(*(ENTRIES.c[name] for name in OpenStream.model_fields)).where(
+            ENTRIES.c.part == "opened",
+            ~exists().where(closed.c.record_id == ENTRIES.c.record_id, closed.c.part == "closed"),
+        )
+        if opened_before is not None:
+            query = query.where(ENTRIES.c.created_at < opened_before)
+        async with self._read() as connection:
+            rows = (await connection.execute(query.order_by(ENTRIES.c.position))).mappings().all()
+        return [OpenStream.model_validate(dict(row)) for row in rows]
+
+    async def stream_counts(self) -> StreamCounts:
+        closed = ENTRIES.alias("closed")
+        still_open = (
+            select(func.count())
+            .select_from(ENTRIES)
+            .where(
+                ENTRIES.c.part == "opened",
+                ~exists().where(closed.c.record_id == ENTRIES.c.record_id, closed.c.part == "closed"),
+            )
+        )
+        marked = (
+            select(func.count())
+            .select_from(ENTRIES)
+            .where(
+                ENTRIES.c.part == "closed",
+                ENTRIES.c.status == "interrupted",
+                ENTRIES.c.content.contains(MARKED_AT_START, autoescape=True),
+            )
+        )
+        async with self._read() as connection:
+            counts = (
+                await connection.execute(select(still_open.scalar_subquery(), marked.scalar_subquery()))
+            ).one()
+        return StreamCounts(open=counts[0], marked_at_start=counts[1])
+
     async def get_stack(self, fingerprint: str) -> dict[str, Any] | None:
-        async with self._reader.connect() as connection:
+        async with self._read() as connection:
             found = (
                 await connection.execute(
                     select(STACKS.c.canonical_json).where(STACKS.c.fingerprint == fingerprint)

@@ -155,6 +155,24 @@ class AuditRecord(BaseModel):
     flags: list[EntryView]
 
 
+class OpenStream(BaseModel):
+    """A stream's `opened` entry that no `closed` entry follows yet."""
+
+    record_id: str
+    tenant: str
+    created_at: datetime
+    replica: str | None
+    model: str | None
+    fingerprint: str | None
+
+
+class StreamCounts(BaseModel):
+    """Streams still open, and streams closed as interrupted by a proxy's start (`marked_at_start`)."""
+
+    open: int
+    marked_at_start: int
+
+
 class RecordSummary(BaseModel):
     """One line of a listing; `part` is the record's latest non-flag part (`opened`: a stream not closed)."""
 
