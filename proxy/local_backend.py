@@ -2,7 +2,9 @@
 
 The proxy never imports torch or the backend: it runs `stackpin-backend` as a child process (making the tiny model
 first if its folder is empty), waits for the URL the backend writes to its ready file, and from then on talks to it
-over HTTP like any other replica, checking its stack at `GET /v1/stack`.
+over HTTP like any other replica, checking its stack at `GET /v1/stack`. While the child works (training the tiny
+model, loading a checkpoint: up to minutes) the proxy says so every `PROGRESS_INTERVAL_S`, and it relays the
+child's output as its own log events, so that the console holds one format.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import contextlib
 import importlib.util
 import sys
 import tempfile
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import structlog
@@ -21,6 +25,7 @@ from proxy.errors import ConfigError
 
 log = structlog.get_logger("stackpin.local_backend")
 TINY_MODEL = "stackpin-tiny"
+PROGRESS_INTERVAL_S = 10.0
 
 
 def backend_installed() -> bool:
@@ -45,6 +50,7 @@ class LocalBackend:
     def __init__(self, settings: LocalBackendSettings) -> None:
         self.settings = settings
         self._process: asyncio.subprocess.Process | None = None
+        self._output: asyncio.Task[None] | None = None
         self._workdir = tempfile.TemporaryDirectory(prefix="stackpin-backend-")
 
     async def start(self) -> str:
@@ -55,10 +61,17 @@ class LocalBackend:
                     f"local_backend.model_dir {model_dir} holds no config.json: point it at a checkpoint folder, "
                     f"or at a folder named {TINY_MODEL} to have the tiny model made there"
                 )
-            log.info("making_tiny_model", model_dir=str(model_dir))
+            log.info("making_tiny_model", model_dir=str(model_dir), expect="about half a minute, once")
             # make-tiny writes the model into a folder of its own name under the one it is given.
-            await self._run_to_end("make-tiny", str(model_dir.parent))
+            async with reporting_progress("making_tiny_model"):
+                await self._run_to_end("make-tiny", str(model_dir.parent))
         ready_file = Path(self._workdir.name) / "ready"
+        log.info(
+            "local_backend_starting",
+            model_dir=str(model_dir),
+            kernel_mode=self.settings.kernel_mode,
+            doing="loading the model; a large checkpoint takes minutes",
+        )
         self._process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -78,10 +91,18 @@ class LocalBackend:
             self.settings.dtype,
             "--ready-file",
             str(ready_file),
+            **_OUTPUT_PIPED,
         )
-        url = await self._wait_ready(ready_file)
+        self._output = asyncio.create_task(relay_output(self._process.stdout))
+        started = time.monotonic()
+        async with reporting_progress("local_backend_loading"):
+            url = await self._wait_ready(ready_file)
         log.info(
-            "local_backend_started", url=url, kernel_mode=self.settings.kernel_mode, model_dir=str(model_dir)
+            "local_backend_started",
+            url=url,
+            kernel_mode=self.settings.kernel_mode,
+            model_dir=str(model_dir),
+            seconds=round(time.monotonic() - started, 1),
         )
         return url
 
@@ -101,7 +122,10 @@ class LocalBackend:
         raise ConfigError(f"the local backend did not start within {self.settings.start_timeout_s} s")
 
     async def _run_to_end(self, *args: str) -> None:
-        process = await asyncio.create_subprocess_exec(sys.executable, "-m", "pinned_backend.cli", *args)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pinned_backend.cli", *args, **_OUTPUT_PIPED
+        )
+        await relay_output(process.stdout)
         if await process.wait() != 0:
             raise ConfigError(f"'stackpin-backend {' '.join(args)}' failed with status {process.returncode}")
 
@@ -114,5 +138,41 @@ class LocalBackend:
             except TimeoutError:
                 process.kill()
                 await process.wait()
+        output, self._output = self._output, None
+        if output is not None:
+            # Ends at the child's end of output, unless something it started holds the pipe open.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(output, timeout=5)
         with contextlib.suppress(OSError):
             self._workdir.cleanup()
+
+
+# The child's stdout and stderr, together, into a pipe that relay_output reads.
+_OUTPUT_PIPED = {"stdout": asyncio.subprocess.PIPE, "stderr": asyncio.subprocess.STDOUT}
+
+
+async def relay_output(stream: asyncio.StreamReader | None) -> None:
+    """Each line the child writes becomes a `local_backend_output` event, until its end of output."""
+    if stream is None:
+        return
+    while line := await stream.readline():
+        log.info("local_backend_output", line=line.decode("utf-8", "replace").rstrip())
+
+
+@contextlib.asynccontextmanager
+async def reporting_progress(event: str, interval_s: float = PROGRESS_INTERVAL_S) -> AsyncIterator[None]:
+    """Logs `event` with the seconds elapsed every `interval_s` while the block runs."""
+    started = time.monotonic()
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            log.info(event, elapsed_s=round(time.monotonic() - started))
+
+    reporter = asyncio.create_task(report())
+    try:
+        yield
+    finally:
+        reporter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reporter

@@ -1,5 +1,9 @@
 """Structured JSON logs. Each request's task binds its record id, so every line about it carries that id.
 
+One format on the console: the proxy's own events (structlog), what libraries log through the standard
+`logging` module (aiohttp, asyncio) and Python's warnings all become the same JSON lines, and the embedded
+backend's output is relayed line by line as events too (proxy/local_backend.py).
+
 Keys and bodies never reach a log line: handlers log ids, names, fingerprints and error messages only, and the
 `redact` processor drops any event field whose name says it holds a secret.
 """
@@ -23,12 +27,17 @@ def redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[s
     return event
 
 
+class _JsonLines(logging.StreamHandler):  # type: ignore[type-arg]
+    """The root logger's handler that configure_logging installs (and replaces when called again)."""
+
+
 def configure_logging(level: str, stream: TextIO = sys.stderr) -> None:
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            timestamper,
             redact,
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
@@ -37,3 +46,22 @@ def configure_logging(level: str, stream: TextIO = sys.stderr) -> None:
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
+    handler = _JsonLines(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, timestamper],
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                redact,
+                structlog.processors.format_exc_info,
+                structlog.processors.JSONRenderer(),
+            ],
+        )
+    )
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _JsonLines)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    # Libraries' informational chatter (migrations' "Context impl SQLiteImpl.") only when debugging.
+    root.setLevel(logging.DEBUG if level == "debug" else max(logging.WARNING, getattr(logging, level.upper())))
+    logging.captureWarnings(True)

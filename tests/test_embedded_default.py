@@ -4,9 +4,10 @@ it links to shows that record and replays it, reproduced, in a real browser."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from proxy.local_backend import reporting_progress
+from proxy.logs import configure_logging
 from tests.ui_site import ARTIFACTS, chromium
 
 pytest.importorskip("torch")
@@ -116,8 +119,9 @@ def test_the_audit_page_serve_links_to_shows_the_record_and_replays_it_reproduce
     served: tuple[str, Path, dict[str, str]],
 ) -> None:
     url, folder, _ = served
-    printed = re.search(r"audit page: (http://\S+/ui/)", (folder / "serve.log").read_text())
-    assert printed is not None, "stackpin serve prints a link to the audit page"
+    events = [json.loads(line) for line in (folder / "serve.log").read_text().splitlines()]
+    link = next(event for event in events if event["event"] == "serving").get("audit_page")
+    assert isinstance(link, str) and link.endswith("/ui/"), "stackpin serve logs a link to the audit page"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
         model="stackpin-tiny", messages=[{"role": "user", "content": "Where do ships go?"}], max_tokens=12
@@ -129,7 +133,7 @@ def test_the_audit_page_serve_links_to_shows_the_record_and_replays_it_reproduce
         browser = p.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1440, "height": 900})
-            page.goto(printed.group(1))
+            page.goto(link)
             page.click(f"#records a[href='/ui/records/{record_id}']")
             assert "Where do ships go?" in page.inner_text("#request")
             page.click("#replay button[type=submit]")
@@ -159,3 +163,29 @@ def test_embeddings_and_the_responses_api_on_the_local_backend_are_recorded_and_
         replay = stackpin(folder, env, "replay", raw.headers["Stackpin-Record"], "--url", url, "--json")
         assert replay.returncode == 0, replay.stdout + replay.stderr
         assert json.loads(replay.stdout)["outcome"] == "reproduced"
+
+
+def test_the_console_holds_one_format_and_says_what_the_start_is_doing(
+    served: tuple[str, Path, dict[str, str]],
+) -> None:
+    _, folder, _ = served
+    lines = (folder / "serve.log").read_text().splitlines()
+    events = [json.loads(line)["event"] for line in lines]  # every line one JSON object, the backend's too
+    assert "local_backend_output" in events, "the backend's own lines are relayed as events"
+    starting, started = events.index("local_backend_starting"), events.index("local_backend_started")
+    assert starting < started < events.index("serving")
+
+
+async def test_a_long_start_reports_its_progress_while_it_runs() -> None:
+    sink = io.StringIO()
+    configure_logging("info", sink)
+    try:
+        async with reporting_progress("local_backend_loading", interval_s=0.05):
+            await asyncio.sleep(0.3)
+        await asyncio.sleep(0.1)
+    finally:
+        configure_logging("info", sys.stderr)
+    reports = [json.loads(line) for line in sink.getvalue().splitlines()]
+    assert len(reports) >= 2 and {r["event"] for r in reports} == {"local_backend_loading"}
+    assert reports[-1]["elapsed_s"] >= reports[0]["elapsed_s"]
+    assert len(reports) <= 7, "the reports stop with the work"
