@@ -205,7 +205,7 @@ def _raise_for_status(status: int, raw: bytes) -> None:
         except ValueError:
             body = None
         if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
-            body = {"error": {"message": raw[:500].decode("utf-8", "replace"), "type": "replica_error"}}
+            body = {"error": {"message": excerpt(raw, 500), "type": "replica_error"}}
         raise ReplicaRejected(status, body)
     if status != 200:
         raise ReplicaGarbage(f"replica answered status {status}")
@@ -215,7 +215,20 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except ValueError as e:
-        raise ReplicaGarbage(f"answer is not JSON: {raw[:80]!r}") from e
+        raise ReplicaGarbage(f"answer is not JSON: {excerpt(raw, 80)!r}") from e
     if not isinstance(body, dict):
-        raise ReplicaGarbage(f"answer is JSON but not an object: {raw[:80]!r}")
+        raise ReplicaGarbage(f"answer is JSON but not an object: {excerpt(raw, 80)!r}")
     return body
+
+
+def excerpt(raw: bytes, limit: int) -> str:
+    """The start of what a replica sent, for a message. Cut between words, never inside one, so that a key the
+    replica quotes is either whole (and redacted where the message is relayed) or absent."""
+    text = raw.decode("utf-8", "replace")
+    if len(text) <= limit:
+        return text
+    cut = text[: limit + 1]
+    if not cut[-1].isspace():
+        cut = cut.rsplit(None, 1)[0] if len(cut.split(None, 1)) > 1 else ""
+    return (cut.rstrip() + " ...").lstrip()
+

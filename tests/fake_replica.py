@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import random
@@ -78,9 +79,11 @@ class FakeReplica:
     stack: dict[str, Any] = field(default_factory=tiny_stack)
     nondeterministic: bool = False
     chunk_delay_s: float = 0.0  # pause between streamed chunks, as a model's decode steps would
-    failure: str | None = (
-        None  # None, "500", "401", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int"
-    )
+    # None, "500", "401", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int", or one of the upstreams
+    # that quote the key they were sent: "echo_key" (an error of status `echo_status`), "echo_key_garbage" (a
+    # non-JSON answer, plain or as a streamed event), "echo_key_midstream" (an error event inside a stream)
+    failure: str | None = None
+    echo_status: int = 400
     alter: str | None = None  # one of ALTERATIONS: the one thing the next answers change
     diverge_from: int | None = None  # every token from this position on is another one, as on another stack
     words: list[str] = field(default_factory=lambda: list(WORDS))  # what its completions are made of
@@ -147,10 +150,22 @@ class FakeReplica:
             return web.json_response({"error": {"message": f"Incorrect API key provided: {key}"}}, status=401)
         if self.failure == "garbage":
             return web.Response(text="<html>not json</html>", content_type="text/html")
-        limit = body.get("max_tokens", 8)
-        if not isinstance(limit, int) or limit < 1:
-            error = {"message": "max_tokens must be a positive integer", "type": "invalid_request_error"}
-            return web.json_response({"error": error}, status=400)
+        key = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        if self.failure == "echo_key":
+            message = f"request refused for the key {key}; check it"
+            return web.json_response(
+                {"error": {"message": message, "type": "invalid_request_error", "param": key}},
+                status=self.echo_status,
+            )
+        if self.failure == "echo_key_garbage" and not body.get("stream"):
+            # The key straddles where a short excerpt of the answer would be cut.
+            return web.Response(text="<html>" + "x" * 70 + f" {key} </html>", content_type="text/html")
+        for name, most in (("max_tokens", 4096), ("n", 8)):
+            value = body.get(name, 1)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most
+            ):
+                return _invalid(f"{name} must be an integer from 1 to {most}")
         return None
 
     async def _received(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
@@ -165,7 +180,10 @@ class FakeReplica:
         if refused is not None:
             return refused
         fingerprint = "f" * 64 if self.failure == "wrong_fingerprint" else self.fingerprint
-        ids, logprobs, text, seed = self.completion(body)
+        try:
+            ids, logprobs, text, seed = self.completion(body)
+        except (TypeError, ValueError) as e:
+            return _invalid(f"the request cannot be served: {e}")
         if self.failure == "unsafe_int":
             seed = 2**63 - 1  # no JSON reader carries it exactly; canonical JSON refuses it
         chat = request.path.endswith("/chat/completions")
@@ -177,9 +195,19 @@ class FakeReplica:
             "seed": seed,
         }
         usage = {"prompt_tokens": 3, "completion_tokens": len(ids), "total_tokens": 3 + len(ids)}
-        choices = self._choices(body, chat, ids, logprobs, text)
+        try:
+            choices = self._choices(body, chat, ids, logprobs, text)
+        except (TypeError, ValueError, KeyError, IndexError) as e:
+            return _invalid(f"the request cannot be served: {e!r}")
         if body.get("stream"):
-            return await self._stream(request, chat, choices, ids, logprobs, extension, usage, fingerprint)
+            try:
+                return await self._stream(
+                    request, chat, choices, ids, logprobs, extension, usage, fingerprint
+                )
+            except (
+                ConnectionResetError
+            ):  # the proxy let go of the stream: a client left, or nothing is served
+                return web.Response()
         answer = {
             "id": f"cmpl-{random.randrange(10**9)}",  # a handle, different every time, as OpenAI's
             "object": "chat.completion" if chat else "text_completion",
@@ -247,6 +275,23 @@ class FakeReplica:
             headers={"Content-Type": "text/event-stream", "Stackpin-Stack": fingerprint}
         )
         await response.prepare(request)
+        # The proxy may let go of the stream: its client left, or nothing may be served.
+        with contextlib.suppress(ConnectionResetError):
+            await self._chunks(request, response, chat, choices, ids, logprobs, extension, usage, fingerprint)
+        return response
+
+    async def _chunks(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        chat: bool,
+        choices: list[dict[str, Any]],
+        ids: list[int],
+        logprobs: list[float],
+        extension: dict[str, Any],
+        usage: dict[str, Any],
+        fingerprint: str,
+    ) -> None:
         pieces = _pieces(choices[0], chat, self.alter, [self.words[t] for t in ids])
         stamp = {
             "id": f"cmpl-{random.randrange(10**9)}",
@@ -279,13 +324,22 @@ class FakeReplica:
                 chunk["usage"] = usage
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await asyncio.sleep(self.chunk_delay_s)
+            key = request.headers.get("Authorization", "").removeprefix("Bearer ")
+            if self.failure == "echo_key_midstream":
+                error = {
+                    "error": {"message": f"upstream failed serving the key {key}", "type": "server_error"}
+                }
+                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+                return
+            if self.failure == "echo_key_garbage":
+                await response.write(f"data: <html>{'x' * 70} {key}</html>\n\n".encode())
+                return
             if self.failure == "drop_stream" and k == 1:
                 assert request.transport is not None
                 request.transport.close()
-                return response
+                return
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
-        return response
 
     async def _embeddings(self, request: web.Request) -> web.Response:
         body, refused = await self._received(request)
@@ -377,3 +431,7 @@ def embedding_bits(vector: list[float]) -> bytes:
 def decode_embedding(value: str) -> list[float]:
     raw = base64.b64decode(value)
     return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+
+
+def _invalid(message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=400)

@@ -35,6 +35,7 @@ from proxy.fleet.sync import FleetSync
 from tests.audit_databases import AuditDatabase
 from tests.fake_replica import FakeReplica
 from tests.proxy_harness import Harness, settings_for
+from tests.tcp_relay import TcpRelay
 
 REDIS_URL = os.environ.get("STACKPIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 T0 = datetime(2026, 3, 4, 5, 6, 30, tzinfo=UTC)  # thirty seconds into a minute
@@ -67,47 +68,18 @@ async def redis_prefix() -> AsyncIterator[str]:
             await client.aclose()
 
 
-class RedisRelay:
+class RedisRelay(TcpRelay):
     """A TCP relay on loopback in front of the test Redis; `cut()` drops every connection and refuses new ones."""
 
     def __init__(self, target: str = REDIS_URL) -> None:
         address = target.split("://", 1)[1].split("/", 1)[0]
-        self.host, _, port = address.rpartition(":")
-        self.port = int(port)
+        host, _, port = address.rpartition(":")
+        super().__init__(host, int(port))
         self.db = target.rsplit("/", 1)[1] if target.count("/") > 2 else "0"
-        self.server: asyncio.Server | None = None
-        self.listen_port = 0
-        self.writers: set[asyncio.StreamWriter] = set()
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.listen_port}/{self.db}"
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.listen_port)
-        self.listen_port = self.server.sockets[0].getsockname()[1]
-
-    async def cut(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for writer in list(self.writers):
-            writer.close()
-        await self.server.wait_closed()
-        self.server = None
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
-        self.writers.update((writer, up_writer))
-
-        async def pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(ConnectionError, OSError):
-                while data := await source.read(65536):
-                    sink.write(data)
-                    await sink.drain()
-            sink.close()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-        self.writers.difference_update((writer, up_writer))
 
 
 @dataclass

@@ -7,7 +7,7 @@ store is an SQLite file or a fresh PostgreSQL schema (tests/audit_databases.py).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,12 +81,15 @@ async def running_proxy(
     folder: Path,
     *,
     store: str = "sqlite",
+    store_url: Callable[[str], str] | None = None,
     environ: Mapping[str, str] | None = None,
     **sections: Any,
 ) -> AsyncIterator[Harness]:
+    """`store_url`, given the database's URL, returns the one the proxy uses (e.g. through a relay)."""
     async with audit_database(store, folder) as database:
         await database.migrate()
-        settings = settings_for(fakes, database.url, database.schema, **sections)
+        url = database.url if store_url is None else store_url(database.url)
+        settings = settings_for(fakes, url, database.schema, **sections)
         secrets = resolve_secrets(settings, environ or {})
         app = create_app(settings, secrets)
         sock = bind("127.0.0.1", 0)

@@ -6,14 +6,21 @@ request did not pin, and never leaves a half-written record."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import sys
+import uuid
 from pathlib import Path
 
 import aiohttp
 import pytest
+from sqlalchemy.engine import make_url
 
+from proxy.logs import configure_logging
+from tests.audit_databases import POSTGRES_URL
 from tests.fake_replica import FakeReplica
 from tests.proxy_harness import Harness, running_proxy
+from tests.tcp_relay import TcpRelay
 
 CHAT = {
     "model": "fake-model",
@@ -280,6 +287,180 @@ async def test_an_upstream_refusing_the_proxys_key_never_shows_the_client_that_k
         status, body, _ = await harness.post("/v1/chat/completions", CHAT)
         assert status == 502 and "credentials" in body["error"]["message"]
         assert "sk-upstream-secret" not in json.dumps(body)
+
+
+ECHOED_KEY = "sk-upstream-echoed-0123456789abcdef"
+
+
+def echoing_upstream(replica: FakeReplica) -> dict[str, object]:
+    return {"name": "upstream", "url": replica.url, "api_key_env": "UP", "stack": {"model": "fake-model"}}
+
+
+async def post_raw(harness: Harness, body: dict[str, object]) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{harness.v1}/chat/completions", json=body) as response,
+    ):
+        return response.status, (await response.read()).decode()
+
+
+def assert_openai_error(text: str) -> dict[str, object]:
+    error = json.loads(text)["error"]
+    assert isinstance(error["message"], str) and isinstance(error["type"], str), text
+    assert {"param", "code"} <= set(error), text
+    return error
+
+
+async def test_an_upstream_that_quotes_its_key_in_an_error_never_shows_the_client_that_key(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy(
+        [], tmp_path, replicas=[echoing_upstream(replica)], environ={"UP": ECHOED_KEY}
+    ) as harness:
+        replica.failure = "echo_key"
+        for status in (400, 404, 409, 413, 422, 429):
+            replica.echo_status = status
+            for stream in (False, True):
+                answered, text = await post_raw(harness, {**CHAT, "stream": stream})
+                assert answered == status, "the upstream's status passes through"
+                assert ECHOED_KEY not in text and "[redacted]" in text
+                error = assert_openai_error(text)
+                assert "check it" in str(error["message"]), (
+                    "the rest of the upstream's message passes through"
+                )
+        assert len(replica.requests) == 12 and await record_count(harness) == 0
+
+
+async def test_an_upstream_that_quotes_its_key_mid_stream_or_in_garbage_never_shows_it(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy(
+        [], tmp_path, replicas=[echoing_upstream(replica)], environ={"UP": ECHOED_KEY}
+    ) as harness:
+        replica.failure = "echo_key_garbage"
+        status, text = await post_raw(harness, CHAT)
+        assert status == 502 and ECHOED_KEY[:12] not in text, "not even the start of the key"
+        assert_openai_error(text)
+        for failure in ("echo_key_garbage", "echo_key_midstream"):
+            replica.failure = failure
+            status, text = await post_raw(harness, {**CHAT, "stream": True})
+            assert status == 200 and ECHOED_KEY[:12] not in text
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            assert "[DONE]" not in events and "error" in json.loads(events[-1])
+        assert "[redacted]" in text, "the upstream's error event is relayed, without the key"
+        for record in await harness.proxy.store.list_records(limit=10):
+            full = await harness.proxy.store.get_record(record.id, None)
+            assert full is not None and ECHOED_KEY[:12] not in full.model_dump_json()
+
+
+async def test_errors_are_counted_by_route_template_so_metrics_hold_no_ids(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        missing = [f"rec_{uuid.uuid4().hex}" for _ in range(40)]
+        for record_id in missing:
+            status, _ = await harness.get(f"/v1/records/{record_id}")
+            assert status == 404
+        for _ in range(10):
+            status, _ = await harness.get(f"/v1/{uuid.uuid4().hex}")
+            assert status == 404
+        async with aiohttp.ClientSession() as session, session.get(f"{harness.url}/metrics") as response:
+            metrics = await response.text()
+    errors = [line for line in metrics.splitlines() if line.startswith("stackpin_request_errors_total{")]
+    assert not any(record_id in metrics for record_id in missing), "record ids are not for every scraper"
+    assert any('endpoint="/v1/records/{record_id}"' in line and line.endswith(" 40.0") for line in errors)
+    assert any('endpoint="unmatched"' in line and line.endswith(" 10.0") for line in errors)
+    assert len(errors) == 2, "one series per route and error, however many requests"
+
+
+async def read_stream(harness: Harness, body: dict[str, object]) -> tuple[str, list[str]]:
+    """A stream read to its clean end (an aiohttp client hangs or fails on a broken chunked body)."""
+    async with (
+        asyncio.timeout(30),
+        aiohttp.ClientSession() as session,
+        session.post(f"{harness.v1}/chat/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        raw = (await response.read()).decode()
+        assert "HTTP/1.1" not in raw, "no second response inside the body"
+        events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+        return response.headers["Stackpin-Record"], events
+
+
+@pytest.mark.postgres
+async def test_a_store_outage_is_503s_with_retry_after_a_bounded_log_and_recovery_by_itself(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    postgres = make_url(POSTGRES_URL)
+    relay = TcpRelay(postgres.host or "127.0.0.1", postgres.port or 5432)
+    await relay.start()
+
+    def through_relay(url: str) -> str:
+        return url.replace(f"{postgres.host}:{postgres.port}", f"127.0.0.1:{relay.listen_port}")
+
+    sink = io.StringIO()
+    configure_logging("info", sink)
+    answered: list[str] = []
+    try:
+        async with running_proxy([replica], tmp_path, store="postgres", store_url=through_relay) as harness:
+            for _ in range(3):
+                status, _, headers = await harness.post("/v1/chat/completions", CHAT)
+                assert status == 200
+                answered.append(headers["Stackpin-Record"])
+            replica.chunk_delay_s = 0.05
+            long_stream = asyncio.create_task(
+                read_stream(harness, {**CHAT, "max_tokens": 30, "stream": True})
+            )
+            await asyncio.sleep(0.5)  # the stream is open and relaying
+            await relay.cut()
+
+            async def refused(stream: bool) -> None:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(
+                        f"{harness.v1}/chat/completions", json={**CHAT, "stream": stream}
+                    ) as response,
+                ):
+                    text = (await response.read()).decode()
+                    assert response.status == 503 and response.headers["Retry-After"] == "1", text
+                    assert "Stackpin-Record" not in response.headers, "no answer without its record"
+                    assert assert_openai_error(text)["type"] == "audit_store_unavailable"
+
+            await asyncio.gather(*(refused(stream=i % 4 == 0) for i in range(24)))
+            status, body = await harness.get(f"/v1/records/{answered[0]}")
+            assert status == 503 and body["error"]["type"] == "audit_store_unavailable"
+            status, _ = await harness.get("/readyz")
+            assert status == 503
+
+            record_id, events = await long_stream
+            assert "[DONE]" not in events, "its end is not recorded, so it is not confirmed"
+            assert json.loads(events[-1])["error"]["type"] == "audit_store_unavailable"
+
+            await relay.start()
+            loop = asyncio.get_running_loop()
+            back_at = loop.time()
+            while True:
+                status, _, headers = await harness.post("/v1/chat/completions", CHAT)
+                if status == 200:
+                    answered.append(headers["Stackpin-Record"])
+                    break
+                assert loop.time() - back_at < 10, "the proxy recovers by itself"
+                await asyncio.sleep(0.05)
+            for record in answered:
+                assert await harness.proxy.store.get_record(record, "local") is not None
+            listed = {r.id for r in await harness.proxy.store.list_records(limit=1000)}
+            assert listed == {*answered, record_id}, "every answer has its record, and nothing else has one"
+            stream_record = await harness.proxy.store.get_record(record_id, "local")
+            assert stream_record is not None and stream_record.status == "streaming"
+            assert (await harness.proxy.store.verify()).ok
+    finally:
+        configure_logging("info", sys.stderr)
+        await relay.close()
+    lines = sink.getvalue().splitlines()
+    failed_batches = [line for line in lines if '"audit_batch_failed"' in line]
+    assert 1 <= len(failed_batches) <= 26, "one line per failed batch"
+    assert max(len(line) for line in lines) < 2000, "no line carries a growing traceback"
+    assert "Traceback" not in sink.getvalue(), [line[:300] for line in lines if "Traceback" in line]
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz"])
