@@ -34,6 +34,9 @@ from proxy.errors import BadRequest, HttpError, StackpinError
 
 log = structlog.get_logger("stackpin.http")
 DEFAULT_MAX_CONNECTIONS = 4096
+# After an answer sent before its body was read (408, 413), the rest is read and dropped for this long, so that
+# the client can still read the answer; aiohttp's 10 s would let a slow sender hold the connection longer.
+LINGERING_S = 2.0
 
 
 class ConnectionCap:
@@ -138,7 +141,12 @@ class ProxySite(web.BaseSite):
 
         def protocol() -> ProxyRequestHandler:
             return ProxyRequestHandler(
-                manager, self._cap, loop=loop, keepalive_timeout=self._idle_timeout_s, access_log=None
+                manager,
+                self._cap,
+                loop=loop,
+                keepalive_timeout=self._idle_timeout_s,
+                lingering_time=LINGERING_S,
+                access_log=None,
             )
 
         self._server = await loop.create_server(protocol, sock=self._sock, backlog=self._backlog)

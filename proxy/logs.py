@@ -63,5 +63,7 @@ def configure_logging(level: str, stream: TextIO = sys.stderr) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     # Libraries' informational chatter (migrations' "Context impl SQLiteImpl.") only when debugging.
-    root.setLevel(logging.DEBUG if level == "debug" else max(logging.WARNING, getattr(logging, level.upper())))
+    root.setLevel(
+        logging.DEBUG if level == "debug" else max(logging.WARNING, getattr(logging, level.upper()))
+    )
     logging.captureWarnings(True)
