@@ -177,6 +177,40 @@ async def test_malformed_json_wrong_types_and_oversized_bodies_are_400s_and_413s
         assert await record_count(harness) == 0
 
 
+async def test_a_request_the_log_cannot_hold_is_refused_naming_the_field_before_any_replica_sees_it(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        for raw, param in [
+            (json.dumps({**CHAT, "seed": 2**63 - 1}), "seed"),
+            (json.dumps(CHAT)[:-1] + ', "top_p": 1e400}', "top_p"),
+            (
+                json.dumps({**CHAT, "messages": [{"role": "user", "content": "\ud800"}]}),
+                "messages[0].content",
+            ),
+            (
+                json.dumps({**CHAT, "tools": [{"a": [[[[]]]]}] * 2}).replace("[[[[]]]]", "[" * 70 + "]" * 70),
+                None,
+            ),
+        ]:
+            for stream in (False, True):
+                body = raw.replace('"temperature": 0', f'"temperature": 0, "stream": {json.dumps(stream)}')
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(f"{harness.v1}/chat/completions", data=body) as response,
+                ):
+                    answer = await response.json()
+                    assert response.status == 400, answer
+                if param is not None:
+                    assert answer["error"]["param"] == param
+                else:
+                    assert "64 levels" in answer["error"]["message"]
+        assert not replica.requests, (
+            "no replica is called (nor billed) for an answer that could not be served"
+        )
+        assert await record_count(harness) == 0
+
+
 async def test_a_replica_rejection_passes_through_with_its_message(
     replica: FakeReplica, tmp_path: Path
 ) -> None:
