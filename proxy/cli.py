@@ -22,7 +22,6 @@ from proxy.config import Settings, load_settings, read_settings
 from proxy.errors import ConfigError, StackpinError
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
-FINGERPRINT_PREFIX = re.compile(r"^[0-9a-f]{1,64}$")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,10 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     records.add_argument("--model")
     records.add_argument("--tenant")
     records.add_argument("--since", help="ISO 8601 time with its zone, e.g. 2026-12-01T07:22:00+00:00")
-    records.add_argument(
-        "--until", help="ISO 8601 time with its zone (exclusive): the next page of a listing"
-    )
+    records.add_argument("--until", help="ISO 8601 time with its zone (exclusive)")
     records.add_argument("--limit", type=int, default=50, help="most records listed (1 to 1000, default 50)")
+    records.add_argument("--before", metavar="RECORD", help="the next page: records older than this one")
     records.add_argument("--json", action="store_true")
     records.set_defaults(run=_records)
 
@@ -185,18 +183,16 @@ def _audit(args: argparse.Namespace) -> int:
 def _records(args: argparse.Namespace) -> int:
     from proxy.inspect import list_records
 
-    stack = args.stack.lower() if args.stack else None
-    if stack is not None and not FINGERPRINT_PREFIX.match(stack):
-        raise ConfigError(f"--stack must be a fingerprint or its first characters (hex), got {args.stack!r}")
     if not 1 <= args.limit <= 1000:
         raise ConfigError(f"--limit must be between 1 and 1000, got {args.limit}")
     filters: dict[str, Any] = {
-        "fingerprint": stack,
+        "fingerprint": args.stack,
         "model": args.model,
         "tenant": args.tenant,
         "since": _moment("--since", args.since),
         "until": _moment("--until", args.until),
         "limit": args.limit,
+        "before": args.before,
     }
     return asyncio.run(list_records(_settings(args).store, filters, as_json=args.json))
 

@@ -189,11 +189,14 @@ async def list_records(store_settings: StoreSettings, filters: dict[str, Any], *
     except ValidationError as e:  # a filter the listing cannot use, e.g. a --stack that is not hex
         print(f"stackpin: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
         return EXIT_ERROR
+    except ValueError as e:  # --before a record that is not there
+        print(f"stackpin: {e}", file=sys.stderr)
+        return EXIT_ERROR
     if len(records) == filters["limit"]:
         # On stderr, so that --json output stays one JSON document.
         print(
-            f"stopped at the limit of {len(records)} records; the next page: --until "
-            f"{records[-1].created_at.isoformat()} (or a larger --limit, up to 1000)",
+            f"stopped at the limit of {len(records)} records; the next page: --before {records[-1].id} "
+            "(or a larger --limit, up to 1000)",
             file=sys.stderr,
         )
     if as_json:

@@ -186,8 +186,6 @@ def test_usage_errors_are_one_line_and_exit_2(config: Path, capsys: pytest.Captu
     assert "foo" in one_line(capsys.readouterr().err)
     assert stackpin(["records", "--config", str(config), "--since", "2026-12-01T07:22:00"]) == 2
     assert "time zone" in one_line(capsys.readouterr().err)
-    assert stackpin(["records", "--config", str(config), "--stack", "not-hex"]) == 2
-    assert "--stack" in one_line(capsys.readouterr().err)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -198,18 +196,6 @@ def test_usage_errors_are_one_line_and_exit_2(config: Path, capsys: pytest.Captu
     assert "tenants" in one_line(capsys.readouterr().err), "--host is checked like [server] host"
 
 
-def test_records_take_the_fingerprint_prefix_that_the_listing_prints(
-    config: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert stackpin(["records", "--config", str(config)]) == 0
-    prefix = capsys.readouterr().out.splitlines()[0].split()[4]
-    assert len(prefix) == 12
-    assert stackpin(["records", "--config", str(config), "--stack", prefix, "--json"]) == 0
-    assert len(json.loads(capsys.readouterr().out)) == 6
-    assert stackpin(["records", "--config", str(config), "--stack", "f" * 12]) == 0
-    assert "no records match" in capsys.readouterr().out
-
-
 def test_records_say_where_they_stopped_and_how_to_page_on(
     config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -217,8 +203,9 @@ def test_records_say_where_they_stopped_and_how_to_page_on(
     captured = capsys.readouterr()
     first = [r["id"] for r in json.loads(captured.out)]
     assert "stopped at the limit of 4 records" in one_line(captured.err)
-    until = one_line(captured.err).split("--until ", 1)[1].split()[0]
-    assert stackpin(["records", "--config", str(config), "--limit", "4", "--until", until, "--json"]) == 0
+    last = one_line(captured.err).split("--before ", 1)[1].split()[0]
+    assert last == first[-1]
+    assert stackpin(["records", "--config", str(config), "--limit", "4", "--before", last, "--json"]) == 0
     captured = capsys.readouterr()
     rest = [r["id"] for r in json.loads(captured.out)]
     assert sorted(first + rest) == [f"rec_{i:04d}" for i in range(6)]

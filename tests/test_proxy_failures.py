@@ -465,6 +465,8 @@ async def test_a_store_outage_is_503s_with_retry_after_a_bounded_log_and_recover
             assert status == 503 and body["error"]["type"] == "audit_store_unavailable"
             status, _ = await harness.get("/readyz")
             assert status == 503
+            async with aiohttp.ClientSession() as session, session.get(f"{harness.url}/ui/") as response:
+                assert response.status == 503, "the audit page says so too"
 
             record_id, events = await long_stream
             assert "[DONE]" not in events, "its end is not recorded, so it is not confirmed"

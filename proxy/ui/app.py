@@ -13,6 +13,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from proxy.audit import StoreUnavailable
 from proxy.config import Secrets, Settings
 from proxy.errors import StackpinError
 from proxy.forward import ReplicaRejected
@@ -60,6 +61,9 @@ async def pages(request: web.Request, handler: Handler) -> web.StreamResponse:
         response.cookies.update(e.cookies)  # a session the guard saved on the way out
     except StackpinError as e:
         response = _error_page(request, e.status, e.message, e.extra.get("live_stacks"))
+    except StoreUnavailable:
+        response = _error_page(request, 503, "the audit store is unavailable; retry shortly")
+        response.headers["Retry-After"] = "1"
     except ReplicaRejected as e:
         error = e.body.get("error") if isinstance(e.body, dict) else None
         message = error.get("message") if isinstance(error, dict) else None
