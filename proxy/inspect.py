@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from proxy.audit import AuditError, AuditRecord, AuditStore
+from proxy.audit.store import LIST_LIMIT_MAX
 from proxy.config import StoreSettings
 
 EXIT_OK, EXIT_BROKEN, EXIT_ERROR = 0, 1, 2
@@ -180,9 +181,11 @@ def _short(text: Any, limit: int = 240) -> str:
 
 
 async def list_records(store_settings: StoreSettings, filters: dict[str, Any], *, as_json: bool) -> int:
+    limit = filters["limit"]
     try:
         async with _store(store_settings) as store:
-            records = await store.list_records(**filters)
+            # One more than shown, to know whether the listing stops short of the end.
+            records = await store.list_records(**{**filters, "limit": min(limit + 1, LIST_LIMIT_MAX)})
     except AuditError as e:
         print(f"stackpin: {e}")
         return EXIT_ERROR
@@ -192,11 +195,13 @@ async def list_records(store_settings: StoreSettings, filters: dict[str, Any], *
     except ValueError as e:  # --before a record that is not there
         print(f"stackpin: {e}", file=sys.stderr)
         return EXIT_ERROR
-    if len(records) == filters["limit"]:
+    more = len(records) > limit or len(records) == LIST_LIMIT_MAX
+    records = records[:limit]
+    if more:
         # On stderr, so that --json output stays one JSON document.
         print(
-            f"stopped at the limit of {len(records)} records; the next page: --before {records[-1].id} "
-            "(or a larger --limit, up to 1000)",
+            f"stopped at the limit of {limit} records; the next page: --before {records[-1].id} "
+            f"(or a larger --limit, up to {LIST_LIMIT_MAX})",
             file=sys.stderr,
         )
     if as_json:

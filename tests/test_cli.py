@@ -209,7 +209,9 @@ def test_records_say_where_they_stopped_and_how_to_page_on(
     captured = capsys.readouterr()
     rest = [r["id"] for r in json.loads(captured.out)]
     assert sorted(first + rest) == [f"rec_{i:04d}" for i in range(6)]
-    assert captured.err == "", "a listing shorter than its limit is whole"
+    assert captured.err == "", "a listing that reaches the end says nothing more"
+    assert stackpin(["records", "--config", str(config), "--limit", "6"]) == 0
+    assert capsys.readouterr().err == "", "six records, all shown"
 
 
 def test_help_shows_the_description_whole(capsys: pytest.CaptureFixture[str]) -> None:
