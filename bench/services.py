@@ -50,12 +50,11 @@ async def wait_until_up(url: str, timeout_s: float = 60) -> None:
 
 
 @asynccontextmanager
-async def trivial_replicas(count: int) -> AsyncIterator[list[str]]:
+async def trivial_replicas(count: int, *, stream_events: int = 8) -> AsyncIterator[list[str]]:
     """`count` trivial replicas (bench/trivial_replica.py), each in its own process; yields their base URLs."""
     ports = [free_port() for _ in range(count)]
-    processes = [
-        subprocess.Popen([sys.executable, "-m", "bench.trivial_replica", str(port)]) for port in ports
-    ]
+    command = [sys.executable, "-m", "bench.trivial_replica", "--stream-events", str(stream_events)]
+    processes = [subprocess.Popen([*command, str(port)]) for port in ports]
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         for url in urls:

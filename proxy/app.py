@@ -120,7 +120,10 @@ def create_app(
                 app[PROXY] = Proxy(
                     settings, secrets, registry, store, session, metrics, health, clock, fleet=fleet
                 )
-                yield
+                try:
+                    yield
+                finally:
+                    app[PROXY].closing.shutdown()  # every stream has closed: the server has stopped
         finally:
             if monitor_task is not None:
                 monitor_task.cancel()

@@ -231,4 +231,3 @@ def excerpt(raw: bytes, limit: int) -> str:
     if not cut[-1].isspace():
         cut = cut.rsplit(None, 1)[0] if len(cut.split(None, 1)) > 1 else ""
     return (cut.rstrip() + " ...").lstrip()
-

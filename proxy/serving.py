@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -76,9 +78,12 @@ class Proxy:
     fleet: Fleet | None = None  # rate limits, and the shared view in fleet mode
     # What comes from replicas, answers and events alike, is relayed and recorded without any configured key.
     redactor: Redactor = field(init=False)
+    # Where streams' closing entries are built, one at a time, off the event loop (see _close).
+    closing: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         self.redactor = Redactor(key.get_secret_value() for key in self.secrets.replica_keys.values())
+        self.closing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-close")
 
     async def continued(self, request: ClientRequest, tenant: str) -> ClientRequest:
         """A Responses request with `previous_response_id` resolved into the input it stands for."""
@@ -276,16 +281,10 @@ class Proxy:
             status, error = "interrupted", f"the proxy failed: {type(e).__name__}"
         finally:
             upstream.close()
-            closed, terminal = self._closed(served, relay, status, error, client_left, replaying)
-            status = closed.status
-            if not await self._record_close(closed):
-                # Never the answer's end: the client must not take for recorded what is not. The record stays
-                # `opened` until a start marks it interrupted (proxy/sweep.py).
-                status = "unrecorded"
-                unconfirmed = AuditStoreUnavailable(
-                    "the end of this stream could not be recorded; it is not confirmed"
-                )
-                terminal = None if client_left else relay.failure(unconfirmed)
+            # The closing record must land even when the client's disconnect cancels this task.
+            status, terminal = await asyncio.shield(
+                self._close(served, relay, status, error, client_left, replaying)
+            )
         log.info("stream_closed", status=status, chunks=len(relay.events))
         if status == "complete":
             self._count_tokens(served, relay.answer().get("usage"))
@@ -295,15 +294,32 @@ class Proxy:
         await sink.close()
         return status
 
-    async def _record_close(self, closed: NewEntry) -> bool:
-        """Commits a stream's `closed` entry; False when the store cannot take it."""
+    async def _close(
+        self,
+        served: Served,
+        relay: Relay,
+        status: str,
+        error: str | None,
+        client_left: bool,
+        replaying: Replaying | None,
+    ) -> tuple[str, str | None]:
+        """Commits a stream's `closed` entry; returns how it closed and the event to send after it."""
+        # Off the event loop: a long stream's entry holds its every event in canonical JSON, which takes a while
+        # to build (about a second for 80,000 events), and every other client would wait for it. One at a time:
+        # each more thread building at once would take a share of the interpreter from the event loop.
+        build = functools.partial(self._closed, served, relay, status, error, client_left, replaying)
+        closed, terminal = await asyncio.get_running_loop().run_in_executor(self.closing, build)
         try:
-            # The closing record must land even when the client's disconnect cancels this task.
-            await asyncio.shield(self.store.append(closed))
+            await self.store.append(closed)
         except AuditError as e:
+            # Never the answer's end: the client must not take for recorded what is not. The record stays
+            # `opened` until a start marks it interrupted (proxy/sweep.py).
             log.error("stream_close_not_recorded", error=str(e))
-            return False
-        return True
+            unconfirmed = AuditStoreUnavailable(
+                "the end of this stream could not be recorded; it is not confirmed"
+            )
+            return "unrecorded", None if client_left else relay.failure(unconfirmed)
+        return closed.status, terminal
 
     def _redacted(self, event: Event) -> Event:
         return Event(event.name, self.redactor.value(event.data)) if self.redactor else event
