@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from pinned_backend.engine import Engine, TokenOutput
@@ -36,6 +37,7 @@ from pinned_backend.runtime import BackendSettings
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.schedule import Arrival, run_schedule
 from pinned_backend.server import create_app
+from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 from tests.backend_checkpoint import MOE_CONFIG, make_engine, write_random_checkpoint
 
 CASES = 24
@@ -328,4 +330,57 @@ def test_default_mode_hits_and_verify_passes_are_reported(
     print(
         f"default mode on this CPU: a prefix-cache hit changed the answer's bits in {hit_rate} of {DEFAULT_CASES} "
         f"cases, speculation in {verify_rate} of {DEFAULT_CASES}"
+    )
+
+
+GPU_CASES = 6
+GPU_SIZES: dict[str, Any] = {
+    **CPU_SIZES,
+    "num_blocks": 256,
+    "block_size": 16,
+    "kv_split_size": 64,
+    "max_step_tokens": 64,
+}
+
+
+def on_gpu() -> dict[str, Any]:
+    pytest.importorskip("triton")
+    return {"device": torch.device("cuda"), "dtype": torch.bfloat16, "step_graphs": DEFAULT_MAX_GRAPHS}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_with_cuda_graphs_hits_and_speculation_change_no_bit(checkpoint: Path) -> None:
+    device = on_gpu()
+    hits = [
+        compare_cold_and_hit(checkpoint, "batch_invariant", seed, GPU_SIZES, **device)
+        for seed in range(GPU_CASES)
+    ]
+    assert [same for same, _ in hits] == [[True, True]] * GPU_CASES
+    assert any(cached for _, cached in hits)
+    verified = [
+        compare_speculation(checkpoint, "batch_invariant", s, GPU_SIZES, **device) for s in range(GPU_CASES)
+    ]
+    assert [same for same, _ in verified] == [[True, True, True]] * GPU_CASES
+    assert sum(kept for _, kept in verified) > 0, "no draft was ever kept, so nothing was verified"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_default_mode_hits_and_verify_passes_are_reported(
+    checkpoint: Path, record_property: pytest.RecordProperty
+) -> None:
+    device = on_gpu()
+    hits = [
+        compare_cold_and_hit(checkpoint, "default", seed, GPU_SIZES, **device)[0] for seed in range(GPU_CASES)
+    ]
+    verified = [
+        compare_speculation(checkpoint, "default", s, GPU_SIZES, **device)[0] for s in range(GPU_CASES)
+    ]
+    hit_rate, verify_rate = sum(not all(s) for s in hits), sum(not all(s) for s in verified)
+    record_property("gpu_default_mode_hits_changing_bits", f"{hit_rate}/{GPU_CASES}")
+    record_property("gpu_default_mode_speculation_changing_bits", f"{verify_rate}/{GPU_CASES}")
+    print(
+        f"default mode on {torch.cuda.get_device_name(0)}: a prefix-cache hit changed the answer's bits in "
+        f"{hit_rate} of {GPU_CASES} cases, speculation in {verify_rate} of {GPU_CASES}"
     )
