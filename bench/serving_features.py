@@ -33,7 +33,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,39 +56,49 @@ GRAPHS = 256  # CUDA graphs kept: enough that timed rounds replay rather than ca
 @dataclass
 class Setup:
     models: dict[str, Transformer]  # by kernel mode
-    caches: dict[str, PagedKVCache]
     device: torch.device
+    # One engine per configuration, kept across rounds: its CUDA graphs are captured in the uncounted first round
+    # and replayed after, as a serving backend's are. Each has a KV cache of its own.
+    engines: dict[tuple[Any, ...], Engine] = field(default_factory=dict)
 
     @property
     def vocab(self) -> int:
         return self.models["batch_invariant"].config.vocab_size
 
-    def engine(
-        self,
-        mode: str,
-        *,
-        batch: int,
-        step_tokens: int,
-        drafts: int,
-        on_step: Callable[[StepStats], None] | None,
-    ) -> Engine:
-        model, cache = self.models[mode], self.caches[mode]
-        config = EngineConfig(
-            max_model_len=min(model.config.max_position_embeddings, 4096),
-            num_blocks=cache.num_blocks,
-            block_size=BLOCK,
-            max_batch_size=batch,
-            max_step_tokens=step_tokens,
-            max_queue=1024,
-            step_graphs=GRAPHS if self.device.type == "cuda" else 0,
-            prefix_cache=True,
-            speculative_tokens=drafts,
-        )
-        allocator = BlockAllocator(cache.num_blocks)
-        return Engine(model, cache, allocator, model.kernels, config, lambda ids: "", self.device, on_step)
+    def engine(self, mode: str, *, batch: int, step_tokens: int, drafts: int, blocks: int) -> Engine:
+        key = (mode, batch, step_tokens, drafts, blocks)
+        if key not in self.engines:
+            model = self.models[mode]
+            cache = PagedKVCache(model.config, blocks, BLOCK, self.device, model.dtype)
+            config = EngineConfig(
+                max_model_len=min(model.config.max_position_embeddings, 4096),
+                num_blocks=blocks,
+                block_size=BLOCK,
+                max_batch_size=batch,
+                max_step_tokens=step_tokens,
+                max_queue=1024,
+                step_graphs=GRAPHS if self.device.type == "cuda" else 0,
+                prefix_cache=True,
+                speculative_tokens=drafts,
+            )
+            allocator = BlockAllocator(blocks)
+            self.engines[key] = Engine(
+                model, cache, allocator, model.kernels, config, lambda ids: "", self.device
+            )
+        return self.engines[key]
+
+    def release(self) -> None:
+        self.engines.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
-def load(model: str, device: torch.device, blocks: int) -> Setup:
+def blocks_for(batch: int, tokens: int) -> int:
+    """KV blocks for `batch` requests of `tokens` tokens, twice over: room for the prefix cache to keep a round."""
+    return 2 * batch * -(-tokens // BLOCK) + 16
+
+
+def load(model: str, device: torch.device) -> Setup:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     models = {}
     if model == "qwen3-1.7b-random":
@@ -104,8 +114,7 @@ def load(model: str, device: torch.device, blocks: int) -> Setup:
             models[mode] = Transformer.from_pretrained(
                 Path(model), select_kernels(mode, device), device, dtype
             )
-    caches = {mode: PagedKVCache(m.config, blocks, BLOCK, device, dtype) for mode, m in models.items()}
-    return Setup(models, caches, device)
+    return Setup(models, device)
 
 
 def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[TokenOutput]]:
@@ -118,7 +127,9 @@ def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[lis
 
 
 def ttft(setup: Setup, rounds: int, rng: random.Random) -> dict[str, Any]:
-    engine = setup.engine("batch_invariant", batch=16, step_tokens=256, drafts=0, on_step=None)
+    engine = setup.engine(
+        "batch_invariant", batch=16, step_tokens=256, drafts=0, blocks=blocks_for(4, PROMPT)
+    )
 
     def first_token(prompt: list[int]) -> tuple[float, int]:
         got: list[TokenOutput] = []
@@ -158,7 +169,13 @@ def setup_token(rng: random.Random, setup: Setup) -> int:
 def copy_prompts(setup: Setup, rng: random.Random) -> list[list[int]]:
     """COPIES prompts `seed + text + seed`, the text being the model's greedy continuation of the seed."""
     seeds = [[setup_token(rng, setup) for _ in range(SEED_TOKENS)] for _ in range(COPIES)]
-    engine = setup.engine("batch_invariant", batch=COPIES, step_tokens=1024, drafts=0, on_step=None)
+    engine = setup.engine(
+        "batch_invariant",
+        batch=COPIES,
+        step_tokens=1024,
+        drafts=0,
+        blocks=blocks_for(COPIES, 2 * TEXT_TOKENS),
+    )
     texts = serve(engine, seeds, TEXT_TOKENS)
     return [seed + [o.token_id for o in text] + seed for seed, text in zip(seeds, texts, strict=True)]
 
@@ -169,9 +186,9 @@ def decode_rate(
     """Serve `prompts` at once; the decode-only steps' emitted tokens per second."""
     stats: list[StepStats] = []
     batch = len(prompts)
-    engine = setup.engine(
-        mode, batch=batch, step_tokens=max(256, 4 * batch), drafts=drafts, on_step=stats.append
-    )
+    blocks = blocks_for(batch, max(len(p) for p in prompts) + max_tokens)
+    engine = setup.engine(mode, batch=batch, step_tokens=max(256, 4 * batch), drafts=drafts, blocks=blocks)
+    engine.on_step = stats.append
     serve(engine, prompts, max_tokens)
     decode = [s for s in stats if s.sequences and s.prefill_tokens == 0]
     tokens = sum(s.sequences + s.accepted_draft_tokens for s in decode)
@@ -260,12 +277,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--drafts", type=int, default=4, help="prompt lookup's draft tokens a step")
     parser.add_argument("--batches", default="1,8,32,128", help="batch sizes of the modes part")
-    parser.add_argument("--kv-blocks", type=int, default=8192, help="KV cache blocks of 16 tokens, per mode")
     args = parser.parse_args()
     device = torch.device(args.device)
     rng = random.Random(21)
     started = time.perf_counter()
-    setup = load(args.model, device, args.kv_blocks)
+    setup = load(args.model, device)
     report: dict[str, Any] = {
         "model": args.model,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
@@ -278,10 +294,12 @@ def main() -> None:
     with torch.inference_mode():
         if "ttft" in parts:
             report["ttft"] = ttft(setup, args.rounds, rng)
+            setup.release()
             print("ttft", json.dumps({k: v for k, v in report["ttft"].items() if k != "rounds"}), flush=True)
         prompts = copy_prompts(setup, rng) if {"lookup", "modes"} & set(parts) else []
         if "lookup" in parts:
             report["lookup"] = lookup(setup, prompts, args.rounds, args.drafts, [1, 8])
+            setup.release()
         if "modes" in parts:
             batches = [int(b) for b in args.batches.split(",")]
             report["modes"] = modes(setup, prompts, args.rounds, args.drafts, batches, rng)

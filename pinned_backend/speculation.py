@@ -3,7 +3,9 @@
 When the last few tokens of a sequence (an n-gram, the longest of `MAX_NGRAM` down to `MIN_NGRAM` that occurred
 before) appeared earlier in it, the tokens that followed that earlier occurrence are offered as drafts: a request
 that edits, quotes or summarises a text it was given tends to copy runs of it. No second model is needed. The
-most recent earlier occurrence wins, since text being copied sits nearest.
+most recent earlier occurrence wins, since text being copied sits nearest; where its continuation reaches the
+sequence's end, the copy overlaps itself and repeats (as an LZ77 copy does), which is what a repeating output will
+write next.
 
 Drafts are guesses and never change an answer: the engine feeds them with the sequence's last token in one step
 and keeps a draft only when it is the very token the sampler draws at its position (engine.py says why those bits
@@ -49,5 +51,8 @@ class PromptLookup:
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
             start = self._next.get(tuple(tokens[end - n :]))
             if start is not None:
-                return tokens[start : start + k]
+                # The match says the text repeats every `end - start` tokens; a copy that runs into the drafts
+                # themselves goes on repeating (an overlapping copy), so a short cycle still fills k drafts.
+                period = end - start
+                return [tokens[start + i % period] for i in range(k)]
         return []

@@ -12,7 +12,13 @@ from pinned_backend.speculation import PromptLookup
 def test_the_tokens_after_an_earlier_occurrence_of_the_suffix_are_the_drafts() -> None:
     lookup = PromptLookup([10, 11, 12, 13, 14, 15, 20, 11, 12])
     assert lookup.draft(3) == [13, 14, 15]
-    assert lookup.draft(10) == [13, 14, 15, 20, 11, 12], "up to the sequence's end"
+    assert lookup.draft(6) == [13, 14, 15, 20, 11, 12]
+
+
+def test_a_copy_that_runs_into_its_own_drafts_repeats_itself() -> None:
+    assert PromptLookup([7, 8, 9, 7, 8, 9]).draft(5) == [7, 8, 9, 7, 8], "a cycle of three"
+    assert PromptLookup([1, 5, 5, 5]).draft(3) == [5, 5, 5]
+    assert PromptLookup([10, 11, 12, 13, 14, 15, 20, 11, 12]).draft(8) == [13, 14, 15, 20, 11, 12, 13, 14]
 
 
 def test_the_longest_suffix_n_gram_wins_and_then_its_latest_occurrence() -> None:
