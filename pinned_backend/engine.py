@@ -59,7 +59,7 @@ from typing import Any, Protocol
 import torch
 
 from pinned_backend.kvcache import ROOT_KEY, block_key, block_keys, block_table
-from pinned_backend.sampling import SamplingParams, sample_token, top_logprobs_rows
+from pinned_backend.sampling import Drawn, RowRun, SamplingParams, draw_runs
 from pinned_backend.speculation import PromptLookup
 from pinned_backend.step_graphs import StepGraphs
 from pinned_backend.textstream import StopTextStream
@@ -173,15 +173,6 @@ class TokenOutput:
 
 
 Sink = Callable[[TokenOutput | EngineError], None]
-
-
-@dataclass(frozen=True)
-class _Drawn:
-    """What one logits row of a step drew."""
-
-    token: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
@@ -442,7 +433,7 @@ class Engine:
             seq.lookup = PromptLookup([*seq.prompt_ids, *seq.output_ids])
         return seq.lookup.draft(k)
 
-    def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, list[_Drawn]]:
+    def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, list[Drawn]]:
         """Feed the plan's tokens; returns what each plan row that samples drew, in order: one token, or for a
         verify pass its accepted drafts and the token drawn after them."""
         token_ids: list[int] = []
@@ -492,53 +483,15 @@ class Engine:
 
     def _sample(
         self, logits: torch.Tensor, rows: list[tuple[_Sequence, int, int, int]]
-    ) -> dict[int, list[_Drawn]]:
-        """The tokens each sampling sequence draws at its logits rows, its log-probabilities and top ones.
-
-        Row i of a sequence draws the token at position `len(output_ids) + i` of its completion, as a decode step
-        there would; a verify pass stops at the first draw that is not the next draft. Greedy rows take the argmax
-        where the logits are (torch.argmax returns the first of equal maxima on every device, as `sample_token`
-        does), so a GPU step moves a few numbers to the host, not whole rows of the vocabulary; only rows that draw
-        at random bring their logits to the CPU's float64 sampler."""
-        argmax = torch.argmax(logits, dim=-1).tolist()
-        random_rows = [first + i for seq, _, first, n in rows if not seq.params.greedy for i in range(n)]
-        host = {}
-        if random_rows:
-            moved = logits[torch.tensor(random_rows, device=logits.device)].float().cpu()
-            host = {r: moved[j] for j, r in enumerate(random_rows)}
-        kept: list[int] = []  # the logits rows whose tokens are emitted
-        tokens: list[int] = []
-        spans: list[tuple[int, int, int]] = []  # (plan row, start in kept, count)
-        for seq, plan_row, first, n in rows:
-            start = len(kept)
-            for i in range(n):
-                if seq.params.greedy:
-                    token = argmax[first + i]
-                else:
-                    token = sample_token(host[first + i], seq.params, len(seq.output_ids) + i)
-                kept.append(first + i)
-                tokens.append(token)
-                if i == n - 1 or token != seq.drafts[i]:
-                    break
-            spans.append((plan_row, start, len(kept) - start))
-        if len(kept) < logits.shape[0]:
-            logits = logits[torch.tensor(kept, device=logits.device)]
-        logprobs = self.kernels.log_softmax(logits).float()  # [len(kept), V]
-        index = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
-        chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
-        ks = [
-            seq.params.top_logprobs
-            for (seq, *_), (*_, count) in zip(rows, spans, strict=True)
-            for _ in range(count)
-        ]
-        tops = top_logprobs_rows(logprobs, ks)
-        return {
-            plan_row: [_Drawn(tokens[j], chosen[j], tops[j]) for j in range(start, start + count)]
-            for plan_row, start, count in spans
-        }
+    ) -> dict[int, list[Drawn]]:
+        """What each sampling sequence draws at its logits rows (sampling.draw_runs): one token, or a verify pass's
+        accepted drafts and the token drawn after them."""
+        runs = [RowRun(seq.params, len(seq.output_ids), first, n, seq.drafts) for seq, _, first, n in rows]
+        drawn = draw_runs(logits, runs, self.kernels.log_softmax)
+        return {plan_row: draws for (_, plan_row, _, _), draws in zip(rows, drawn, strict=True)}
 
     def _emit(
-        self, plan: list[tuple[_Sequence, int]], rows: dict[int, list[_Drawn]]
+        self, plan: list[tuple[_Sequence, int]], rows: dict[int, list[Drawn]]
     ) -> tuple[list[_Sequence], int]:
         """Send each drawn token to its sink, stopping at a finish; (the sequences finished, drafts accepted)."""
         finished = []
@@ -557,7 +510,7 @@ class Engine:
             seq.drafts = []
         return finished, accepted
 
-    def _emit_token(self, seq: _Sequence, draw: _Drawn) -> bool:
+    def _emit_token(self, seq: _Sequence, draw: Drawn) -> bool:
         """Append one drawn token and send it; True when it finishes the request."""
         token = draw.token
         seq.output_ids.append(token)
