@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -44,6 +43,7 @@ from pinned_backend.kernels import KERNEL_MODES, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.model import Transformer
 from pinned_backend.sampling import SamplingParams
+from pinned_backend.stack import detect_hardware
 
 BLOCK = 16
 PROMPT, SHARED = 2000, 1800
@@ -57,8 +57,8 @@ GRAPHS = 256  # CUDA graphs kept: enough that timed rounds replay rather than ca
 class Setup:
     models: dict[str, Transformer]  # by kernel mode
     device: torch.device
-    # One engine per configuration, kept across rounds: its CUDA graphs are captured in the uncounted first round
-    # and replayed after, as a serving backend's are. Each has a KV cache of its own.
+    # One engine per configuration, kept across rounds: its CUDA graphs are captured in the uncounted warm-ups and
+    # replayed after, as a serving backend's are. Each has a KV cache of its own.
     engines: dict[tuple[Any, ...], Engine] = field(default_factory=dict)
 
     @property
@@ -287,7 +287,9 @@ def main() -> None:
     setup = load(args.model, device)
     report: dict[str, Any] = {
         "model": args.model,
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(0)
+        if device.type == "cuda"
+        else detect_hardware(device)[1]["cpu_model"],
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "drafts": args.drafts,
