@@ -78,8 +78,8 @@ def answer(outputs: list[TokenOutput]) -> tuple[list[int], list[str]]:
     return [o.token_id for o in outputs], [float.hex(o.logprob) for o in outputs]
 
 
-def crowded_schedule(rng: random.Random, target: Arrival) -> list[Arrival]:
-    others = [random_request(rng, f"other-{i}", rng.randint(0, 12)) for i in range(rng.randint(1, 16))]
+def crowded_schedule(rng: random.Random, target: Arrival, most: int = 16) -> list[Arrival]:
+    others = [random_request(rng, f"other-{i}", rng.randint(0, 12)) for i in range(rng.randint(1, most))]
     return [Arrival(rng.randint(0, 12), "target", target.prompt, target.params), *others]
 
 
@@ -227,8 +227,8 @@ def shared_prefix_case(rng: random.Random, block: int, scale: int) -> tuple[list
 
 
 def loaded_schedule(rng: random.Random, target: Arrival, prefixes: list[list[int]] = ()) -> list[Arrival]:  # type: ignore[assignment]
-    """The target amid random others, some of whose prompts start with a prefix of one of `prefixes`."""
-    schedule = crowded_schedule(rng, target)
+    """The target amid 1 to 8 random others, some of whose prompts start with a prefix of one of `prefixes`."""
+    schedule = crowded_schedule(rng, target, most=8)
     for i, other in enumerate(schedule[1:], start=1):
         if prefixes and rng.random() < 0.5:
             prefix = rng.choice(prefixes)
