@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
+from pinned_backend.checkpoint import ModelConfig, load_config, load_weights
 from pinned_backend.engine import Engine, EngineConfig, StepStats, TokenOutput
 from pinned_backend.kernels import KERNEL_MODES, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
-from pinned_backend.model import Transformer
+from pinned_backend.model import Transformer, matmul_shapes
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.stack import detect_hardware
 
@@ -100,21 +101,28 @@ def blocks_for(batch: int, tokens: int) -> int:
 
 def load(model: str, device: torch.device) -> Setup:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    models = {}
     if model == "qwen3-1.7b-random":
-        from gpu_price import qwen3_1_7b, random_weights  # bench/ on the path, as gpu_run.sh puts it
+        from bench.gpu_price import qwen3_1_7b, random_weights
 
         config = qwen3_1_7b()
         weights = random_weights(config, seed=0)
-        for mode in KERNEL_MODES:
-            models[mode] = Transformer(config, dict(weights), select_kernels(mode, device), device, dtype)
-        del weights
     else:
-        for mode in KERNEL_MODES:
-            models[mode] = Transformer.from_pretrained(
-                Path(model), select_kernels(mode, device), device, dtype
-            )
+        config = load_config(Path(model))
+        weights = load_weights(Path(model), config, dtype)
+    models = {}
+    for mode in KERNEL_MODES:
+        kernels = select_kernels(mode, device, matmul_plans=served_plans(config, device))
+        models[mode] = Transformer(config, dict(weights), kernels, device, dtype)
     return Setup(models, device)
+
+
+def served_plans(config: ModelConfig, device: torch.device) -> Any:
+    """The matmul plan file `stackpin-backend serve --matmul-plans auto` would take on this device (None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    from pinned_backend.kernels.triton.plan_files import plan_file_for, running_on
+
+    return plan_file_for(running_on(device), set(matmul_shapes(config).values()), "auto")
 
 
 def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[TokenOutput]]:

@@ -17,7 +17,7 @@ from pinned_backend.engine import (
     StepStats,
     TokenOutput,
 )
-from pinned_backend.kernels.torch_ops import TorchKernels
+from pinned_backend.kernels.cpu_default import TorchKernels
 from pinned_backend.kvcache import BlockAllocator
 from pinned_backend.sampling import SamplingParams
 from tests.backend_checkpoint import Collector, letters, write_random_checkpoint
