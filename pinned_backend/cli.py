@@ -3,7 +3,8 @@
     stackpin-backend serve --model DIR [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
                            [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
-                           [--max-step-graphs N] [--pooling last_token|mean] [--matmul-plans auto|none|FILE]
+                           [--max-step-graphs N] [--prefix-cache | --no-prefix-cache] [--speculative-tokens K]
+                           [--pooling last_token|mean] [--matmul-plans auto|none|FILE]
                            [--expert-capacity-factor F] [--expert-overflow pass_through|next_expert]
                            [--ready-file PATH]
     stackpin-backend make-tiny DIR
@@ -76,8 +77,22 @@ def _parser() -> argparse.ArgumentParser:
         "--max-step-graphs",
         type=int,
         default=DEFAULT_MAX_GRAPHS,
-        help="CUDA graphs kept for batch_invariant steps on cuda, each step padded to a captured shape (the "
-        "bits stay the same); 0 runs every step eagerly",
+        help="CUDA graphs kept for steps on cuda, each step padded to a captured shape (batch_invariant bits stay "
+        "the same); 0 runs every step eagerly",
+    )
+    serve.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV blocks of prompts that start alike, within the KV cache's budget (default: on; changes no "
+        "batch_invariant bit)",
+    )
+    serve.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft tokens by prompt lookup verified per decode step (default 0: off; changes no batch_invariant bit)",
     )
     serve.add_argument(
         "--pooling",
@@ -164,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             matmul_plans=matmul_plans,
             expert_capacity_factor=args.expert_capacity_factor,
             expert_overflow=args.expert_overflow,
+            prefix_cache=args.prefix_cache,
+            speculative_tokens=args.speculative_tokens,
         )
     except ValidationError as exc:
         error = exc.errors()[0]

@@ -1,4 +1,5 @@
-"""The scheduler: continuous batching of many requests over one model and one paged KV cache.
+"""The scheduler: continuous batching of many requests over one model and one paged KV cache, with a prefix cache
+and speculative decoding by prompt lookup.
 
 Every call to `Engine.step()` runs one forward pass over a batch built afresh: requests join as soon as
 their KV blocks fit and leave the moment they finish, decode tokens of running requests and prefill chunks
@@ -6,6 +7,39 @@ of new ones share the step under a per-step token budget (`max_step_tokens`), an
 straight to the request's sink. A request reserves the KV blocks for its prompt plus `max_tokens` when it
 joins, so a running request never runs out of cache and the engine never has to evict. The waiting queue is
 bounded; `submit` raises `QueueFull` beyond it.
+
+Prefix cache (`prefix_cache`). When a request joins, the full blocks of its prompt (all of it but the last token,
+whose logits must be computed) are looked up by content in the allocator (kvcache.py); the longest run found is
+shared, and prefill starts after it, in chunks as any other. Each block that steps fill with computed tokens,
+prompt or output, is published under its key for the requests after it.
+
+Speculative decoding (`speculative_tokens` = k > 0). A decoding request feeds, after its last token, up to k draft
+tokens from prompt lookup (speculation.py) in the same step, with logits at each. The token at each position is
+drawn exactly as a plain decode step would draw it (the argmax, or the seeded sampler at that position of the
+completion); drafts are kept while each is the token drawn before it, and the first draw that differs (or the one
+after the last draft) is emitted too: 1 to k + 1 tokens a step. Keys and values written for rejected drafts lie
+past the sequence's end, where no query looks, until the real tokens overwrite them.
+
+Why neither changes a bit under batch-invariant kernels. A row's result depends on its own inputs alone: every
+matmul row's reduction order is fixed whatever M, norms and softmax reduce each row alone, and attention walks a
+query's keys 0..p in splits of `kv_split_size` counted from position 0 of its sequence, merged in split order. So:
+- the keys and values at position p are a function of tokens 0..p alone, whichever step computed them, in
+  whichever chunk, amid whichever neighbours: a cached block holds the bits a cold prefill writes;
+- a query after a hit meets the same splits over the same key bits as cold, so prefill may start at any block
+  boundary and be cut anywhere: where the chunks fall moves with a hit and never matters;
+- a verify pass is a short chunk of one sequence: its row i (position L - 1 + i) sees keys 0..L - 1 + i, which,
+  while the drafts before it are accepted, hold the tokens plain decoding would have fed, so its logits are that
+  decode step's bits; rows after a rejected draft are dropped;
+- the sampler takes its randomness from a hash of (seed, position in the completion) (sampling.py), never from a
+  stream consumed call by call, so a position's token is the same whichever step computes its logits.
+Where it could still leak, and why it does not: splits counted from the chunk or the hit rather than position 0
+(they are not, on either device); keys a rejected draft left past the end (attention masks every key past a
+query's position, and a masked key adds exactly 0); a block published before its positions hold their final
+tokens (a block is published only once `computed`, which counts accepted tokens alone, has passed its end); a
+step writing into a shared block (a hit ends before the prompt's last token, on a block boundary, so every write
+lands in a block of the request's own); a sampler whose state advances per draw (it has none). Under `default`
+kernels a hit or a verify pass changes the shapes a row's reductions meet, and so its bits:
+tests/test_invariance.py reports how often.
 
 `EngineRunner` (runner.py) runs the step loop in one worker thread, so an asyncio server stays responsive;
 tests drive `Engine.step()` directly for a deterministic schedule. The engine knows nothing of HTTP or of
@@ -19,13 +53,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
-from pinned_backend.kvcache import block_table
-from pinned_backend.sampling import SamplingParams, sample_token, top_logprobs_rows
+from pinned_backend.kvcache import ROOT_KEY, block_key, block_keys, block_table
+from pinned_backend.sampling import Drawn, RowRun, SamplingParams, draw_runs
+from pinned_backend.speculation import PromptLookup
 from pinned_backend.step_graphs import StepGraphs
 from pinned_backend.textstream import StopTextStream
 
@@ -65,6 +100,10 @@ class Allocator(Protocol):
 
     def free(self, blocks: list[int]) -> None: ...
 
+    def lookup(self, keys: Sequence[bytes]) -> list[int]: ...
+
+    def publish(self, block: int, key: bytes) -> bool: ...
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -76,34 +115,49 @@ class EngineConfig:
     max_queue: int = 64
     eos_token_ids: frozenset[int] = frozenset()
     # Above 0: run every step padded to a few captured shapes, as CUDA graphs on a GPU (step_graphs.py), keeping
-    # this many graphs at most (the least recently used dropped first). Only sound under batch-invariant kernels;
-    # it reserves one cache block for the padding tokens. 0: run each step as it comes.
+    # this many graphs at most (the least recently used dropped first). Under batch-invariant kernels padding
+    # changes no bit; under default kernels it may, as the batch does. It reserves one cache block for the padding
+    # tokens. 0: run each step as it comes.
     step_graphs: int = 0
+    # Share cached KV blocks between requests whose prompts start alike (kvcache.py).
+    prefix_cache: bool = False
+    # Draft tokens a decoding request may verify in one step (prompt lookup); 0 turns speculation off.
+    speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_queue < 0 or self.num_blocks < 1 or self.block_size < 1:
             raise ValueError("max_batch_size, num_blocks and block_size must be >= 1 and max_queue >= 0")
-        if isinstance(self.step_graphs, bool) or self.step_graphs < 0:
-            raise ValueError(f"step_graphs is how many graphs to keep, 0 or more, not {self.step_graphs!r}")
+        for name in ("step_graphs", "speculative_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} is a count, 0 or more, not {value!r}")
         if self.max_step_tokens < self.max_batch_size:
             # Every running request decodes one token per step, so the budget must cover a full batch.
             raise ValueError(
                 f"max_step_tokens ({self.max_step_tokens}) must be >= max_batch_size ({self.max_batch_size})"
             )
 
+    @property
+    def max_logits_rows(self) -> int:
+        """The most tokens of one step that need logits: each sequence's last, and its drafts'."""
+        return min(self.max_step_tokens, self.max_batch_size * (1 + self.speculative_tokens))
+
 
 @dataclass(frozen=True)
 class BatchStats:
-    """Over the steps a request took part in: the most and fewest sequences in a step, and how many steps."""
+    """Over the steps a request took part in: the most and fewest sequences in a step, and how many steps; how many
+    of its prompt tokens came from the prefix cache, and how many of its tokens were drafts accepted."""
 
     max: int = 0
     min: int = 0
     steps: int = 0
+    cached_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
     def add(self, size: int) -> BatchStats:
         if self.steps == 0:
-            return BatchStats(size, size, 1)
-        return BatchStats(max(self.max, size), min(self.min, size), self.steps + 1)
+            return replace(self, max=size, min=size, steps=1)
+        return replace(self, max=max(self.max, size), min=min(self.min, size), steps=self.steps + 1)
 
 
 @dataclass(frozen=True)
@@ -122,15 +176,6 @@ Sink = Callable[[TokenOutput | EngineError], None]
 
 
 @dataclass(frozen=True)
-class _Drawn:
-    """What one sampling row of a step drew."""
-
-    token: int
-    logprob: float
-    top_logprobs: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
 class StepStats:
     seconds: float
     sequences: int
@@ -143,6 +188,11 @@ class StepStats:
     # sequences and their logits rows are not counted).
     launch: str = "eager"
     padded_tokens: int = 0
+    # Prompt tokens of the requests that joined this step found in the prefix cache (not computed, not counted in
+    # prefill_tokens); draft tokens fed (counted in decode_tokens) and how many of them were kept.
+    cached_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -156,14 +206,26 @@ class _Sequence:
     output_ids: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose keys and values are in the cache
     batch: BatchStats = BatchStats()
+    prompt_keys: list[bytes] | None = None  # the keys of the prompt's full blocks before its last token
+    keys: list[bytes] = field(default_factory=list)  # the keys of the blocks published (or found) so far
+    lookup: PromptLookup | None = None
+    drafts: list[int] = field(default_factory=list)  # this step's draft tokens
 
     def token(self, index: int) -> int:
         n = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+        if index < n:
+            return self.prompt_ids[index]
+        if index < self.length:
+            return self.output_ids[index - n]
+        return self.drafts[index - self.length]
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt_ids)
 
 
 class Engine:
@@ -189,8 +251,6 @@ class Engine:
         self._running: list[_Sequence] = []
         self._graphs: StepGraphs | None = None
         if config.step_graphs:
-            if getattr(kernels, "mode", None) != "batch_invariant":
-                raise ValueError("step graphs pad steps, which only batch-invariant kernels allow")
             self._graphs = StepGraphs(
                 model,
                 cache,
@@ -201,6 +261,7 @@ class Engine:
                 device=self.device,
                 capture=self.device.type == "cuda",
                 max_graphs=config.step_graphs,
+                max_rows=config.max_logits_rows,
             )
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
@@ -245,20 +306,23 @@ class Engine:
         """Run one forward pass over the current batch; returns how many sequences took part."""
         start = self.clock()
         self._take_incoming()
-        self._admit()
+        cached = self._admit()
         if not self._running:
             # Nothing to run (the last requests were cancelled): the gauges still learn it.
             self._report(StepStats(0.0, 0, 0, 0, 0, self.queue_depth, self._kv_used()))
             return 0
         plan = self._plan()
-        prefill = sum(n for seq, n in plan if seq.computed < len(seq.prompt_ids))
-        decode = sum(n for _, n in plan) - prefill
+        prefill = sum(n for seq, n in plan if seq.prefilling)
+        drafts = sum(len(seq.drafts) for seq, _ in plan)
         with torch.inference_mode():
             drawn = self._forward(plan)
         sequences = len(plan)
         for seq, _ in plan:
             seq.batch = seq.batch.add(sequences)
-        finished = self._emit(plan, drawn)
+        finished, accepted = self._emit(plan, drawn)
+        if self.config.prefix_cache:
+            for seq, _ in plan:
+                self._publish(seq)
         for seq in finished:
             self._release(seq)
         self._report(
@@ -266,12 +330,15 @@ class Engine:
                 seconds=self.clock() - start,
                 sequences=sequences,
                 prefill_tokens=prefill,
-                decode_tokens=decode,
+                decode_tokens=sum(n for _, n in plan) - prefill,
                 running=len(self._running),
                 waiting=self.queue_depth,
                 kv_used_ratio=self._kv_used(),
                 launch=self._graphs.last_launch if self._graphs is not None else "eager",
                 padded_tokens=self._graphs.last_padding if self._graphs is not None else 0,
+                cached_tokens=cached,
+                draft_tokens=drafts,
+                accepted_draft_tokens=accepted,
             )
         )
         return sequences
@@ -281,7 +348,7 @@ class Engine:
             self.on_step(stats)
 
     def _kv_used(self) -> float:
-        # Of the blocks requests may hold: the padding tokens' block is never theirs.
+        # Of the blocks requests may hold: the padding tokens' block is never theirs; idle cached blocks are free.
         return 1 - self.allocator.free_blocks / self._usable_blocks
 
     @property
@@ -310,56 +377,90 @@ class Engine:
             for seq in [s for s in self._running if s.request_id in cancelled]:
                 self._release(seq)
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
+        """Let waiting requests join while their blocks fit; returns the prompt tokens they found cached."""
         # First come, first served: a large request at the head waits for room rather than being overtaken.
+        cached = 0
         while self._waiting and len(self._running) < self.config.max_batch_size:
             seq = self._waiting[0]
-            needed = self.blocks_needed(len(seq.prompt_ids), seq.params.max_tokens)
-            if needed > self.allocator.free_blocks:
+            if not self._reserve(seq):
                 break
-            seq.blocks = self.allocator.allocate(needed)
+            cached += seq.computed
             self._running.append(self._waiting.popleft())
+        return cached
+
+    def _reserve(self, seq: _Sequence) -> bool:
+        """Give `seq` its blocks, the cached prefix of its prompt shared, or leave everything as it was."""
+        size = self.config.block_size
+        hit: list[int] = []
+        if self.config.prefix_cache:
+            if seq.prompt_keys is None:
+                # The last prompt token is always computed, for its logits, in a block of the request's own.
+                seq.prompt_keys = block_keys(seq.prompt_ids[:-1], size)
+            hit = self.allocator.lookup(seq.prompt_keys)
+        fresh = self.blocks_needed(len(seq.prompt_ids), seq.params.max_tokens) - len(hit)
+        if fresh > self.allocator.free_blocks:
+            self.allocator.free(hit)
+            return False
+        seq.blocks = hit + self.allocator.allocate(fresh)
+        seq.keys = list(seq.prompt_keys[: len(hit)]) if hit and seq.prompt_keys else []
+        seq.computed = len(hit) * size
+        seq.batch = replace(seq.batch, cached_tokens=seq.computed)
+        return True
 
     def _plan(self) -> list[tuple[_Sequence, int]]:
-        """How many tokens each sequence feeds this step: every decode first, then prefill chunks in order."""
+        """How many tokens each sequence feeds this step: every decode first, then drafts, then prefill chunks."""
         budget = self.config.max_step_tokens
-        plan: list[tuple[_Sequence, int]] = []
+        decoding = [seq for seq in self._running if not seq.prefilling]
+        budget -= len(decoding)
+        for seq in decoding:
+            seq.drafts = self._drafts(seq, budget)
+            budget -= len(seq.drafts)
+        plan = [(seq, 1 + len(seq.drafts)) for seq in decoding]
         for seq in self._running:
-            if seq.computed >= len(seq.prompt_ids):
-                plan.append((seq, 1))
-                budget -= 1
-        for seq in self._running:
-            if seq.computed < len(seq.prompt_ids) and budget > 0:
+            if seq.prefilling and budget > 0:
                 chunk = min(len(seq.prompt_ids) - seq.computed, budget)
                 plan.append((seq, chunk))
                 budget -= chunk
         return plan
 
-    def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, _Drawn]:
-        """Feed the plan's tokens; returns what each plan row that samples a token drew."""
+    def _drafts(self, seq: _Sequence, budget: int) -> list[int]:
+        # Never past max_tokens: the last token drawn is one more than the drafts, and its keys stay unwritten.
+        k = min(self.config.speculative_tokens, budget, seq.params.max_tokens - len(seq.output_ids) - 1)
+        if k <= 0:
+            return []
+        if seq.lookup is None:
+            seq.lookup = PromptLookup([*seq.prompt_ids, *seq.output_ids])
+        return seq.lookup.draft(k)
+
+    def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, list[Drawn]]:
+        """Feed the plan's tokens; returns what each plan row that samples drew, in order: one token, or for a
+        verify pass its accepted drafts and the token drawn after them."""
         token_ids: list[int] = []
         query_seq: list[int] = []
         query_pos: list[int] = []
         logits_rows: list[int] = []
-        sampling_rows: list[int] = []
+        sampling: list[tuple[int, int, int]] = []  # (plan row, its first logits row, how many)
         for row, (seq, n) in enumerate(plan):
+            first = len(logits_rows)
             for pos in range(seq.computed, seq.computed + n):
                 token_ids.append(seq.token(pos))
                 query_seq.append(row)
                 query_pos.append(pos)
-            if seq.computed + n == seq.length:
-                logits_rows.append(len(token_ids) - 1)
-                sampling_rows.append(row)
+                if pos >= seq.length - 1:  # the last token and each draft: a position to draw at
+                    logits_rows.append(len(token_ids) - 1)
+            if len(logits_rows) > first:
+                sampling.append((row, first, len(logits_rows) - first))
         blocks = [seq.blocks for seq, _ in plan]
         if self._graphs is not None:
             logits = self._graphs.forward(token_ids, query_seq, query_pos, blocks, logits_rows)
         else:
             logits = self._eager_forward(token_ids, query_seq, query_pos, blocks, logits_rows)
         for seq, n in plan:
-            seq.computed += n
-        if not sampling_rows:
+            seq.computed += n  # drafts included: _emit takes back the rejected ones
+        if not sampling:
             return {}
-        return self._sample(logits, [plan[row][0] for row in sampling_rows], sampling_rows)
+        return self._sample(logits, [(plan[row][0], row, first, n) for row, first, n in sampling])
 
     def _eager_forward(
         self,
@@ -380,54 +481,61 @@ class Engine:
             torch.tensor(logits_rows, dtype=torch.int64, device=dev),
         )
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence], plan_rows: list[int]) -> dict[int, _Drawn]:
-        """Each sampling row's token, its log-probability and the top log-probabilities asked for.
+    def _sample(
+        self, logits: torch.Tensor, rows: list[tuple[_Sequence, int, int, int]]
+    ) -> dict[int, list[Drawn]]:
+        """What each sampling sequence draws at its logits rows (sampling.draw_runs): one token, or a verify pass's
+        accepted drafts and the token drawn after them."""
+        runs = [RowRun(seq.params, len(seq.output_ids), first, n, seq.drafts) for seq, _, first, n in rows]
+        drawn = draw_runs(logits, runs, self.kernels.log_softmax)
+        return {plan_row: draws for (_, plan_row, _, _), draws in zip(rows, drawn, strict=True)}
 
-        Greedy rows take the argmax where the logits are (torch.argmax returns the first of equal maxima on
-        every device, as `sample_token` does), so a GPU step moves a few numbers to the host, not whole rows of
-        the vocabulary; only rows that draw at random bring their logits to the CPU's float64 sampler."""
-        logprobs = self.kernels.log_softmax(logits).float()  # [R, V]
-        tokens = torch.argmax(logits, dim=-1).tolist()
-        drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
-        if drawn:
-            host = logits[torch.tensor(drawn, device=logits.device)].float().cpu()
-            for j, i in enumerate(drawn):
-                tokens[i] = sample_token(host[j], seqs[i].params, len(seqs[i].output_ids))
-        index = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
-        chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
-        tops = top_logprobs_rows(logprobs, [seq.params.top_logprobs for seq in seqs])
-        return {row: _Drawn(tokens[i], chosen[i], tops[i]) for i, row in enumerate(plan_rows)}
-
-    def _emit(self, plan: list[tuple[_Sequence, int]], rows: dict[int, _Drawn]) -> list[_Sequence]:
+    def _emit(
+        self, plan: list[tuple[_Sequence, int]], rows: dict[int, list[Drawn]]
+    ) -> tuple[list[_Sequence], int]:
+        """Send each drawn token to its sink, stopping at a finish; (the sequences finished, drafts accepted)."""
         finished = []
+        accepted = 0
         for row, (seq, _) in enumerate(plan):
-            if row not in rows:
-                continue
-            draw = rows[row]
-            token = draw.token
-            seq.output_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            if token in self.config.eos_token_ids:
-                text = seq.text.finish()
-            else:
-                text = seq.text.update(self.detokenize(seq.output_ids))
-                if seq.text.stopped:
-                    reason = "stop"
-                elif reason is not None:
-                    text += seq.text.finish()
-            seq.sink(
-                TokenOutput(
-                    token_id=token,
-                    logprob=draw.logprob,
-                    top_logprobs=draw.top_logprobs,
-                    text=text,
-                    finish_reason=reason,
-                    batch=seq.batch,
-                )
+            draws = rows.get(row, [])
+            for i, draw in enumerate(draws):
+                if i < len(draws) - 1:  # a draw followed by another was the draft there: it was kept
+                    accepted += 1
+                    seq.batch = replace(seq.batch, accepted_draft_tokens=seq.batch.accepted_draft_tokens + 1)
+                if self._emit_token(seq, draw):
+                    finished.append(seq)
+                    break
+            # The keys of the tokens drawn after the last accepted draft are not computed yet.
+            seq.computed = min(seq.computed, seq.length - 1)
+            seq.drafts = []
+        return finished, accepted
+
+    def _emit_token(self, seq: _Sequence, draw: Drawn) -> bool:
+        """Append one drawn token and send it; True when it finishes the request."""
+        token = draw.token
+        seq.output_ids.append(token)
+        if seq.lookup is not None:
+            seq.lookup.append(token)
+        reason = self._finish_reason(seq, token)
+        if token in self.config.eos_token_ids:
+            text = seq.text.finish()
+        else:
+            text = seq.text.update(self.detokenize(seq.output_ids))
+            if seq.text.stopped:
+                reason = "stop"
+            elif reason is not None:
+                text += seq.text.finish()
+        seq.sink(
+            TokenOutput(
+                token_id=token,
+                logprob=draw.logprob,
+                top_logprobs=draw.top_logprobs,
+                text=text,
+                finish_reason=reason,
+                batch=seq.batch,
             )
-            if reason is not None:
-                finished.append(seq)
-        return finished
+        )
+        return reason is not None
 
     def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
         if token in self.config.eos_token_ids:
@@ -435,6 +543,18 @@ class Engine:
         if len(seq.output_ids) >= seq.params.max_tokens or seq.length >= self.config.max_model_len:
             return "length"
         return None
+
+    def _publish(self, seq: _Sequence) -> None:
+        """Offer each block the sequence has filled with computed tokens since the last step to the prefix cache."""
+        size = self.config.block_size
+        while (len(seq.keys) + 1) * size <= seq.computed:
+            i = len(seq.keys)
+            key = block_key(
+                seq.keys[-1] if seq.keys else ROOT_KEY,
+                [seq.token(p) for p in range(i * size, (i + 1) * size)],
+            )
+            self.allocator.publish(seq.blocks[i], key)
+            seq.keys.append(key)
 
     def _release(self, seq: _Sequence) -> None:
         self._running.remove(seq)

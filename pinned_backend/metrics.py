@@ -59,6 +59,17 @@ class BackendMetrics:
             "Tokens computed only to fill a step to a captured shape.",
             registry=registry,
         )
+        self.cached_tokens = Counter(
+            "stackpin_backend_prefix_cache_tokens_total",
+            "Prompt tokens found in the prefix cache, so not computed.",
+            registry=registry,
+        )
+        self.draft_tokens = Counter(
+            "stackpin_backend_draft_tokens_total",
+            "Draft tokens verified by speculative decoding, by outcome: accepted or rejected.",
+            ["outcome"],
+            registry=registry,
+        )
         self.running = Gauge(
             "stackpin_backend_running_sequences", "Sequences in the running batch.", registry=registry
         )
@@ -88,6 +99,9 @@ class BackendMetrics:
             self.padding_tokens.inc(stats.padded_tokens)
         self.tokens.labels(phase="prefill").inc(stats.prefill_tokens)
         self.tokens.labels(phase="decode").inc(stats.decode_tokens)
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.draft_tokens.labels(outcome="accepted").inc(stats.accepted_draft_tokens)
+        self.draft_tokens.labels(outcome="rejected").inc(stats.draft_tokens - stats.accepted_draft_tokens)
         self.running.set(stats.running)
         self.queue_depth.set(stats.waiting)
         self.kv_used.set(stats.kv_used_ratio)

@@ -63,7 +63,13 @@ def stackpin_object(completion: Completion) -> dict[str, Any]:
         "prompt_token_ids": completion.prompt_ids,
         "token_ids": [o.token_id for o in completion.outputs],
         "token_logprobs": [o.logprob for o in completion.outputs],
-        "batch": {"max": batch.max, "min": batch.min, "steps": batch.steps},
+        "batch": {
+            "max": batch.max,
+            "min": batch.min,
+            "steps": batch.steps,
+            "cached_tokens": batch.cached_tokens,
+            "accepted_draft_tokens": batch.accepted_draft_tokens,
+        },
         "seed": completion.seed,
     }
 

@@ -37,6 +37,7 @@ from pinned_backend.tokenizer import Tokenizer
 from pinned_backend.tokenpieces import TokenPieces
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_SPECULATIVE_TOKENS = 16  # a verify pass of more drafts than this would mostly compute rejected ones
 
 
 class BackendSettings(BaseModel):
@@ -57,8 +58,8 @@ class BackendSettings(BaseModel):
     max_queue: int = Field(default=64, ge=0)
     default_max_tokens: int = Field(default=256, ge=1)
     threads: int | None = Field(default=None, ge=1)  # torch's CPU threads; None keeps torch's choice
-    # CUDA graphs kept for batch_invariant steps on a GPU; 0 runs every step eagerly. Not part of the stack:
-    # padding a step to a captured shape leaves every answer's bits as they are.
+    # CUDA graphs kept for steps on a GPU; 0 runs every step eagerly. Not part of the stack: padding a step to a
+    # captured shape leaves every batch_invariant answer's bits as they are.
     max_step_graphs: int = Field(default=DEFAULT_MAX_GRAPHS, ge=0)
     # How /v1/embeddings pools a sequence's final hidden states: part of the stack.
     pooling: Literal["last_token", "mean"] = "last_token"
@@ -69,6 +70,11 @@ class BackendSettings(BaseModel):
     # A mixture-of-experts model's routing: dropless unless a capacity factor caps each expert's tokens per step.
     expert_capacity_factor: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     expert_overflow: OverflowPolicy | None = None  # what a refused token does; pass_through unless said
+    # Serving features that change no batch_invariant bit, so the stack says them outside its fingerprint
+    # (stack.py): the prefix cache, sharing the KV cache's budget, and speculative decoding by prompt lookup with
+    # this many draft tokens a step (0: off).
+    prefix_cache: bool = True
+    speculative_tokens: int = Field(default=0, ge=0, le=MAX_SPECULATIVE_TOKENS)
 
     @model_validator(mode="after")
     def _consistent(self) -> BackendSettings:
@@ -157,8 +163,10 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         config, int(settings.kv_cache_mb * 2**20), settings.block_size, dtype
     )
     cache = PagedKVCache(config, num_blocks, settings.block_size, device, dtype)
-    # A mixture-of-experts step reads on the host which experts its tokens chose, which a graph cannot replay.
-    graphed = device.type == "cuda" and kernels.mode == "batch_invariant" and config.moe is None
+    # Both modes replay their steps as CUDA graphs on a GPU (under default kernels the padding may move bits, which
+    # that mode never promised, and it runs default at its fastest); a mixture-of-experts step reads on the host
+    # which experts its tokens chose, which a graph cannot replay.
+    graphed = device.type == "cuda" and config.moe is None
     engine_config = EngineConfig(
         max_model_len=config.max_position_embeddings,
         num_blocks=num_blocks,
@@ -167,8 +175,9 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         max_step_tokens=settings.max_step_tokens,
         max_queue=settings.max_queue,
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
-        # Steps as CUDA graphs: padding them to captured shapes leaves invariant kernels' bits alone.
         step_graphs=settings.max_step_graphs if graphed else 0,
+        prefix_cache=settings.prefix_cache,
+        speculative_tokens=settings.speculative_tokens,
     )
     engine = Engine(
         model, cache, BlockAllocator(num_blocks), kernels, engine_config, tokenizer.decode, device, on_step
@@ -190,6 +199,8 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
             settings.max_step_tokens,
             getattr(kernels, "kv_split_size", 0),
             settings.expert_routing.describe() if config.moe is not None else None,
+            prefix_cache=settings.prefix_cache,
+            speculative_tokens=settings.speculative_tokens,
         ),
         embedding=embedding_method(settings.pooling),
     )

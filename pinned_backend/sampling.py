@@ -6,15 +6,20 @@ neither the batch a request shares nor the order in which the engine visits its 
 samples. Every function here treats each row alone (the batched one only saves transfers), so the result never
 depends on the shape of a batch either.
 
-This module knows nothing of scheduling, caches or HTTP; the engine calls it once per sampled token, and the
-caller supplies the randomness used to draw a seed when a request has none.
+A speculative verify pass hands `draw_runs` a run of one sequence's rows: row i draws the token at position
+`position + i` of the completion exactly as a plain decode step there would, and the run stops at the first draw
+that is not the draft fed after it. So a kept draft is always the very token the sampler draws at its position,
+and seeded sampling gives the same answer with speculation on or off.
+
+This module knows nothing of scheduling, caches or HTTP; the engine calls it once per step, and the caller supplies
+the randomness used to draw a seed when a request has none.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -143,3 +148,64 @@ def sorted_top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple
     for j, i in enumerate(wanted):
         out[i] = tuple(zip(ids[j][: ks[i]], values[j][: ks[i]], strict=True))
     return out
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """A token drawn at one position, its log-probability, and the top log-probabilities asked for."""
+
+    token: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class RowRun:
+    """One sequence's logits rows `first` .. `first + count - 1`, drawing the completion's positions `position` on;
+    `drafts[i]` is the token fed after row i's (a verify pass; empty for a single row)."""
+
+    params: SamplingParams
+    position: int
+    first: int
+    count: int
+    drafts: Sequence[int] = ()
+
+
+def draw_runs(
+    logits: torch.Tensor, runs: Sequence[RowRun], log_softmax: Callable[[torch.Tensor], torch.Tensor]
+) -> list[list[Drawn]]:
+    """What each run of rows of `logits [R, V]` draws: its tokens up to the first that is not the next draft.
+
+    Greedy rows take the argmax where the logits are (torch.argmax returns the first of equal maxima on every device,
+    as `sample_token` does), so a GPU step moves a few numbers to the host, not whole rows of the vocabulary; only
+    rows that draw at random bring their logits to the CPU's float64 sampler. `log_softmax` is the kernels' own,
+    which treats each row alone, so dropping the rows after a rejected draft changes no kept row's bits."""
+    argmax = torch.argmax(logits, dim=-1).tolist()
+    random_rows = [run.first + i for run in runs if not run.params.greedy for i in range(run.count)]
+    host: dict[int, torch.Tensor] = {}
+    if random_rows:
+        moved = logits[torch.tensor(random_rows, device=logits.device)].float().cpu()
+        host = {row: moved[j] for j, row in enumerate(random_rows)}
+    kept: list[int] = []  # the logits rows whose tokens are drawn
+    tokens: list[int] = []
+    spans = []  # each run's start in `kept` and its count
+    for run in runs:
+        start = len(kept)
+        for i in range(run.count):
+            row = run.first + i
+            token = (
+                argmax[row] if run.params.greedy else sample_token(host[row], run.params, run.position + i)
+            )
+            kept.append(row)
+            tokens.append(token)
+            if i == run.count - 1 or token != run.drafts[i]:
+                break
+        spans.append((start, len(kept) - start))
+    if len(kept) < logits.shape[0]:
+        logits = logits[torch.tensor(kept, device=logits.device)]
+    logprobs = log_softmax(logits).float()  # [len(kept), V]
+    index = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, index[:, None]).squeeze(1).tolist()
+    ks = [run.params.top_logprobs for run, (_, count) in zip(runs, spans, strict=True) for _ in range(count)]
+    tops = top_logprobs_rows(logprobs, ks)
+    return [[Drawn(tokens[j], chosen[j], tops[j]) for j in range(start, start + n)] for start, n in spans]

@@ -52,9 +52,23 @@ _X86_ISAS = (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx"), ("sse4_2",
 _ARM_ISAS = (("sve2", "sve2"), ("sve", "sve"), ("asimd", "neon"))
 
 
+# Keys of the batching policy that say how the backend computes, never what: under batch-invariant kernels neither
+# changes a bit of any answer (tests/test_invariance.py), so replicas that differ only in them serve one stack.
+UNFINGERPRINTED_BATCHING = ("prefix_cache", "speculation")
+
+
 def fingerprint(stack: Mapping[str, Any]) -> str:
-    """SHA-256 of the RFC 8785 canonical JSON of `stack`, lowercase hex."""
-    return hashlib.sha256(rfc8785.dumps(stack)).hexdigest()
+    """SHA-256 of the RFC 8785 canonical JSON of `stack` without the batching keys that change no bit, lowercase
+    hex."""
+    return hashlib.sha256(rfc8785.dumps(fingerprinted(stack))).hexdigest()
+
+
+def fingerprinted(stack: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a stack its fingerprint covers: all of it but `UNFINGERPRINTED_BATCHING`."""
+    out = dict(stack)
+    if isinstance(out.get("batching"), Mapping):
+        out["batching"] = {k: v for k, v in out["batching"].items() if k not in UNFINGERPRINTED_BATCHING}
+    return out
 
 
 def cpu_hardware(cpuinfo: str, machine: str) -> tuple[str, dict[str, Any]]:
@@ -86,14 +100,23 @@ def batching_policy(
     max_step_tokens: int,
     kv_split_size: int,
     expert_routing: Mapping[str, Any] | None = None,
+    *,
+    prefix_cache: bool = False,
+    speculative_tokens: int = 0,
 ) -> dict[str, Any]:
     """`expert_routing`: a mixture-of-experts model's routing (`ExpertRouting.describe()`), None for a dense model,
-    whose stack then has no such key: a capacity factor makes what the batch holds change a token's experts."""
+    whose stack then has no such key: a capacity factor makes what the batch holds change a token's experts.
+    `prefix_cache` and `speculative_tokens` (0: off) name serving features outside the fingerprint."""
+    speculation = None
+    if speculative_tokens:
+        speculation = {"method": "prompt_lookup", "draft_tokens": speculative_tokens}
     policy: dict[str, Any] = {
         "policy": "continuous",
         "max_batch_size": max_batch_size,
         "max_step_tokens": max_step_tokens,
         "kv_split_size": kv_split_size,
+        "prefix_cache": prefix_cache,
+        "speculation": speculation,
     }
     if expert_routing is not None:
         policy["expert_routing"] = dict(expert_routing)

@@ -10,13 +10,16 @@ has fixed shapes, so a step runs in the graph of the next captured shape up:
   of `token_sizes`, a quarter of an octave apart from 16 on, so that padding a step of more than 12 tokens (one
   that may be bound by arithmetic) adds at most a quarter of its rows;
 - block-table width: the next power of two from `MIN_TABLE_WIDTH`, up to the model's whole context (attention
-  sizes its work by the table's width, so a short step should not carry a 40,960-token table).
+  sizes its work by the table's width, so a short step should not carry a 40,960-token table);
+- logits rows: one per sequence, or, for a step that wants more (a speculative verify pass wants one per token it
+  verifies), the next of `token_sizes` up, within the step's tokens.
 
 Padding tokens feed token 0 at position 0 of a sequence of their own, the table's last row, which holds one
-scratch cache block that no request owns; padding logits rows repeat the step's last token. Padding is sound only
-under batch-invariant kernels: a row's bits do not depend on how many rows share its step, so a padded step gives
+scratch cache block that no request owns; padding logits rows repeat the step's last token. Under batch-invariant
+kernels padding changes no bit: a row's bits do not depend on how many rows share its step, so a padded step gives
 every real row what an unpadded one would (tests/test_step_graphs.py proves it on the CPU, padding eagerly, and on
-a GPU with graphs). Under other kernels the engine does not use this.
+a GPU with graphs). Under `default` kernels a padded step may round a row otherwise, as any other batch may: the
+mode promises no bits, and replaying graphs is how it runs at its fastest.
 
 Graphs are captured as steps first need them, and at most `max_graphs` are kept, the least recently used dropped
 first. They share one memory pool, since only one replays at a time, and write their logits into one buffer.
@@ -64,6 +67,7 @@ class StepShape:
     tokens: int
     sequences: int
     width: int
+    rows: int = 0  # logits rows; 0 means one per sequence
 
 
 class StepGraphs:
@@ -78,10 +82,12 @@ class StepGraphs:
         device: torch.device,
         capture: bool,
         max_graphs: int = DEFAULT_MAX_GRAPHS,
+        max_rows: int | None = None,
     ) -> None:
         """`scratch_block`: a cache block reserved for padding tokens. `max_batch`, `max_tokens`: the most sequences
-        and tokens a step may have. `capture`: replay CUDA graphs (on a GPU); without it the padded step runs
-        eagerly, which is how the CPU tests check that padding is harmless."""
+        and tokens a step may have; `max_rows`: the most logits rows (default one per sequence). `capture`: replay
+        CUDA graphs (on a GPU); without it the padded step runs eagerly, which is how the CPU tests check that padding
+        is harmless."""
         if max_tokens < max_batch:
             raise ValueError(
                 f"a step of {max_batch} sequences needs at least {max_batch} tokens, not {max_tokens}"
@@ -93,13 +99,14 @@ class StepGraphs:
         self.sequence_sizes = [s for s in SEQUENCE_SIZES if s < max_batch] + [max_batch]
         self.token_sizes = token_sizes(max_tokens)
         self.table_width = table_width
+        self.max_rows = max(max_batch, min(max_rows or max_batch, max_tokens))
         # The graphs read these in place: each step copies its inputs in, once each.
         self.tokens = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.seq = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.pos = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.tables = torch.zeros((max_batch + 1, table_width), dtype=torch.int32, device=device)
-        self.rows = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.logits: torch.Tensor | None = None  # [max_batch, vocab] float32, made at the first capture
+        self.rows = torch.zeros(self.max_rows, dtype=torch.int64, device=device)
+        self.logits: torch.Tensor | None = None  # [max_rows, vocab] float32, made at the first capture
         self._graphs: OrderedDict[StepShape, Any] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         # What ran here: steps, the padding they carried, the shapes they took, and graphs captured.
@@ -112,9 +119,9 @@ class StepGraphs:
         self.last_launch: StepLaunch = "eager"
         self.last_padding = 0
 
-    def shape_for(self, tokens: int, sequences: int, blocks: int) -> StepShape:
+    def shape_for(self, tokens: int, sequences: int, blocks: int, rows: int = 0) -> StepShape:
         """The captured shape of a step of `tokens` tokens over `sequences` sequences, the longest holding
-        `blocks` cache blocks."""
+        `blocks` cache blocks, that wants the logits of `rows` of its tokens."""
         padded_sequences = _next_size(self.sequence_sizes, sequences, "sequences")
         if tokens == sequences:  # decode-only, or prompts of one token: tokens follow sequences
             padded_tokens = padded_sequences
@@ -127,7 +134,14 @@ class StepGraphs:
         width = MIN_TABLE_WIDTH
         while width < blocks:
             width *= 2
-        return StepShape(padded_tokens, padded_sequences, min(width, self.table_width))
+        if rows > min(tokens, self.max_rows):
+            raise ValueError(
+                f"{rows} logits rows of a step of {tokens} tokens; this engine takes {self.max_rows}"
+            )
+        padded_rows = 0
+        if rows > padded_sequences:
+            padded_rows = min(_next_size(self.token_sizes, rows, "logits rows"), padded_tokens, self.max_rows)
+        return StepShape(padded_tokens, padded_sequences, min(width, self.table_width), padded_rows)
 
     def forward(
         self,
@@ -139,11 +153,9 @@ class StepGraphs:
     ) -> torch.Tensor:
         """Logits [len(logits_rows), vocab] (float32) of one step: token i is `token_ids[i]` at `query_pos[i]` of
         sequence `query_seq[i]`, whose cache is `blocks[query_seq[i]]`; `logits_rows` are the tokens whose logits
-        are wanted, at most one per sequence. The result is a view that the next call overwrites."""
+        are wanted, in order. The result is a view that the next call overwrites."""
         n_tokens, n_seqs = len(token_ids), len(blocks)
-        if len(logits_rows) > n_seqs:
-            raise ValueError(f"{len(logits_rows)} logits rows for {n_seqs} sequences; at most one each")
-        shape = self.shape_for(n_tokens, n_seqs, max(len(owned) for owned in blocks))
+        shape = self.shape_for(n_tokens, n_seqs, max(len(owned) for owned in blocks), len(logits_rows))
         self.steps += 1
         self.last_padding = shape.tokens - n_tokens
         self.padded_tokens += self.last_padding
@@ -184,13 +196,13 @@ class StepGraphs:
         seq[:n] = torch.tensor(query_seq, dtype=torch.int32)
         pos = torch.zeros(shape.tokens, dtype=torch.int32)
         pos[:n] = torch.tensor(query_pos, dtype=torch.int32)
-        rows = torch.full((shape.sequences,), shape.tokens - 1, dtype=torch.int64)
+        rows = torch.full((_rows(shape),), shape.tokens - 1, dtype=torch.int64)
         rows[: len(logits_rows)] = torch.tensor(logits_rows, dtype=torch.int64)
         self.tables[: shape.sequences + 1, : shape.width].copy_(table)
         self.tokens[: shape.tokens].copy_(tokens)
         self.seq[: shape.tokens].copy_(seq)
         self.pos[: shape.tokens].copy_(pos)
-        self.rows[: shape.sequences].copy_(rows)
+        self.rows[: _rows(shape)].copy_(rows)
 
     def _run(self, shape: StepShape) -> torch.Tensor:
         return self.model.forward(  # type: ignore[no-any-return]
@@ -199,7 +211,7 @@ class StepGraphs:
             self.pos[: shape.tokens],
             self.tables[: shape.sequences + 1, : shape.width],
             self.cache,
-            self.rows[: shape.sequences],
+            self.rows[: _rows(shape)],
         )
 
     def _capture(self, shape: StepShape) -> Any:
@@ -218,13 +230,17 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             # The step's own logits are scratch of the pool; the rows copied out are what outlives the replay.
-            self.logits[: shape.sequences].copy_(self._run(shape))
+            self.logits[: _rows(shape)].copy_(self._run(shape))
         self._graphs[shape] = graph
         self.captures += 1
         # Dropped only now, so that the pool always has a graph using it (a capture joins a pool in use).
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return graph
+
+
+def _rows(shape: StepShape) -> int:
+    return shape.rows or shape.sequences
 
 
 def _next_size(sizes: Sequence[int], n: int, what: str) -> int:

@@ -18,7 +18,7 @@ import aiohttp
 from pydantic import SecretStr, ValidationError
 
 from proxy.endpoints import TERMINAL_EVENTS
-from proxy.stack import Stack, fingerprint
+from proxy.stack import Stack, fingerprint, fingerprinted
 
 STACK_HEADER = "Stackpin-Stack"
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
@@ -103,7 +103,7 @@ async def describe(session: aiohttp.ClientSession, base_url: str, *, timeout_s: 
     """Asks a replica for its stack; any failure to get a valid stack is `ReplicaUnavailable`."""
     try:
         described = await get_json(session, f"{base_url}/v1/stack", timeout_s=timeout_s)
-        document = described["stack"]
+        document = fingerprinted(described["stack"])
         stack = Stack.model_validate(document)
         computed = fingerprint(document)  # ValueError when it has no canonical form
     except (ReplicaRejected, ReplicaGarbage, KeyError, TypeError, ValidationError, ValueError) as e:

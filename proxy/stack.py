@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 SCHEMA_VERSION = 1  # what a declared stack is unless it says otherwise: its fingerprint stays what it was
 SOFTWARE_KEYS = ("backend", "torch", "cuda", "triton", "driver")
 UNKNOWN = "unknown"
+# Serving features a backend names in its batching policy that change no bit of a batch_invariant answer
+# (docs/protocol.md): replicas that differ only in them serve one stack.
+UNFINGERPRINTED_BATCHING = ("prefix_cache", "speculation")
 
 
 class Stack(BaseModel):
@@ -64,7 +67,18 @@ def canonical_json(document: dict[str, Any]) -> bytes:
 
 
 def fingerprint(document: dict[str, Any]) -> str:
-    return hashlib.sha256(canonical_json(document)).hexdigest()
+    return hashlib.sha256(canonical_json(fingerprinted(document))).hexdigest()
+
+
+def fingerprinted(document: Any) -> Any:
+    """The part of a stack document its fingerprint covers: all of it but the batching keys that say how a backend
+    computes, never what (`UNFINGERPRINTED_BATCHING`). The proxy keeps only this part, so that a stored stack's
+    canonical JSON always hashes to its fingerprint. Anything but an object comes back as it is, for validation to
+    refuse."""
+    if not isinstance(document, dict) or not isinstance(document.get("batching"), dict):
+        return document
+    batching = {k: v for k, v in document["batching"].items() if k not in UNFINGERPRINTED_BATCHING}
+    return {**document, "batching": batching}
 
 
 def short(fingerprint_hex: str) -> str:

@@ -114,6 +114,8 @@ def make_engine(
     eos_token_ids: frozenset[int] = frozenset(),
     on_step: Callable[[StepStats], None] | None = None,
     step_graphs: int = 0,
+    prefix_cache: bool = False,
+    speculative_tokens: int = 0,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
     dependent_launch: bool = True,
@@ -132,6 +134,8 @@ def make_engine(
         max_queue=max_queue,
         eos_token_ids=eos_token_ids,
         step_graphs=step_graphs,
+        prefix_cache=prefix_cache,
+        speculative_tokens=speculative_tokens,
     )
     return Engine(model, cache, BlockAllocator(num_blocks), kernels, config, letters, device, on_step)
 

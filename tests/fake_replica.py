@@ -60,7 +60,11 @@ def tiny_stack(**overrides: Any) -> dict[str, Any]:
 
 
 def fingerprint_of(stack: dict[str, Any]) -> str:
-    return hashlib.sha256(rfc8785.dumps(stack)).hexdigest()
+    """The fingerprint as docs/protocol.md defines it: the batching policy's serving features left out."""
+    batching = {
+        k: v for k, v in stack.get("batching", {}).items() if k not in ("prefix_cache", "speculation")
+    }
+    return hashlib.sha256(rfc8785.dumps({**stack, "batching": batching})).hexdigest()
 
 
 def _unit(*parts: Any) -> float:

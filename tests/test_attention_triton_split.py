@@ -86,10 +86,11 @@ class _Sequences:
         return attention(self.q[s][p][None], self.k_cache, self.v_cache, table, seq, pos, SCALE, split)
 
 
-def test_decode_steps_take_the_chunks_path_while_the_workspace_fits() -> None:
+def test_decode_and_verify_steps_take_the_chunks_path_while_the_workspace_fits() -> None:
     assert choose_path(1, 1, HQ, D, 2, "auto") == "chunks", "a lone decode query must spread over its chunks"
     assert choose_path(32, 32, HQ, D, 160, "auto") == "chunks"
-    assert choose_path(33, 32, HQ, D, 2, "auto") == "serial", (
+    assert choose_path(40, 8, HQ, D, 2, "auto") == "chunks", "a verify pass of 5 tokens a sequence"
+    assert choose_path(257, 32, HQ, D, 2, "auto") == "serial", (
         "a step with a prefill walks chunks in one program"
     )
     assert choose_path(256, 256, HQ, D, 160, "auto") == "serial", "a 335 MB workspace is past the limit"

@@ -21,7 +21,7 @@ def token_text(token_id: int) -> tuple[str, bytes]:
 
 
 def completion(finished: bool = True) -> Completion:
-    batch = BatchStats(3, 1, 2)
+    batch = BatchStats(3, 1, 2, cached_tokens=5, accepted_draft_tokens=1)
     done = Completion(prompt_ids=[7, 8], seed=42)
     done.outputs.append(TokenOutput(1, -0.5, ((1, -0.5), (4, -1.5)), "He", None, BatchStats(1, 1, 1)))
     done.outputs.append(
@@ -51,7 +51,7 @@ def test_a_chat_body_has_openai_fields_and_the_extension() -> None:
         "prompt_token_ids": [7, 8],
         "token_ids": [1, 2],
         "token_logprobs": [-0.5, -0.25],
-        "batch": {"max": 3, "min": 1, "steps": 2},
+        "batch": {"max": 3, "min": 1, "steps": 2, "cached_tokens": 5, "accepted_draft_tokens": 1},
         "seed": 42,
     }
 
@@ -94,7 +94,13 @@ def test_stream_chunks_carry_their_tokens_and_the_last_the_whole_context() -> No
     last = token_chunk(meta(chat=True), done, 1, False, token_text)
     assert last["choices"][0]["finish_reason"] == "stop"
     assert last["stackpin"]["prompt_token_ids"] == [7, 8]
-    assert last["stackpin"]["batch"] == {"max": 3, "min": 1, "steps": 2}
+    assert last["stackpin"]["batch"] == {
+        "max": 3,
+        "min": 1,
+        "steps": 2,
+        "cached_tokens": 5,
+        "accepted_draft_tokens": 1,
+    }
     assert last["stackpin"]["seed"] == 42
 
 

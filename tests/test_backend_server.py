@@ -63,7 +63,10 @@ async def test_chat_answers_with_the_stackpin_extension_and_fingerprint(client: 
     body = await response.json()
     assert response.status == 200
     stack = await (await client.get("/v1/stack")).json()
-    fingerprint = hashlib.sha256(rfc8785.dumps(stack["stack"])).hexdigest()
+    batching = {
+        k: v for k, v in stack["stack"]["batching"].items() if k not in ("prefix_cache", "speculation")
+    }
+    fingerprint = hashlib.sha256(rfc8785.dumps({**stack["stack"], "batching": batching})).hexdigest()
     assert stack["fingerprint"] == fingerprint
     assert response.headers["Stackpin-Stack"] == fingerprint
     assert body["system_fingerprint"] == fingerprint
@@ -77,7 +80,7 @@ async def test_chat_answers_with_the_stackpin_extension_and_fingerprint(client: 
     assert len(ext["token_ids"]) == len(ext["token_logprobs"]) == 5
     assert ext["seed"] is None
     # Served alone: one step prefills the prompt and samples the first token, four more decode.
-    assert ext["batch"] == {"max": 1, "min": 1, "steps": 5}
+    assert ext["batch"] == {"max": 1, "min": 1, "steps": 5, "cached_tokens": 0, "accepted_draft_tokens": 0}
     assert body["usage"] == {
         "prompt_tokens": len(ext["prompt_token_ids"]),
         "completion_tokens": 5,
@@ -97,6 +100,8 @@ async def test_the_stack_describes_what_was_loaded(client: TestClient, checkpoin
         "max_batch_size": 16,
         "max_step_tokens": 256,
         "kv_split_size": 8,
+        "prefix_cache": True,
+        "speculation": None,
     }
     models = await (await client.get("/v1/models")).json()
     assert [m["id"] for m in models["data"]] == ["random-qwen3"]

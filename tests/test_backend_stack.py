@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import pinned_backend
 from pinned_backend.stack import (
     STACK_KEYS,
+    UNFINGERPRINTED_BATCHING,
     backend_version,
     batching_policy,
     build_stack,
@@ -26,6 +27,7 @@ from pinned_backend.stack import (
     detect_software,
     embedding_method,
     fingerprint,
+    fingerprinted,
     gpu_hardware,
     source_sha256,
 )
@@ -72,13 +74,30 @@ def test_stack_has_exactly_the_schema_keys_and_nulls_for_unknowns() -> None:
         "max_batch_size": 16,
         "max_step_tokens": 256,
         "kv_split_size": 64,
+        "prefix_cache": False,
+        "speculation": None,
     }
 
 
-def test_fingerprint_is_sha256_of_canonical_json() -> None:
-    stack = _stack()
-    canonical = json.dumps(stack, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+def test_the_batching_policy_says_which_serving_features_run() -> None:
+    policy = batching_policy(16, 256, 64, prefix_cache=True, speculative_tokens=4)
+    assert policy["prefix_cache"] is True
+    assert policy["speculation"] == {"method": "prompt_lookup", "draft_tokens": 4}
+
+
+def test_fingerprint_is_sha256_of_canonical_json_without_the_features_that_change_no_bit() -> None:
+    stack = _stack(batching=batching_policy(16, 256, 64, prefix_cache=True, speculative_tokens=4))
+    covered = {
+        **stack,
+        "batching": {k: v for k, v in stack["batching"].items() if k not in UNFINGERPRINTED_BATCHING},
+    }
+    assert set(stack["batching"]) - set(covered["batching"]) == {"prefix_cache", "speculation"}
+    assert fingerprinted(stack) == covered
+    canonical = json.dumps(covered, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     assert fingerprint(stack) == hashlib.sha256(canonical).hexdigest()
+    assert fingerprint(stack) == fingerprint(_stack()), (
+        "a replica with the features off serves the same stack"
+    )
 
 
 def _shuffled(value: Any, rnd: st.DataObject) -> Any:

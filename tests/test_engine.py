@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pinned_backend.engine import (
     Engine,
@@ -14,7 +15,10 @@ from pinned_backend.engine import (
     QueueFull,
     RequestTooLarge,
     StepStats,
+    TokenOutput,
 )
+from pinned_backend.kernels.cpu_default import TorchKernels
+from pinned_backend.kvcache import BlockAllocator
 from pinned_backend.sampling import SamplingParams
 from tests.backend_checkpoint import Collector, letters, write_random_checkpoint
 from tests.backend_checkpoint import make_engine as make_checkpoint_engine
@@ -193,3 +197,137 @@ def test_cancel_drops_a_request_and_frees_its_blocks(make_engine: Callable[..., 
 def test_config_rejects_a_step_budget_smaller_than_the_batch() -> None:
     with pytest.raises(ValueError, match="max_step_tokens"):
         EngineConfig(max_model_len=16, num_blocks=4, block_size=4, max_batch_size=8, max_step_tokens=4)
+
+
+def test_a_prompt_sharing_a_cached_prefix_is_prefilled_from_where_the_cache_ends(
+    make_engine: Callable[..., Engine],
+) -> None:
+    stats: list[StepStats] = []
+    engine, first, second = make_engine(stats, prefix_cache=True), Collector(), Collector()
+    prompt = [(5 * i) % 40 for i in range(14)]
+    engine.submit("a", prompt, GREEDY, first)
+    run_until_idle(engine)
+    stats.clear()
+    engine.submit("b", [*prompt[:10], 41, 42], GREEDY, second)
+    run_until_idle(engine)
+    # Blocks of 4: the first two are shared, the third differs from token 10 on.
+    assert second.outputs[-1].batch.cached_tokens == 8
+    assert stats[0].cached_tokens == 8 and sum(s.prefill_tokens for s in stats) == 4
+    assert first.outputs[-1].batch.cached_tokens == 0
+
+
+def test_a_repeated_prompt_recomputes_its_last_block_only(make_engine: Callable[..., Engine]) -> None:
+    stats: list[StepStats] = []
+    engine, cold, warm = make_engine(stats, prefix_cache=True), Collector(), Collector()
+    prompt = list(range(12))  # three full blocks
+    engine.submit("cold", prompt, GREEDY, cold)
+    run_until_idle(engine)
+    stats.clear()
+    engine.submit("warm", prompt, GREEDY, warm)
+    run_until_idle(engine)
+    # The last token's logits must be computed, so its block is computed afresh and no step writes a shared block.
+    assert warm.outputs[-1].batch.cached_tokens == 8 and sum(s.prefill_tokens for s in stats) == 4
+    assert warm.tokens == cold.tokens
+
+
+def test_the_blocks_a_completion_fills_are_cached_for_the_next_turn(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine, first, second = make_engine(prefix_cache=True), Collector(), Collector()
+    prompt = [3, 1, 4, 1, 5, 9]
+    engine.submit("a", prompt, SamplingParams(temperature=0, max_tokens=10), first)
+    run_until_idle(engine)
+    engine.submit("b", prompt + first.tokens + [7], GREEDY, second)
+    run_until_idle(engine)
+    # 15 of the first turn's 16 tokens have keys and values (the last drawn one never does): three full blocks.
+    assert second.outputs[-1].batch.cached_tokens == 12
+
+
+def test_idle_cached_blocks_give_way_to_requests_that_need_the_room(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine(num_blocks=8, prefix_cache=True)
+    for i in range(3):
+        engine.submit(str(i), [10 * i + t for t in range(8)], GREEDY, Collector())
+        run_until_idle(engine)
+    assert engine.allocator.cached_blocks > 0 and engine.allocator.free_blocks == 8
+    big = Collector()
+    engine.submit("big", list(range(50, 76)), GREEDY, big)  # (26 + 6) / 4: every block
+    run_until_idle(engine)
+    assert len(big.tokens) == 6 and engine.allocator.free_blocks == 8
+
+
+class SuccessorModel:
+    """A stand-in model whose every logits row picks the token after the one fed there, (t + 1) mod 64, with a
+    margin of 8: a model that copies runs of consecutive ids, so prompt lookup's drafts are right when the prompt
+    holds the run."""
+
+    vocab = 64
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        block_tables: torch.Tensor,
+        cache: Any,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        logits = torch.zeros(len(logits_rows), self.vocab)
+        logits[torch.arange(len(logits_rows)), (token_ids[logits_rows] + 1) % self.vocab] = 8.0
+        return logits
+
+
+def successor_engine(stats: list[StepStats], **overrides: Any) -> Engine:
+    fields: dict[str, Any] = {"max_model_len": 128, "num_blocks": 32, "block_size": 4, "max_batch_size": 4}
+    config = EngineConfig(**{**fields, "max_step_tokens": 16, "speculative_tokens": 4, **overrides})
+    return Engine(
+        SuccessorModel(), None, BlockAllocator(32), TorchKernels(), config, letters, on_step=stats.append
+    )
+
+
+def test_speculation_emits_the_drafts_the_model_agrees_with_several_a_step() -> None:
+    stats: list[StepStats] = []
+    engine, out = successor_engine(stats), Collector()
+    # After "... 1 2 3" the prompt showed "4 5 6 7": four drafts, all of them what the model draws.
+    engine.submit("a", [*range(20), 0, 1, 2], SamplingParams(temperature=0, max_tokens=12), out)
+    run_until_idle(engine)
+    assert out.tokens == list(range(3, 15))
+    # Two steps of prefill, two verify passes of the last token and four drafts, and a last plain step: no draft
+    # may reach past max_tokens.
+    assert [s.decode_tokens for s in stats] == [0, 0, 5, 5, 1]
+    assert [s.accepted_draft_tokens for s in stats] == [0, 0, 4, 4, 0]
+    assert out.outputs[-1].batch.accepted_draft_tokens == 8 and out.outputs[-1].batch.steps == 5
+
+
+def test_a_rejected_draft_ends_the_verify_pass_with_the_token_drawn_instead() -> None:
+    stats: list[StepStats] = []
+    engine, out = successor_engine(stats), Collector()
+    # The prompt continues "5 6 7" with "8 40 2 3": the model draws 8, then 9 where the draft says 40.
+    engine.submit("a", [5, 6, 7, 8, 40, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=6), out)
+    run_until_idle(engine)
+    assert out.tokens == [7, 8, 9, 10, 11, 12]
+    assert (stats[1].draft_tokens, stats[1].accepted_draft_tokens) == (4, 1)
+    assert [o.batch.steps for o in out.outputs] == [1, 2, 2, 3, 4, 5]
+
+
+def test_a_stop_inside_a_verify_pass_drops_the_tokens_after_it() -> None:
+    stats: list[StepStats] = []
+    engine, out = successor_engine(stats, eos_token_ids=frozenset({6})), Collector()
+    engine.submit("a", [1, 2, 3, 4, 5, 6, 7, 1, 2], SamplingParams(temperature=0, max_tokens=10), out)
+    run_until_idle(engine)
+    assert out.tokens == [3, 4, 5, 6] and out.outputs[-1].finish_reason == "stop"
+    assert engine.allocator.free_blocks == 32
+
+
+def test_seeded_sampling_keeps_a_draft_only_when_it_is_the_token_drawn_there() -> None:
+    def serve(drafts: int) -> list[TokenOutput]:
+        engine, out = successor_engine([], speculative_tokens=drafts), Collector()
+        params = SamplingParams(temperature=1.0, seed=11, max_tokens=12)
+        engine.submit("a", [*range(20), 0, 1, 2], params, out)
+        run_until_idle(engine)
+        return out.outputs
+
+    off, on = serve(0), serve(4)
+    assert [(o.token_id, o.logprob) for o in on] == [(o.token_id, o.logprob) for o in off]
+    assert on[-1].batch.steps < off[-1].batch.steps, "some drafts were kept"

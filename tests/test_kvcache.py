@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pinned_backend.checkpoint import parse_config
-from pinned_backend.kvcache import BlockAllocator, CacheFull, PagedKVCache
+from pinned_backend.kvcache import ROOT_KEY, BlockAllocator, CacheFull, PagedKVCache, block_key, block_keys
 
 CONFIG = parse_config(
     {
@@ -79,3 +79,58 @@ def test_freeing_a_block_twice_or_one_never_allocated_is_an_error() -> None:
     with pytest.raises(ValueError, match="not allocated"):
         allocator.free([2])
     assert allocator.free_blocks == 3
+
+
+def test_a_block_key_names_the_whole_prefix_up_to_the_blocks_end() -> None:
+    keys = block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    assert len(keys) == 2, "only full blocks have keys"
+    assert keys == [block_key(ROOT_KEY, [1, 2, 3, 4]), block_key(keys[0], [5, 6, 7, 8])]
+    assert block_keys([9, 2, 3, 4, 5, 6, 7, 8], 4)[1] != keys[1], "the same tokens after another prefix"
+    assert block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4) == keys, "the same prefix, the same keys"
+    assert block_key(ROOT_KEY, [1, 256]) != block_key(ROOT_KEY, [256, 1])
+
+
+def test_a_published_block_is_found_by_its_key_and_shared_by_reference_count() -> None:
+    allocator = BlockAllocator(4)
+    keys = block_keys(list(range(8)), 4)
+    first = allocator.allocate(2)
+    assert allocator.publish(first[0], keys[0]) and allocator.publish(first[1], keys[1])
+    assert allocator.lookup([*keys, b"absent"]) == first
+    assert allocator.free_blocks == 2
+    allocator.free(first)
+    assert allocator.free_blocks == 2, "still held once, by the lookup"
+    allocator.free(first)
+    assert allocator.free_blocks == 4 and allocator.cached_blocks == 2, (
+        "idle blocks stay cached and count as free"
+    )
+    assert allocator.lookup([b"absent", keys[1]]) == [], "a hit is a run of keys from the first"
+    assert allocator.lookup(keys) == first and allocator.free_blocks == 2
+
+
+def test_idle_cached_blocks_are_taken_only_when_no_free_block_is_left_least_recently_used_first() -> None:
+    allocator = BlockAllocator(4)
+    a, b = block_keys([1] * 8, 4), block_keys([2] * 8, 4)
+    held_a, held_b = allocator.allocate(2), allocator.allocate(2)
+    for block, key in [*zip(held_a, a, strict=True), *zip(held_b, b, strict=True)]:
+        allocator.publish(block, key)
+    allocator.free(held_a)
+    allocator.free(held_b)
+    allocator.free(allocator.lookup(a))  # a was used last: b's blocks are the older, b's tail the oldest
+    assert allocator.allocate(1) == [held_b[1]]
+    assert allocator.lookup(b) == [held_b[0]], "the head of b is still a hit"
+    assert allocator.allocate(2) == [held_a[1], held_a[0]] and allocator.cached_blocks == 1
+    with pytest.raises(CacheFull):
+        allocator.allocate(1)
+
+
+def test_a_key_names_one_block_and_a_block_one_key() -> None:
+    allocator = BlockAllocator(3)
+    key, other = block_keys([5] * 4, 4)[0], block_keys([6] * 4, 4)[0]
+    one, two = allocator.allocate(2)
+    assert allocator.publish(one, key)
+    assert not allocator.publish(two, key), "computed twice side by side: the second copy stays private"
+    assert not allocator.publish(one, other)
+    allocator.free([one, two])
+    assert allocator.free_blocks == 3 and allocator.cached_blocks == 1
+    with pytest.raises(ValueError, match="nobody holds"):
+        allocator.publish(two, other)

@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pinned_backend.sampling import (
+    RowRun,
     SamplingParams,
+    draw_runs,
     draw_seed,
     position_uniform,
     sample_token,
@@ -165,3 +167,24 @@ def test_sampling_matches_its_definition_on_a_large_vocabulary(
     params = SamplingParams(temperature=0.8, top_k=top_k, top_p=top_p, seed=seed)
     for position in range(5):
         assert sample_token(logits, params, position) == reference_sample(logits, params, position)
+
+
+def test_a_run_of_rows_draws_each_position_as_a_single_row_would_until_a_draft_is_refused() -> None:
+    logits = torch.stack([_logits(s, 12) for s in range(5)])
+    seeded = SamplingParams(temperature=1.0, seed=5, top_logprobs=2)
+    alone = [sample_token(logits[i], seeded, 7 + i) for i in range(4)]
+    # Drafts that agree with the first two draws and not the third: three tokens are drawn, the last the refusal's.
+    drafts = [alone[0], alone[1], (alone[2] + 1) % 12]
+    runs = [RowRun(seeded, 7, 0, 4, drafts), RowRun(SamplingParams(temperature=0), 0, 4, 1)]
+    seeded_run, greedy_run = draw_runs(logits, runs, lambda x: torch.log_softmax(x.float(), dim=-1))
+    assert [d.token for d in seeded_run] == alone[:3]
+    expected = torch.log_softmax(logits, dim=-1)
+    assert [d.logprob for d in seeded_run] == [float(expected[i, t]) for i, t in enumerate(alone[:3])]
+    assert all(d.top_logprobs == top_logprobs(expected[i], 2) for i, d in enumerate(seeded_run))
+    assert [d.token for d in greedy_run] == [int(torch.argmax(logits[4]))] and greedy_run[
+        0
+    ].top_logprobs == ()
+    every_draft_kept = draw_runs(
+        logits[:4], [RowRun(seeded, 7, 0, 4, alone[:3])], lambda x: torch.log_softmax(x, -1)
+    )
+    assert [d.token for d in every_draft_kept[0]] == alone, "all kept: the last row draws one more"

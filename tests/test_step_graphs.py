@@ -76,9 +76,28 @@ def test_padded_steps_give_every_request_the_same_bits_as_unpadded_ones(checkpoi
     assert {shape.width for shape in graphs.shapes} == {16, 32}, "steps should have run at two table widths"
 
 
-def test_step_graphs_are_refused_under_kernels_that_are_not_batch_invariant(checkpoint: Path) -> None:
-    with pytest.raises(ValueError, match="only batch-invariant kernels"):
-        make_engine(checkpoint, "default", step_graphs=DEFAULT_MAX_GRAPHS)
+def test_padded_verify_passes_and_prefix_hits_give_the_bits_of_unpadded_ones(checkpoint: Path) -> None:
+    features = {"speculative_tokens": 3, "prefix_cache": True}
+    plain_engine = make_engine(checkpoint, **SIZES, **features)
+    plain = [_serve_all(plain_engine, seed=5), _serve_all(plain_engine, seed=5)]  # the second from the cache
+    stats: list[StepStats] = []
+    engine = make_engine(
+        checkpoint, **SIZES, **features, step_graphs=DEFAULT_MAX_GRAPHS, on_step=stats.append
+    )
+    assert [_serve_all(engine, seed=5), _serve_all(engine, seed=5)] == plain
+    assert engine._graphs is not None and any(shape.rows for shape in engine._graphs.shapes), (
+        "no step wanted more logits rows than sequences: no verify pass was padded"
+    )
+    assert sum(s.accepted_draft_tokens for s in stats) > 0 and sum(s.cached_tokens for s in stats) > 0
+
+
+def test_default_kernels_run_padded_steps_too_and_answer_every_request_in_full(checkpoint: Path) -> None:
+    # Padding may round a default-mode row otherwise, which that mode never promised; it must still serve.
+    engine = make_engine(checkpoint, "default", **SIZES, step_graphs=DEFAULT_MAX_GRAPHS)
+    served = _serve_all(engine, seed=3)
+    plain = _serve_all(make_engine(checkpoint, "default", **SIZES), seed=3)
+    assert {rid: len(tokens) for rid, tokens in served.items()} == {rid: len(t) for rid, t in plain.items()}
+    assert engine._graphs is not None and engine._graphs.padded_tokens > 0
 
 
 def test_the_padding_block_is_neither_offered_to_requests_nor_counted_as_used(checkpoint: Path) -> None:
@@ -116,6 +135,16 @@ def test_decode_only_steps_take_the_next_batch_size_and_other_steps_the_next_tok
         100,
         100,
     ]
+
+
+def test_a_step_wanting_more_logits_rows_than_sequences_takes_the_next_token_size_of_rows() -> None:
+    graphs = StepGraphs(None, None, 0, 5, 300, 100, device=torch.device("cpu"), capture=False, max_rows=25)
+    assert graphs.shape_for(10, 3, 1, rows=3).rows == 0, "one row a sequence, as a step without drafts"
+    assert graphs.shape_for(10, 2, 1, rows=10) == StepShape(tokens=12, sequences=2, width=16, rows=12)
+    assert graphs.shape_for(24, 5, 1, rows=23).rows == 24
+    assert graphs.shape_for(40, 5, 1, rows=25).rows == 25, "never more than the engine's most rows"
+    with pytest.raises(ValueError, match="26 logits rows"):
+        graphs.shape_for(40, 5, 1, rows=26)
 
 
 def test_a_step_outside_the_captured_shapes_is_refused() -> None:
@@ -160,7 +189,7 @@ def test_cuda_graph_steps_give_the_same_bits_as_eager_ones(checkpoint: Path, kep
 
 
 def test_step_graphs_are_a_count_of_graphs_to_keep_not_a_switch() -> None:
-    with pytest.raises(ValueError, match="how many graphs to keep"):
+    with pytest.raises(ValueError, match="step_graphs is a count"):
         EngineConfig(max_model_len=8, num_blocks=4, block_size=4, step_graphs=True)
-    with pytest.raises(ValueError, match="how many graphs to keep"):
+    with pytest.raises(ValueError, match="step_graphs is a count"):
         EngineConfig(max_model_len=8, num_blocks=4, block_size=4, step_graphs=-1)

@@ -14,7 +14,7 @@ served one sequence at a time. A row meets tiles and chunks past its own positio
 whose update is exactly the identity (scale 1, add 0), so sharing a program with longer queries leaves its bits
 unchanged. This path serves prefill and mixed steps.
 
-Chunks path, two kernels, for steps where every program would serve one query token (decode). First grid
+Chunks path, two kernels, for steps of a few query tokens a sequence (decode, speculative verify passes). First grid
 (T, Hkv, max_chunks), with max_chunks = ceil(max_blocks * block_size / split): one program per (token, KV head,
 chunk), so a lone decode query keeps several programs busy instead of one walking its chunks serially. Each runs
 its chunk's online softmax over the same 16-row tile as the serial path and stores the chunk's running max m, sum
@@ -51,6 +51,7 @@ KV_TILE = 64  # keys per tile; divides every split size we accept
 # Every attention kernel launches with these: the shared tile loop must compile to the same instructions in each.
 _NUM_WARPS, _NUM_STAGES = 4, 2
 _WORKSPACE_LIMIT = 64 << 20  # bytes of chunk partials a decode step may take before it walks chunks serially
+_CHUNKS_TOKENS_PER_SEQUENCE = 8  # the most tokens a sequence a step may have and still take the chunks path
 
 AttentionPath = Literal["auto", "chunks", "serial"]
 
@@ -337,15 +338,16 @@ def choose_path(
 ) -> Literal["chunks", "serial"]:
     """The path for a step of t query tokens over a block table of n_seqs rows and max_chunks chunks.
 
-    "auto" takes the chunks path when each program would serve one token (t <= n_seqs, the decode rule) and the
-    workspace fits `_WORKSPACE_LIMIT`. Either path gives the same bits, so this decides speed only.
+    "auto" takes the chunks path when the step has at most `_CHUNKS_TOKENS_PER_SEQUENCE` tokens a sequence (decode,
+    and a speculative verify pass of a few drafts: tokens that would gain little from sharing a program's loads of
+    keys) and the workspace fits `_WORKSPACE_LIMIT`. Either path gives the same bits, so this decides speed only.
     """
     if path not in ("auto", "chunks", "serial"):
         raise ValueError(f"attention: unknown path {path!r}; choose auto, chunks or serial")
     if path != "auto":
         return path
     fits = t * hq * max_chunks * d * 4 <= _WORKSPACE_LIMIT
-    return "chunks" if t <= n_seqs and fits else "serial"
+    return "chunks" if t <= n_seqs * _CHUNKS_TOKENS_PER_SEQUENCE and fits else "serial"
 
 
 def paged_attention(
