@@ -19,7 +19,7 @@ from proxy.app import create_app
 from proxy.config import Secrets, Settings, resolve_secrets
 from proxy.keys import PROXY
 from proxy.serving import Proxy
-from tests.audit_databases import audit_database
+from tests.audit_databases import LOG_KEY_ENV, LOG_SIGNER, audit_database
 from tests.fake_replica import FakeReplica
 
 
@@ -64,6 +64,8 @@ def settings_for(
         "local_backend": {"enabled": "off"},
         "health": {"interval_s": 3600},
         "server": {"retry_deadline_s": 5},
+        # SQLite: the key the embedded default makes beside the database; PostgreSQL: the test key.
+        "log": {"signing_key_env": LOG_KEY_ENV} if schema is not None else {},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
@@ -85,7 +87,7 @@ async def running_proxy(
     async with audit_database(store, folder) as database:
         await database.migrate()
         settings = settings_for(fakes, database.url, database.schema, **sections)
-        secrets = resolve_secrets(settings, environ or {})
+        secrets = resolve_secrets(settings, {LOG_KEY_ENV: LOG_SIGNER.text, **(environ or {})})
         app = create_app(settings, secrets)
         runner = web.AppRunner(app)
         await runner.setup()

@@ -7,9 +7,12 @@
     │   └── SchemaTooNew   newer than this stackpin knows: upgrade stackpin
     ├── UnknownStack       an entry names a fingerprint whose stack was never stored
     ├── DuplicateEntry     the record already has an entry of that part
-    └── StoreClosed        append after close()
+    ├── StoreClosed        append after close()
+    ├── NoSuchCheckpoint   the log signed no checkpoint of the size asked for (or none yet)
+    └── LogDiverged        the stored tree no longer matches what the log signed: it will not sign more
 
-Invalid entries are rejected earlier, when `NewEntry` is built (pydantic's ValidationError).
+Invalid entries are rejected earlier, when `NewEntry` is built (pydantic's ValidationError); a proof that cannot
+exist (a leaf beyond the tree, sizes out of order) is `proxy.audit.merkle.ProofError`, a ValueError.
 """
 
 from __future__ import annotations
@@ -44,4 +47,12 @@ class DuplicateEntry(AuditError, ValueError):
 
 
 class StoreClosed(AuditError):
+    pass
+
+
+class NoSuchCheckpoint(AuditError, LookupError):
+    pass
+
+
+class LogDiverged(AuditError):
     pass
