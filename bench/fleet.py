@@ -6,7 +6,7 @@ process, answering at once, so the proxy's own cost is what is measured), `stack
 a fresh PostgreSQL schema and Redis prefix. For each, two runs: one request at a time (latency, compared with
 the same requests sent straight to a replica: the difference is what the proxy adds), and `--concurrency`
 requests at a time (throughput). Afterwards the records are counted: every answered request must have exactly
-one record, and `stackpin verify` must find the chain intact; the benchmark fails otherwise.
+one record, and `stackpin verify` must find the log intact; the benchmark fails otherwise.
 
 Usage, from the repository root: python -m bench.fleet [--requests 600] [--concurrency 32] [--serial 150]
 """
@@ -35,6 +35,7 @@ from bench.services import (
     POSTGRES_URL,
     REDIS_URL,
     free_port,
+    log_key_environment,
     postgres_schema,
     redis_prefix,
     trivial_replicas,
@@ -159,7 +160,12 @@ async def fleet(
 ) -> AsyncIterator[tuple[list[str], Processes]]:
     """`proxies` `stackpin serve` processes in fleet mode and one `stackpin fleet heartbeat` per replica; yields
     the proxies' base URLs once each is ready."""
-    env = {**os.environ, "STACKPIN_FLEET__KEY_PREFIX": prefix, "STACKPIN_STORE__POSTGRES_SCHEMA": schema}
+    env = {
+        **os.environ,
+        **log_key_environment(),
+        "STACKPIN_FLEET__KEY_PREFIX": prefix,
+        "STACKPIN_STORE__POSTGRES_SCHEMA": schema,
+    }
     processes = Processes(folder, env)
     sidecar = folder / "heartbeat.toml"
     sidecar.write_text('log_level = "warning"\n[local_backend]\nenabled = "off"\n')
@@ -211,7 +217,7 @@ async def measure(
     if any(parts[r] != 1 for r in answered) or warm != 100 or any(n != 1 for n in parts.values()):
         raise RuntimeError("record counts do not match the answered requests")
     print(
-        f"{proxies} proxies: {len(answered) + warm} answered, {len(parts)} records, one each; chain intact",
+        f"{proxies} proxies: {len(answered) + warm} answered, {len(parts)} records, one each; log intact",
         file=sys.stderr,
     )
     return serial, parallel

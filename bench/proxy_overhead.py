@@ -24,7 +24,14 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.services import POSTGRES_URL, free_port, postgres_schema, trivial_replicas, wait_until_up
+from bench.services import (
+    POSTGRES_URL,
+    free_port,
+    log_key_environment,
+    postgres_schema,
+    trivial_replicas,
+    wait_until_up,
+)
 from proxy.audit import AuditStore
 
 WARMUP = 50
@@ -110,7 +117,7 @@ async def measure(
         + (f'postgres_schema = "{schema}"\n' if schema else "")
         + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "{replica_url}"\n'
     )
-    env = {**os.environ, "STACKPIN_LOG_LEVEL": "warning"}
+    env = {**os.environ, **log_key_environment(), "STACKPIN_LOG_LEVEL": "warning"}
     subprocess.run(
         [sys.executable, "-m", "proxy.cli", "db", "upgrade", "--config", str(config)],
         check=True,

@@ -1,5 +1,5 @@
 """The local services the proxy benchmarks start and tear down: free ports, trivial replicas in processes of their
-own, a fresh PostgreSQL schema, a Redis key prefix no other run uses.
+own, a fresh PostgreSQL schema, a Redis key prefix no other run uses, a throwaway key for the audit log.
 
 Each is an async context manager that leaves nothing behind (processes stopped, the schema dropped, the prefix's
 keys deleted). The servers are those the tests use, named by the same variables. This module knows nothing of what
@@ -88,3 +88,12 @@ def redis_prefix() -> Iterator[str]:
     with redis.Redis.from_url(REDIS_URL) as client:
         for key in client.scan_iter(match=f"{prefix}*"):
             client.unlink(key)
+
+
+def log_key_environment() -> dict[str, str]:
+    """Environment variables that give a proxy a throwaway signing key for its audit log (a PostgreSQL store
+    needs one; never a production key)."""
+    from proxy.audit.note import generate_signer
+
+    signer = generate_signer(f"bench.local/{uuid.uuid4().hex[:8]}")
+    return {"STACKPIN_LOG__SIGNING_KEY_ENV": "STACKPIN_BENCH_LOG_KEY", "STACKPIN_BENCH_LOG_KEY": signer.text}

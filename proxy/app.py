@@ -1,7 +1,8 @@
 """create_app: the proxy's aiohttp application, its resources as cleanup contexts, its routes.
 
 Resources, acquired in order and released in reverse: the audit store (whose streams left open by a stopped
-proxy are closed as interrupted first, proxy/sweep.py), the HTTP client for replicas, the embedded
+proxy are closed as interrupted first, proxy/sweep.py, and which integrates the log and signs its checkpoints
+with the log's key), the HTTP client for replicas, the embedded
 local backend (when configured), the replica registry with its health monitor, which checks every replica
 before the first request is accepted, and the fleet (proxy/fleet/runtime.py): rate limits, and in fleet mode the
 shared view in Redis. The audit page (proxy/ui/) is a sub-application at /ui over the same resources.
@@ -26,6 +27,7 @@ from proxy.handlers import routes
 from proxy.health import HealthMonitor
 from proxy.keys import PROMPTS, PROXY, ROUTES
 from proxy.local_backend import LocalBackend
+from proxy.log_keys import serving_signer
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import error_middleware
 from proxy.prompts import PromptBook
@@ -75,6 +77,7 @@ def create_app(
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         metrics = ProxyMetrics(CollectorRegistry())
+        signer = serving_signer(settings, secrets)
         store = await AuditStore.open(
             settings.store.url,
             batch_max=settings.store.batch_max,
@@ -84,6 +87,8 @@ def create_app(
             schema=settings.store.postgres_schema,
             observer=metrics,
             durability=settings.store.durability,
+            signer=signer,
+            checkpoint_interval_s=settings.log.checkpoint_interval_s,
         )
         try:
             await mark_interrupted_streams(

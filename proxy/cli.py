@@ -2,7 +2,8 @@
 heartbeat sidecar that registers a backend in a fleet (`stackpin fleet heartbeat`).
 
 Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error; `verify` 0 when the
-chain is intact, 1 when it is not; every command exits 2 on a usage or configuration error.
+log is intact, 1 when it is not; `prove` 0 when every entry is proven, 1 when one is not; `witness --once` 0 when
+the checkpoint is accepted, 1 when refused; every command exits 2 on a usage or configuration error.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from proxy.audit import AuditError
-from proxy.config import Settings, load_settings, read_settings
+from proxy.audit.note import Verifier
+from proxy.config import Settings, load_settings, log_secrets, read_settings
 from proxy.errors import ConfigError, StackpinError
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
@@ -58,14 +60,45 @@ def _parser() -> argparse.ArgumentParser:
     )
     upgrade.set_defaults(run=_db_upgrade)
 
-    verify = commands.add_parser("verify", parents=[config], help="check the whole audit chain")
+    log_key = argparse.ArgumentParser(add_help=False)
+    log_key.add_argument(
+        "--log-key",
+        action="append",
+        default=[],
+        metavar="VKEY",
+        help="the log's verifier key to trust (repeatable; default: [log] public_keys)",
+    )
+
+    verify = commands.add_parser(
+        "verify", parents=[config, log_key], help="check the whole audit log: tree, signatures, witnesses"
+    )
     verify.add_argument(
-        "--expect-head", help="POSITION:SHA256 of a head kept elsewhere, to detect a cut tail"
+        "--witness",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="a witness's store (repeatable)",
+    )
+    verify.add_argument(
+        "--witness-key",
+        action="append",
+        default=[],
+        metavar="VKEY",
+        help="a witness's cosigner key (repeatable)",
+    )
+    verify.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="a checkpoint kept elsewhere, to detect a cut or rewritten log (repeatable)",
     )
     verify.set_defaults(run=_verify)
 
     audit = commands.add_parser(
-        "audit", parents=[config], help="which stack produced an answer, and its chain link"
+        "audit", parents=[config, log_key], help="which stack produced an answer, and its proof in the log"
     )
     audit.add_argument("record")
     audit.add_argument("--json", action="store_true")
@@ -110,6 +143,44 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--temperature", type=float, default=0.0)
     probe.add_argument("--json", action="store_true")
     probe.set_defaults(run=_probe)
+
+    prove = commands.add_parser(
+        "prove", parents=[client, log_key], help="show and check that a record's entries are in the log"
+    )
+    prove.add_argument("record")
+    prove.add_argument(
+        "--checkpoint", type=Path, metavar="FILE", help="a checkpoint you kept (default: the proxy's latest)"
+    )
+    prove.add_argument(
+        "--proof", type=Path, metavar="FILE", help="a proof saved earlier (--json); no network"
+    )
+    prove.add_argument("--json", action="store_true", help="print the proof as JSON, to save it")
+    prove.set_defaults(run=_prove)
+
+    witness = commands.add_parser(
+        "witness", parents=[client, log_key], help="follow a proxy's checkpoints, refuse a rewrite, cosign"
+    )
+    witness.add_argument(
+        "--store", type=Path, required=True, metavar="FILE", help="this witness's checkpoints"
+    )
+    witness.add_argument(
+        "--key",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="this witness's cosigner key (stackpin keygen --witness)",
+    )
+    witness.add_argument("--interval-s", type=float, default=1.0, help="seconds between looks (default 1)")
+    witness.add_argument("--once", action="store_true", help="look once and exit: 0 accepted, 1 refused")
+    witness.set_defaults(run=_witness)
+
+    keygen = commands.add_parser("keygen", help="make a signing key for the log, or a witness's cosigner key")
+    keygen.add_argument("name", help="the key's name; for a log, its origin, e.g. audit.example.com/stackpin")
+    keygen.add_argument("--out", type=Path, required=True, help="the private key's file (never overwritten)")
+    keygen.add_argument(
+        "--witness", action="store_true", help="a witness's cosigner key (C2SP tlog-cosignature)"
+    )
+    keygen.set_defaults(run=_keygen)
 
     fleet = commands.add_parser("fleet", help="fleet mode: shared state in Redis")
     fleet_commands = fleet.add_subparsers(dest="fleet_command", required=True)
@@ -162,22 +233,121 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _verify(args: argparse.Namespace) -> int:
-    from proxy.inspect import verify
+def _log_keys(args: argparse.Namespace, settings: Settings) -> list[Verifier]:
+    from proxy.log_keys import trusted_log_keys
 
-    expect = None
-    if args.expect_head:
-        position, _, digest = args.expect_head.partition(":")
-        if not position.isdigit() or len(digest) != 64:
-            raise ConfigError("--expect-head must be POSITION:SHA256, as verify printed it")
-        expect = (int(position), digest)
-    return asyncio.run(verify(_settings(args).store, expect))
+    return trusted_log_keys(settings, log_secrets(settings), args.log_key)
+
+
+def _vkeys(texts: list[str], option: str) -> list[Verifier]:
+    from proxy.audit.note import NoteError, parse_vkey
+
+    try:
+        return [parse_vkey(text) for text in texts]
+    except NoteError as e:
+        raise ConfigError(f"{option}: {e}") from e
+
+
+def _read(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read: {e.strerror}") from e
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from proxy.audit import Witnessed
+    from proxy.inspect import verify
+    from proxy.witness import WitnessStore
+
+    settings = _settings(args)
+    cosigners = _vkeys(args.witness_key, "--witness-key")
+    witnessed = [held for path in args.witness for held in WitnessStore(path).witnessed(cosigners)]
+    witnessed += [
+        Witnessed(f"the checkpoint kept in {p}", _read(p, "checkpoint file")) for p in args.checkpoint
+    ]
+    return asyncio.run(verify(settings.store, _log_keys(args, settings), witnessed))
 
 
 def _audit(args: argparse.Namespace) -> int:
     from proxy.inspect import audit
 
-    return asyncio.run(audit(_settings(args).store, args.record, as_json=args.json))
+    settings = _settings(args)
+    return asyncio.run(audit(settings.store, args.record, _log_keys(args, settings), as_json=args.json))
+
+
+def _prove(args: argparse.Namespace) -> int:
+    from proxy import prove
+
+    settings = _settings(args)
+    keys = _log_keys(args, settings)
+    try:
+        kept = (
+            prove.read_checkpoint(_read(args.checkpoint, "checkpoint file"), keys)
+            if args.checkpoint
+            else None
+        )
+        if args.proof:
+            proof = json.loads(_read(args.proof, "proof file"))
+        else:
+            url, api_key = _client_target(args, settings)
+            proof = asyncio.run(prove.fetch_proof(url, api_key, args.record, kept.size if kept else None))
+        checkpoint = kept or prove.read_checkpoint(proof["checkpoint"]["note"], keys)
+        verdicts = prove.check_proof(args.record, proof, checkpoint)
+    except (prove.ProveError, ValueError, KeyError, TypeError) as e:
+        print(f"stackpin: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print_json(proof)
+    else:
+        prove.print_verdicts(proof, checkpoint, verdicts, signed=bool(keys))
+    return prove.EXIT_OK if all(v.proven for v in verdicts) else prove.EXIT_NOT_PROVEN
+
+
+def _witness(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    from proxy.audit.note import COSIGNATURE, NoteError, parse_signer
+    from proxy.witness import HttpLogSource, WitnessStore, follow
+
+    settings = _settings(args)
+    keys = _log_keys(args, settings)
+    if not keys:
+        raise ConfigError("witness needs the log's verifier key: --log-key VKEY, or [log] public_keys")
+    try:
+        signer = parse_signer(_read(args.key, "witness key file"))
+    except NoteError as e:
+        raise ConfigError(f"--key {args.key}: {e}") from e
+    if signer.kind != COSIGNATURE:
+        raise ConfigError(
+            f"--key {args.key} is a log key; a witness cosigns with `stackpin keygen --witness`"
+        )
+    if args.interval_s <= 0:
+        raise ConfigError("--interval-s must be positive")
+    url, api_key = _client_target(args, settings)
+
+    async def run() -> int:
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            source = HttpLogSource(session, url, api_key)
+            return await follow(
+                source, WitnessStore(args.store), keys, signer, interval_s=args.interval_s, once=args.once
+            )
+
+    return asyncio.run(run())
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from proxy.audit.note import COSIGNATURE, LOG_SIGNATURE, NoteError, generate_signer
+    from proxy.log_keys import write_key
+
+    try:
+        signer = generate_signer(args.name, COSIGNATURE if args.witness else LOG_SIGNATURE)
+    except NoteError as e:
+        raise ConfigError(str(e)) from e
+    write_key(args.out, signer)
+    print(signer.verifier.vkey)
+    return EXIT_OK
 
 
 def _records(args: argparse.Namespace) -> int:

@@ -29,6 +29,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from proxy.audit.database import parse_url
+from proxy.audit.note import NoteError, parse_vkey
 from proxy.endpoints import DECLARED_DEFAULT, ENDPOINTS
 from proxy.errors import BadRequest, ConfigError
 from proxy.pins import PIN_KEYS, Pin, parse_prompt_ref
@@ -77,6 +79,29 @@ class StoreSettings(_Section):
     # "disk": an answer waits until its record is on disk. "process": until it is committed, which survives the
     # proxy's crash but not the machine's (SQLite synchronous=NORMAL, PostgreSQL synchronous_commit=off).
     durability: Literal["disk", "process"] = "disk"
+
+
+class LogSettings(_Section):
+    """The transparency log's keys and pace (docs/audit.md). Keys are never in the database."""
+
+    signing_key_env: str | None = (
+        None  # environment variable holding the log's signing key (wins over the file)
+    )
+    # A file holding it; unset with an SQLite store: `<database file>.log.key`, made on the first start.
+    signing_key_file: Path | None = None
+    # The log's verifier keys that `verify`, `prove` and `witness` trust; after a rotation, the old ones too.
+    public_keys: list[str] = Field(default_factory=list)
+    checkpoint_interval_s: float = Field(default=0.5, gt=0, le=1.0)  # a checkpoint at least every second
+
+    @field_validator("public_keys")
+    @classmethod
+    def _vkeys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            try:
+                parse_vkey(key)
+            except NoteError as e:
+                raise ValueError(str(e)) from e
+        return keys
 
 
 class HealthSettings(_Section):
@@ -182,6 +207,7 @@ class Settings(BaseSettings):
     local_backend: LocalBackendSettings = LocalBackendSettings()
     fleet: FleetSettings = FleetSettings()
     ui: UiSettings = UiSettings()
+    log: LogSettings = LogSettings()
     replicas: list[ReplicaSettings] = Field(default_factory=list)
     prompts: dict[str, str] = Field(default_factory=dict)
     routes: dict[str, dict[str, str]] = Field(default_factory=dict)
@@ -259,6 +285,7 @@ class Secrets(BaseModel):
     replica_keys: dict[str, SecretStr] = Field(default_factory=dict)  # replica name -> upstream key
     tenant_key_hashes: dict[str, str] = Field(default_factory=dict)  # sha256(client key) -> tenant name
     ui_session_key: SecretStr | None = None  # signs and encrypts the audit page's session cookies
+    log_signing_key: SecretStr | None = None  # the log's private key text, when it could be read
 
 
 def hash_api_key(key: str) -> str:
@@ -335,8 +362,45 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str]) -> Secrets:
             "are configured: add a tenant with api_key_env, or bind to 127.0.0.1"
         )
     return Secrets(
-        replica_keys=replica_keys, tenant_key_hashes=tenant_key_hashes, ui_session_key=ui_session_key
+        replica_keys=replica_keys,
+        tenant_key_hashes=tenant_key_hashes,
+        ui_session_key=ui_session_key,
+        log_signing_key=_log_signing_key(settings, environ),
     )
+
+
+def log_secrets(settings: Settings, environ: Mapping[str, str] | None = None) -> Secrets:
+    """Only the log's own key, where this machine holds it: what the commands that read the log need, so that an
+    auditor needs no upstream or tenant key."""
+    return Secrets(log_signing_key=_log_signing_key(settings, os.environ if environ is None else environ))
+
+
+def log_key_file(settings: Settings) -> Path | None:
+    """Where the log's signing key is kept when no variable names it: the configured file, else, for an SQLite
+    store, a file beside the database."""
+    if settings.log.signing_key_file is not None:
+        return settings.log.signing_key_file
+    try:
+        url = parse_url(settings.store.url)
+    except ValueError:
+        return None
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return None
+    return Path(url.database + ".log.key")
+
+
+def _log_signing_key(settings: Settings, environ: Mapping[str, str]) -> SecretStr | None:
+    """The key text if it can be read now; whether its absence is an error is for whoever needs to sign."""
+    if settings.log.signing_key_env:
+        value = environ.get(settings.log.signing_key_env)
+        return SecretStr(value.strip()) if value else None
+    path = log_key_file(settings)
+    if path is None or not path.is_file():
+        return None
+    try:
+        return SecretStr(path.read_text().strip())
+    except OSError as e:
+        raise ConfigError(f"the log's signing key file {path} cannot be read: {e.strerror}") from e
 
 
 def _required_env(environ: Mapping[str, str], variable: str, owner: str) -> str:

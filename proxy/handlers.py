@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from proxy.audit import AuditRecord
+from proxy.audit import AuditRecord, NoSuchCheckpoint, ProofError
 from proxy.auth import authenticate
 from proxy.compare import Comparison
 from proxy.endpoints import ENDPOINTS
@@ -194,10 +194,66 @@ async def _record_of(request: web.Request, tenant: str) -> Any:
     record_id = request.match_info["record_id"]
     record = await request.app[PROXY].store.get_record(record_id, tenant)
     if record is None:
-        raise NotFound(
-            f"no record {record_id!r} (record ids look like rec_<32 hex>; list yours with stackpin records)"
-        )
+        raise _no_record(record_id)
     return record
+
+
+def _no_record(record_id: str) -> NotFound:
+    """Also for another tenant's record: whether it exists is not theirs to know."""
+    return NotFound(
+        f"no record {record_id!r} (record ids look like rec_<32 hex>; list yours with stackpin records)"
+    )
+
+
+def _size(request: web.Request, name: str) -> int | None:
+    """A tree size from the query string: a decimal number, or absent."""
+    value = request.query.get(name)
+    if value is None:
+        return None
+    if not value.isascii() or not value.isdigit() or len(value) > 19:
+        raise BadRequest(
+            f"{name} must be a tree size (a whole number of leaves), got {value[:40]!r}", param=name
+        )
+    return int(value)
+
+
+async def _log_read(read: Any) -> Any:
+    """A read of the log; what cannot exist is a 400, what the log never signed a 404."""
+    try:
+        return await read
+    except ProofError as e:
+        raise BadRequest(str(e)) from e
+    except NoSuchCheckpoint as e:
+        raise NotFound(str(e)) from e
+
+
+async def log_checkpoint(request: web.Request) -> web.Response:
+    """The latest signed checkpoint (or the one of `?size=`), as the signed note itself."""
+    proxy = request.app[PROXY]
+    authenticate(request.headers, proxy.secrets)
+    checkpoint = await _log_read(proxy.store.checkpoint(_size(request, "size")))
+    return web.Response(text=checkpoint.note, content_type="text/plain", charset="utf-8")
+
+
+async def log_consistency(request: web.Request) -> web.Response:
+    proxy = request.app[PROXY]
+    authenticate(request.headers, proxy.secrets)
+    old = _size(request, "from")
+    if old is None:
+        raise BadRequest("from is required: the tree size you hold a checkpoint of", param="from")
+    proof = await _log_read(proxy.store.consistency(old, _size(request, "to")))
+    return web.json_response(proof.model_dump(mode="json", by_alias=True))
+
+
+async def record_proof(request: web.Request) -> web.Response:
+    """Inclusion proofs of each entry of the record, tenant-scoped like the record itself."""
+    proxy = request.app[PROXY]
+    tenant = authenticate(request.headers, proxy.secrets)
+    record_id = request.match_info["record_id"]
+    proof = await _log_read(proxy.store.record_proof(record_id, tenant, _size(request, "size")))
+    if proof is None:
+        raise _no_record(record_id)
+    return web.json_response(proof.model_dump(mode="json"))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -251,6 +307,9 @@ def routes() -> list[web.RouteDef]:
         web.get("/v1/stacks", stacks),
         web.get("/v1/records/{record_id}", get_record),
         web.post("/v1/records/{record_id}/replay", replay_record),
+        web.get("/v1/records/{record_id}/proof", record_proof),
+        web.get("/v1/log/checkpoint", log_checkpoint),
+        web.get("/v1/log/consistency", log_consistency),
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),

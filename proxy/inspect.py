@@ -1,7 +1,8 @@
 """The auditor's commands: `verify`, `audit` and `records` read the audit store directly, not through the proxy.
 
 They need the database URL, not an API key: whoever can read the database can read every tenant's records, so
-these commands are for operators and auditors.
+these commands are for operators and auditors. Trust comes from outside the database: the log's public keys,
+and the checkpoints witnesses hold or someone kept.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from proxy.audit import AuditError, AuditRecord, AuditStore
+from proxy.audit import AuditError, AuditRecord, AuditStore, NoteError, Verifier, Witnessed
 from proxy.audit.store import LIST_LIMIT_MAX
 from proxy.config import StoreSettings
 
@@ -30,48 +31,68 @@ async def _store(settings: StoreSettings) -> AsyncIterator[AuditStore]:
         await store.close()
 
 
-async def verify(store_settings: StoreSettings, expect_head: tuple[int, str] | None) -> int:
+async def verify(store_settings: StoreSettings, log_keys: list[Verifier], witnessed: list[Witnessed]) -> int:
     async with _store(store_settings) as store:
-        report = await store.verify(expect_head=expect_head)
+        report = await store.verify(verifiers=log_keys, witnessed=witnessed)
         streams = await store.stream_counts()
     print(
-        f"checked {report.entries_checked} entries, {report.stacks_checked} stacks, {report.prompts_checked} prompts"
+        f"checked {report.entries_checked} entries (the tree rebuilt from their bytes), {report.nodes_checked} "
+        f"tree nodes, {report.checkpoints_checked} checkpoints, {report.stacks_checked} stacks, "
+        f"{report.prompts_checked} prompts; {report.pending} entries wait to be integrated"
     )
     print(
         f"streams: {streams.marked_at_start} marked interrupted at a proxy's start (left open by a proxy that "
         f"stopped), {streams.open} open now"
     )
-    print(f"head: {report.head_position}:{report.head_sha256}  (keep this to detect a cut tail later)")
+    if report.signatures_checked:
+        print(f"signatures checked with {', '.join(key.vkey for key in log_keys)}")
+    else:
+        print("WARNING: signatures NOT checked: no trusted log key (--log-key, or [log] public_keys)")
+    if witnessed:
+        print(f"{report.witnessed_checked} checkpoints held outside the database matched")
+    print(f"tree: size {report.tree_size}, root {report.root_hash}")
     if report.ok:
-        print("chain intact")
+        print("log intact")
+        if report.checkpoint:
+            print("latest checkpoint (keep it elsewhere, or have a witness keep it):")
+            for line in report.checkpoint.splitlines():
+                print(f"  {line}")
         return EXIT_OK
     problem = report.problem
     assert problem is not None
-    print(f"CHAIN BROKEN: {problem.model_dump_json()}")
+    print(f"LOG BROKEN: {problem.model_dump_json()}")
     return EXIT_BROKEN
 
 
-async def audit(store_settings: StoreSettings, record_id: str, *, as_json: bool) -> int:
+async def audit(
+    store_settings: StoreSettings, record_id: str, log_keys: list[Verifier], *, as_json: bool
+) -> int:
     async with _store(store_settings) as store:
         record = await store.get_record(record_id, None)
         if record is None:
             print(f"no record {record_id!r}")
             return EXIT_ERROR
-        links = await store.verify_record(record_id)
-    link_ok = all(link.ok for link in links)
+        try:
+            checks, checkpoint = await store.check_record(record_id, log_keys)
+        except NoteError as e:
+            print(f"LOG BROKEN: the latest checkpoint does not verify: {e}")
+            return EXIT_BROKEN
+    entries_ok = all(check.ok for check in checks)
     if as_json:
         print(
             json.dumps(
                 {
                     "record": record.model_dump(mode="json"),
-                    "links": [{**link.model_dump(mode="json"), "ok": link.ok} for link in links],
-                    "chain_ok": link_ok,
+                    "entries": [{**check.model_dump(mode="json"), "ok": check.ok} for check in checks],
+                    "checkpoint": None if checkpoint is None else checkpoint.model_dump(mode="json"),
+                    "signature_checked": bool(log_keys),
+                    "entries_ok": entries_ok,
                 },
                 indent=2,
                 sort_keys=True,
             )
         )
-        return EXIT_OK if link_ok else EXIT_BROKEN
+        return EXIT_OK if entries_ok else EXIT_BROKEN
     print(f"record   {record.id}")
     print(f"tenant   {record.tenant}")
     print(f"created  {record.created_at.isoformat()}")
@@ -89,17 +110,21 @@ async def audit(store_settings: StoreSettings, record_id: str, *, as_json: bool)
             print(f"  | {line}")
     for line in answer_lines(record):
         print(line)
-    for entry in record.entries:
-        print(f"entry    #{entry.position} {entry.part} {entry.status} {entry.sha256}")
-    for link in links:
-        verdict = "verifies" if link.ok else "BROKEN"
+    size = "no checkpoint yet" if checkpoint is None else f"checkpoint of size {checkpoint.tree_size}"
+    signed = "signature checked" if log_keys else "signature NOT checked: no trusted log key"
+    for check in checks:
+        where = "not yet in the tree" if check.index is None else f"leaf {check.index}"
+        verdict = {True: f"proven in the {size}", False: f"NOT proven in the {size}", None: "pending"}[
+            check.included
+        ]
         print(
-            f"link     #{link.position} {verdict} (recomputes={link.recomputes}, prev={link.prev_matches}, "
-            f"next={link.next_links})"
+            f"entry    seq {check.seq} {check.part} ({where}) {check.sha256}: "
+            f"{'recomputes' if check.recomputes else 'DOES NOT RECOMPUTE'}, {verdict}"
         )
+    print(f"log      {size}, {signed}")
     for flag in record.flags:
-        print(f"FLAGGED  #{flag.position} {flag.status}: {json.dumps(flag.content, sort_keys=True)}")
-    return EXIT_OK if link_ok else EXIT_BROKEN
+        print(f"FLAGGED  seq {flag.seq} {flag.status}: {json.dumps(flag.content, sort_keys=True)}")
+    return EXIT_OK if entries_ok else EXIT_BROKEN
 
 
 def answer_lines(record: AuditRecord) -> list[str]:

@@ -6,6 +6,7 @@ see each other's chain. The server is the one named by STACKPIN_TEST_POSTGRES_UR
 
 from __future__ import annotations
 
+import base64
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -16,17 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import insert, text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from proxy.audit import AuditStore, NewEntry
+from proxy.audit.commit import entry_row
+from proxy.audit.models import Entry
+from proxy.audit.note import COSIGNATURE, generate_signer
 from proxy.audit.schema import upgrade_database_async
 
 POSTGRES_URL = os.environ.get(
     "STACKPIN_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
 )
 KINDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+# The same keys every run, so that a failure can be reproduced bit for bit; never a production key.
+LOG_SIGNER = generate_signer("stackpin.test/log", seed=bytes(range(32)))
+WITNESS_SIGNER = generate_signer("witness.test/w1", COSIGNATURE, seed=bytes(range(100, 132)))
+LOG_KEY_ENV = "STACKPIN_TEST_LOG_KEY"
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
 STACK = {
     "schema": 1,
@@ -48,6 +56,8 @@ class AuditDatabase:
     schema: str | None
 
     async def open(self, **options: Any) -> AuditStore:
+        """The store, signing with the test log key unless `signer=None` is given."""
+        options.setdefault("signer", LOG_SIGNER)
         return await AuditStore.open(self.url, schema=self.schema, **options)
 
     async def migrate(self, revision: str = "head") -> None:
@@ -61,6 +71,16 @@ class AuditDatabase:
             async with engine.begin() as connection:
                 for statement in statements:
                     await connection.exec_driver_sql(statement)
+        finally:
+            await engine.dispose()
+
+    async def insert_entry(self, seq: int, new: NewEntry) -> None:
+        """An entries row for `new`, as the store would write it, but outside the log: no queue, no leaf."""
+        args = {"server_settings": {"search_path": self.schema}} if self.schema else {}
+        engine = create_async_engine(self.url, poolclass=NullPool, connect_args=args)
+        try:
+            async with engine.begin() as connection:
+                await connection.execute(insert(Entry), [entry_row(new, seq)])
         finally:
             await engine.dispose()
 
@@ -135,3 +155,16 @@ def entry(
     }
     values.update(overrides)
     return NewEntry(**values)
+
+
+class StoreLogSource:
+    """A witness's view of a log straight from its store (what the proxy's log routes serve)."""
+
+    def __init__(self, store: AuditStore) -> None:
+        self.store = store
+
+    async def checkpoint(self) -> str:
+        return (await self.store.checkpoint()).note
+
+    async def consistency(self, old: int, new: int) -> list[bytes]:
+        return [base64.b64decode(h) for h in (await self.store.consistency(old, new)).proof]

@@ -32,7 +32,7 @@ from proxy.fleet.documents import FleetKeys
 from proxy.fleet.heartbeat import Heartbeat
 from proxy.fleet.state import FleetState, connect
 from proxy.fleet.sync import FleetSync
-from tests.audit_databases import AuditDatabase
+from tests.audit_databases import LOG_KEY_ENV, LOG_SIGNER, AuditDatabase
 from tests.fake_replica import FakeReplica
 from tests.proxy_harness import Harness, settings_for
 from tests.tcp_relay import TcpRelay
@@ -149,7 +149,7 @@ async def running_fleet(
             settings = settings_for(
                 configured or [], database.url, database.schema, fleet=fleet_section, **sections
             )
-            secrets = resolve_secrets(settings, environ or {})
+            secrets = resolve_secrets(settings, {LOG_KEY_ENV: LOG_SIGNER.text, **(environ or {})})
             app = create_app(settings, secrets, clock=clock)
             runner = web.AppRunner(app)
             await runner.setup()
@@ -240,7 +240,12 @@ async def proxy_processes(
 ) -> AsyncIterator[tuple[list[str], Processes]]:
     """`proxies` `stackpin serve` processes and one heartbeat per replica URL; yields the proxies' base URLs once
     every one of them is ready, and stops them all (SIGTERM) at the end."""
-    env = {**os.environ, "STACKPIN_FLEET__KEY_PREFIX": prefix}
+    env = {
+        **os.environ,
+        "STACKPIN_FLEET__KEY_PREFIX": prefix,
+        "STACKPIN_LOG__SIGNING_KEY_ENV": LOG_KEY_ENV,
+        LOG_KEY_ENV: LOG_SIGNER.text,
+    }
     if schema is not None:
         env["STACKPIN_STORE__POSTGRES_SCHEMA"] = schema
     processes = Processes(folder, env)

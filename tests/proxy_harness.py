@@ -21,7 +21,7 @@ from proxy.config import Secrets, Settings, resolve_secrets
 from proxy.keys import PROXY
 from proxy.listener import bind, serving
 from proxy.serving import Proxy
-from tests.audit_databases import audit_database
+from tests.audit_databases import LOG_KEY_ENV, LOG_SIGNER, audit_database
 from tests.fake_replica import FakeReplica
 
 
@@ -66,6 +66,8 @@ def settings_for(
         "local_backend": {"enabled": "off"},
         "health": {"interval_s": 3600},
         "server": {"retry_deadline_s": 5},
+        # SQLite: the key the embedded default makes beside the database; PostgreSQL: the test key.
+        "log": {"signing_key_env": LOG_KEY_ENV} if schema is not None else {},
     }
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(data.get(key), dict):
@@ -90,7 +92,7 @@ async def running_proxy(
         await database.migrate()
         url = database.url if store_url is None else store_url(database.url)
         settings = settings_for(fakes, url, database.schema, **sections)
-        secrets = resolve_secrets(settings, environ or {})
+        secrets = resolve_secrets(settings, {LOG_KEY_ENV: LOG_SIGNER.text, **(environ or {})})
         app = create_app(settings, secrets)
         sock = bind("127.0.0.1", 0)
         try:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect
@@ -25,10 +27,13 @@ from proxy.audit import (
     schema_revision,
     upgrade_database,
 )
-from proxy.audit.models import Base
+from proxy.audit.entries import GENESIS_SHA256, chain_hash
+from proxy.audit.merkle import leaf_hash, verify_inclusion
+from proxy.audit.models import Base, UTCDateTime
 from proxy.audit.schema import downgrade_database, script_head
 from tests.audit_databases import (
     KINDS,
+    LOG_SIGNER,
     POSTGRES_URL,
     AuditDatabase,
     audit_database,
@@ -37,7 +42,16 @@ from tests.audit_databases import (
     entry,
 )
 
-TABLES = {"alembic_version", "chain_head", "entries", "prompts", "stacks"}
+TABLES = {
+    "alembic_version",
+    "checkpoints",
+    "entries",
+    "log_leaves",
+    "log_queue",
+    "prompts",
+    "stacks",
+    "tree_nodes",
+}
 
 
 @pytest.fixture(params=KINDS)
@@ -88,7 +102,7 @@ async def test_migrations_build_exactly_what_the_models_describe(blank: AuditDat
 
     assert await _run_sync(blank, differences) == []
     assert set(await _run_sync(blank, lambda c: inspect(c).get_table_names())) == TABLES
-    assert await blank.scalar("SELECT position FROM chain_head WHERE id = 1") == 0
+    assert await blank.scalar("SELECT count(*) FROM checkpoints") == 0
 
 
 async def test_migrations_go_down_to_nothing_and_up_again(blank: AuditDatabase) -> None:
@@ -111,7 +125,7 @@ async def test_create_if_empty_migrates_a_blank_database(blank: AuditDatabase) -
         stored = await store.append(entry("first"))
     finally:
         await store.close()
-    assert stored.position == 1
+    assert stored.seq == 1
     assert await schema_revision(blank.url, schema=blank.schema) == HEAD_REVISION
 
 
@@ -123,7 +137,7 @@ async def test_proxies_starting_together_on_a_blank_database_migrate_it_once(bla
     finally:
         for store in stores:
             await store.close()
-    assert sorted(s.position for s in stored) == [1, 2, 3]
+    assert len({s.seq for s in stored}) == 3
     assert report.ok
     assert await schema_revision(blank.url, schema=blank.schema) == HEAD_REVISION
 
@@ -187,3 +201,139 @@ async def test_a_password_never_appears_in_a_schema_error(tmp_path: Path) -> Non
             await AuditStore.open(with_password, schema=db.schema)
     assert "hunter2" not in str(caught.value)
     assert "***" in str(caught.value)
+
+
+def _chained_tables() -> tuple[sa.Table, sa.Table, sa.Table, sa.Table]:
+    """The tables as revisions 0001 to 0003 made them (the hash chain), to write a chained log as it was."""
+    metadata = sa.MetaData()
+    stacks = sa.Table(
+        "stacks",
+        metadata,
+        sa.Column("fingerprint", sa.String(64), primary_key=True),
+        sa.Column("canonical_json", sa.Text),
+        sa.Column("declared", sa.Boolean),
+        sa.Column("first_seen", UTCDateTime),
+    )
+    prompts = sa.Table(
+        "prompts", metadata, sa.Column("sha256", sa.String(64), primary_key=True), sa.Column("text", sa.Text)
+    )
+    columns = [
+        "record_id",
+        "part",
+        "tenant",
+        "replica",
+        "model",
+        "fingerprint",
+        "prompt_sha256",
+        "replay_of",
+        "status",
+    ]
+    entries = sa.Table(
+        "entries",
+        metadata,
+        sa.Column("position", sa.BigInteger, primary_key=True, autoincrement=False),
+        sa.Column("created_at", UTCDateTime),
+        *(sa.Column(name, sa.String) for name in columns),
+        sa.Column("content", sa.Text),
+        sa.Column("sha256", sa.String(64)),
+        sa.Column("prev_sha256", sa.String(64)),
+    )
+    head = sa.Table(
+        "chain_head",
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True),
+        sa.Column("position", sa.BigInteger),
+        sa.Column("sha256", sa.String(64)),
+    )
+    return stacks, prompts, entries, head
+
+
+async def _write_chained_log(db: AuditDatabase, count: int) -> list[str]:
+    """`count` entries chained as revision 0002's store wrote them; the first served by a declared stack."""
+    stacks, prompts, entries, head = _chained_tables()
+    made = [
+        entry(f"old{i}", seconds=i, content={"request": {"n": i}, "stack_declared": i == 0})
+        for i in range(count)
+    ]
+    rows, prev = [], GENESIS_SHA256
+    for position, new in enumerate(made, start=1):
+        digest = chain_hash(position, prev, new.fields())
+        rows.append({"position": position, "created_at": new.created_at, "content": new.content_json,
+                     "sha256": digest, "prev_sha256": prev,
+                     **{c: getattr(new, c) for c in ("record_id", "part", "tenant", "replica", "model",
+                                                     "fingerprint", "prompt_sha256", "replay_of", "status")}})  # fmt: skip
+        prev = digest
+    args = {"server_settings": {"search_path": db.schema}} if db.schema else {}
+    engine = create_async_engine(db.url, poolclass=NullPool, connect_args=args)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(
+                sa.insert(stacks),
+                [
+                    {
+                        "fingerprint": made[0].fingerprint,
+                        "canonical_json": made[0].stack_json,
+                        "declared": True,
+                        "first_seen": made[0].created_at,
+                    }
+                ],
+            )
+            await connection.execute(
+                sa.insert(prompts), [{"sha256": made[0].prompt_sha256, "text": made[0].prompt_text}]
+            )
+            await connection.execute(sa.insert(entries), rows)
+            await connection.execute(sa.update(head).values(position=count, sha256=prev))
+    finally:
+        await engine.dispose()
+    return [row["sha256"] for row in rows]
+
+
+async def test_a_chained_log_becomes_the_tree_s_first_leaves_and_stays_verifiable(
+    blank: AuditDatabase,
+) -> None:
+    await blank.migrate("0003_replays_index")
+    hashes = await _write_chained_log(blank, 5)
+    await blank.migrate()
+    store = await blank.open()
+    try:
+        checkpoint = await store.integrate()
+        old = await store.get_record("old0", tenant="acme")
+        proof = await store.record_proof("old3", tenant=None)
+        added = await store.append(entry("new", seconds=9))
+        await store.integrate()
+        report = await store.verify(verifiers=[LOG_SIGNER.verifier])
+    finally:
+        await store.close()
+    assert checkpoint is not None and checkpoint.tree_size == 5, "the chain, integrated in its order"
+    assert old is not None and old.entries[0].index == 0 and old.entries[0].sha256 == hashes[0]
+    assert old.stack_declared is True, "said by the chained entry's content, which its hash covers"
+    assert proof is not None and proof.entries[0].index == 3
+    assert (
+        proof.entries[0].entry.startswith('{"entry":') and f'"prev":"{hashes[2]}"' in proof.entries[0].entry
+    )
+    root = base64.b64decode(checkpoint.root_hash)
+    leaf = leaf_hash(proof.entries[0].entry.encode())
+    verify_inclusion(3, 5, leaf, [base64.b64decode(h) for h in proof.entries[0].proof or []], root)
+    assert added.seq > 5
+    assert report.ok and report.tree_size == 6, report.problem
+    with pytest.raises(RuntimeError, match="cannot go back below revision 0004"):
+        await asyncio.to_thread(downgrade_database, blank.url, "0003_replays_index", schema=blank.schema)
+
+
+async def test_an_edited_link_of_the_migrated_chain_is_found(blank: AuditDatabase) -> None:
+    await blank.migrate("0003_replays_index")
+    hashes = await _write_chained_log(blank, 4)
+    await blank.migrate()
+    store = await blank.open()
+    try:
+        await store.integrate()
+        await blank.execute(
+            f"UPDATE entries SET prev_sha256 = '{hashes[0]}', sha256 = '{'e' * 64}' WHERE seq = 3"
+        )
+        report = await store.verify()
+    finally:
+        await store.close()
+    assert report.problem is not None and (report.problem.kind, report.problem.position) == (
+        "hash_mismatch",
+        2,
+    )

@@ -1,9 +1,10 @@
-"""The audit store on real SQLite and PostgreSQL: appends, reads, tenancy, group commit and tamper detection."""
+"""The audit store on real SQLite and PostgreSQL: appends, reads, tenancy, group commit, integration into the tree,
+checkpoints and proofs. Tampering and what `verify` makes of it: tests/test_audit_verify.py."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import base64
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -13,6 +14,9 @@ import pytest
 from proxy.audit import (
     AuditStore,
     DuplicateEntry,
+    LogDiverged,
+    NoSuchCheckpoint,
+    ProofError,
     RecordCounts,
     RecordFilter,
     RecordSummary,
@@ -20,8 +24,9 @@ from proxy.audit import (
     UnknownStack,
     stack_fingerprint,
 )
-from proxy.audit.chain import GENESIS_SHA256
-from tests.audit_databases import KINDS, STACK, T0, AuditDatabase, audit_database, entry
+from proxy.audit.merkle import EMPTY_ROOT, leaf_hash, verify_consistency, verify_inclusion
+from proxy.audit.note import open_checkpoint
+from tests.audit_databases import KINDS, LOG_SIGNER, STACK, T0, AuditDatabase, audit_database, entry
 
 FINGERPRINT = stack_fingerprint(STACK)
 
@@ -35,7 +40,8 @@ async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
 
 @pytest.fixture
 async def store(database: AuditDatabase) -> AsyncIterator[AuditStore]:
-    opened = await database.open()
+    """A store that integrates when told to (and once at its start), so that tests know what the tree holds."""
+    opened = await database.open(checkpoint_interval_s=3600)
     yield opened
     await opened.close()
 
@@ -54,68 +60,88 @@ class Batches:
         self.depths.append(depth)
 
 
-async def test_appends_are_chained_and_survive_reopening(database: AuditDatabase) -> None:
-    store = await database.open()
+async def test_appends_are_sequenced_integrated_and_survive_reopening(database: AuditDatabase) -> None:
+    store = await database.open(signer=None)
     stored = [await store.append(entry(f"r{i}", seconds=i)) for i in range(5)]
+    pending = await store.get_record("r3", tenant="acme")
     await store.close()
 
-    assert [s.position for s in stored] == [1, 2, 3, 4, 5]
-    assert stored[0].prev_sha256 == GENESIS_SHA256
-    assert all(b.prev_sha256 == a.sha256 for a, b in itertools.pairwise(stored))
+    seqs = [s.seq for s in stored]
+    assert seqs == sorted(seqs) and len(set(seqs)) == 5, "each entry its own number, in commit order"
+    assert pending is not None and pending.entries[0].index is None, "not in the tree before integration"
 
     reopened = await database.open()
     try:
+        checkpoint = await reopened.integrate()
         record = await reopened.get_record("r3", tenant="acme")
-        report = await reopened.verify()
+        report = await reopened.verify(verifiers=[LOG_SIGNER.verifier])
         after = await reopened.append(entry("r5"))
     finally:
         await reopened.close()
+    assert checkpoint is not None and checkpoint.tree_size == 5
     assert record is not None
-    assert record.entries[0].sha256 == stored[3].sha256
+    assert (record.entries[0].index, record.entries[0].sha256) == (3, stored[3].sha256)
     assert record.created_at == T0 + timedelta(seconds=3)
     assert record.stack == STACK and record.fingerprint == FINGERPRINT and record.stack_declared is False
     assert record.prompt_text == "You are terse."
     assert record.entries[0].content["response"]["token_logprobs"] == [-0.125, -1.5e-7, -3.25]
-    assert report.ok and report.entries_checked == 5 and report.head == (5, stored[-1].sha256)
-    assert (after.position, after.prev_sha256) == (6, stored[-1].sha256), (
-        "a reopened store continues the chain"
-    )
+    assert report.ok and report.entries_checked == 5 and report.checkpoints_checked == 1, report.problem
+    assert report.checkpoint == checkpoint.note
+    assert after.seq > seqs[-1], "a reopened store continues the sequence"
 
 
-async def test_concurrent_appends_share_commits_and_get_contiguous_positions(database: AuditDatabase) -> None:
+async def test_concurrent_appends_share_commits_and_get_their_own_numbers(database: AuditDatabase) -> None:
     batches = Batches()
     store = await database.open(observer=batches, batch_max=64)
     try:
         stored = await asyncio.gather(*(store.append(entry(f"c{i}")) for i in range(300)))
+        await store.integrate()
         report = await store.verify()
     finally:
         await store.close()
-    assert sorted(s.position for s in stored) == list(range(1, 301))
-    assert report.ok and report.entries_checked == 300
+    assert len({s.seq for s in stored}) == 300
+    assert report.ok and report.entries_checked == 300 and report.pending == 0
     assert sum(batches.sizes) == 300
     assert max(batches.sizes) > 1, "concurrent appends must share group commits"
     assert max(batches.sizes) <= 64
 
 
-async def test_verifying_while_appends_go_on_finds_nothing_wrong(database: AuditDatabase) -> None:
-    store = await database.open(batch_max=4)
+async def test_a_batch_gets_contiguous_sequence_numbers(database: AuditDatabase) -> None:
+    batches = Batches()
+    store = await database.open(observer=batches, batch_max=64)
+    try:
+        stored = await asyncio.gather(*(store.append(entry(f"b{i}")) for i in range(10)))
+    finally:
+        await store.close()
+    seqs = sorted(s.seq for s in stored)
+    assert batches.sizes == [10]
+    assert seqs == list(range(seqs[0], seqs[0] + 10))
+
+
+async def test_verifying_while_appends_and_integration_go_on_finds_nothing_wrong(
+    database: AuditDatabase,
+) -> None:
+    store = await database.open(batch_max=4, checkpoint_interval_s=0.05)
     try:
         await store.append(entry("first"))
         appends = asyncio.gather(*(store.append(entry(f"c{i}")) for i in range(120)))
-        reports = [await store.verify(page_size=7) for _ in range(5)]
-        links = [await store.verify_record(f"c{i}") for i in range(0, 120, 10)]
+        reports = [await store.verify(page_size=7, verifiers=[LOG_SIGNER.verifier]) for _ in range(5)]
+        checks = [(await store.check_record(f"c{i}"))[0] for i in range(0, 120, 10)]
         await appends
+        await store.integrate()
         final = await store.verify()
     finally:
         await store.close()
     assert all(r.ok for r in reports), [r.problem for r in reports if not r.ok]
-    assert all(check.ok for checks in links for check in checks)
-    assert final.ok and final.head_position == 121
+    assert all(check.ok for entries in checks for check in entries)
+    assert final.ok and final.tree_size == 121
 
 
-async def test_two_stores_on_one_database_build_one_chain(database: AuditDatabase) -> None:
-    """Several proxies on one database: each append locks the head, so the chain never forks."""
-    first, second = await database.open(batch_max=8), await database.open(batch_max=8)
+async def test_two_stores_on_one_database_build_one_tree(database: AuditDatabase) -> None:
+    """Several proxies on one database: they sequence without waiting for each other, and integrate one at a time
+    (both integrate in the background here), so the tree never forks."""
+    first = await database.open(batch_max=8, checkpoint_interval_s=0.05)
+    second = await database.open(batch_max=8, checkpoint_interval_s=0.05)
     try:
         stored = await asyncio.gather(
             *(
@@ -124,13 +150,15 @@ async def test_two_stores_on_one_database_build_one_chain(database: AuditDatabas
                 for name, store in (("a", first), ("b", second))
             )
         )
-        report = await first.verify()
+        await asyncio.gather(first.integrate(), second.integrate())
+        await first.integrate()
+        report = await first.verify(verifiers=[LOG_SIGNER.verifier])
     finally:
         await first.close()
         await second.close()
-    assert sorted(s.position for s in stored) == list(range(1, 121))
+    assert len({s.seq for s in stored}) == 120
     assert report.ok, report.problem
-    assert report.head_position == 120
+    assert (report.tree_size, report.pending) == (120, 0)
 
 
 async def test_a_tenant_reads_only_its_own_records(store: AuditStore) -> None:
@@ -156,7 +184,9 @@ async def test_a_stream_is_opened_then_closed(store: AuditStore) -> None:
     record = await store.get_record("s1", tenant="acme")
     assert record is not None
     assert [e.part for e in record.entries] == ["opened", "closed"]
-    assert [e.position for e in record.entries] == [1, 3]
+    await store.integrate()
+    integrated = await store.get_record("s1", tenant="acme")
+    assert integrated is not None and [e.index for e in integrated.entries] == [0, 2]
     assert record.status == "interrupted"
     summaries = {s.id: s for s in await store.list_records()}
     assert (summaries["s1"].part, summaries["s1"].status) == ("closed", "interrupted")
@@ -176,6 +206,7 @@ async def test_flags_accumulate_but_other_parts_are_written_once(store: AuditSto
     assert [f.status for f in record.flags] == ["stack_changed", "fingerprint_mismatch"]
     assert [e.part for e in record.entries] == ["answer"]
     assert (await store.list_records())[0].flagged
+    await store.integrate()
     assert (await store.verify()).ok
 
 
@@ -194,8 +225,9 @@ async def test_one_bad_entry_fails_alone_in_a_shared_commit(store: AuditStore) -
     assert isinstance(results[5], DuplicateEntry)
     assert isinstance(results[6], UnknownStack) and unknown in str(results[6])
     assert [type(r) for r in results[7:]] == [type(results[0]), DuplicateEntry]
+    await store.integrate()
     report = await store.verify()
-    assert report.ok and report.head_position == 7
+    assert report.ok and report.tree_size == 7
 
 
 async def test_each_caller_gets_its_own_entry_back_when_one_is_refused(store: AuditStore) -> None:
@@ -212,7 +244,7 @@ async def test_each_caller_gets_its_own_entry_back_when_one_is_refused(store: Au
     assert [r.record_id for r in kept] == ["a", "b", "c", "d"]
     for stored in kept:
         record = await store.get_record(stored.record_id, tenant="acme")
-        assert record is not None and record.entries[0].position == stored.position
+        assert record is not None and record.entries[0].seq == stored.seq
         assert record.entries[0].sha256 == stored.sha256
 
 
@@ -232,7 +264,7 @@ async def test_a_failing_observer_does_not_stop_the_writer(database: AuditDataba
         await store.ping()
     finally:
         await store.close()
-    assert (first.position, second.position) == (1, 2)
+    assert first.seq < second.seq
 
 
 async def test_numbers_survive_storage_bit_for_bit(store: AuditStore) -> None:
@@ -243,6 +275,7 @@ async def test_numbers_survive_storage_bit_for_bit(store: AuditStore) -> None:
     assert [repr(x) for x in record.entries[0].content["numbers"]] == [
         repr(x) for x in [2.0**60, 0, *numbers[2:]]
     ]
+    await store.integrate()
     assert (await store.verify()).ok
 
 
@@ -351,8 +384,8 @@ async def test_process_durability_commits_the_same_chain(database: AuditDatabase
         report = await reopened.verify()
     finally:
         await reopened.close()
-    assert sorted(s.position for s in stored) == list(range(1, 21))
-    assert report.ok and report.head_position == 20
+    assert len({s.seq for s in stored}) == 20
+    assert report.ok and report.tree_size == 20, "closing integrated what it had committed"
 
 
 async def test_an_unknown_durability_is_refused(database: AuditDatabase) -> None:
@@ -360,10 +393,12 @@ async def test_an_unknown_durability_is_refused(database: AuditDatabase) -> None
         await database.open(durability="fast")
 
 
-async def test_an_empty_log_verifies_at_the_genesis_head(store: AuditStore) -> None:
-    report = await store.verify()
-    assert report.ok and report.entries_checked == 0
-    assert report.head == (0, GENESIS_SHA256)
+async def test_an_empty_log_signs_and_verifies_the_empty_tree(store: AuditStore) -> None:
+    checkpoint = await store.integrate()
+    report = await store.verify(verifiers=[LOG_SIGNER.verifier])
+    assert checkpoint is not None and checkpoint.tree_size == 0
+    assert base64.b64decode(checkpoint.root_hash) == EMPTY_ROOT
+    assert report.ok and report.entries_checked == 0 and report.checkpoints_checked == 1
 
 
 async def test_sqlite_keeps_its_log_in_wal_mode(tmp_path: Path) -> None:
@@ -381,135 +416,129 @@ async def test_close_commits_what_is_queued_and_refuses_more(database: AuditData
     pending = [asyncio.ensure_future(store.append(entry(f"q{i}"))) for i in range(20)]
     await asyncio.sleep(0)  # let every append reach the queue
     await store.close()
-    assert sorted(p.result().position for p in pending) == list(range(1, 21))
+    assert len({p.result().seq for p in pending}) == 20
     with pytest.raises(StoreClosed):
         await store.append(entry("late"))
 
     reopened = await database.open()
     try:
-        assert (await reopened.verify()).head_position == 20
+        assert (await reopened.verify()).tree_size == 20
         await reopened.ping()
     finally:
         await reopened.close()
 
 
-# Tampering: each edit to a chain of ten entries, and where verification must locate it.
-async def _tampered_chain(database: AuditDatabase) -> tuple[AuditStore, list[str]]:
-    store = await database.open()
-    stored = [await store.append(entry(f"t{i}")) for i in range(1, 11)]
-    return store, [s.sha256 for s in stored]
+async def _integrated(store: AuditStore, count: int, prefix: str = "p") -> None:
+    for i in range(count):
+        await store.append(entry(f"{prefix}{i}", seconds=i))
+    await store.integrate()
 
 
-SWAP_3_AND_4 = (
-    "UPDATE entries SET position = 1000003 WHERE position = 3",
-    "UPDATE entries SET position = 3 WHERE position = 4",
-    "UPDATE entries SET position = 4 WHERE position = 1000003",
-)
-
-
-@pytest.mark.parametrize(
-    ("statements", "kind", "position", "record_id"),
-    [
-        (["UPDATE entries SET content = '{\"forged\":true}' WHERE position = 4"], "hash_mismatch", 4, "t4"),
-        (
-            ["UPDATE entries SET content = replace(content, ',', ', ') WHERE position = 4"],
-            "content_not_canonical",
-            4,
-            "t4",
-        ),
-        (["UPDATE entries SET status = 'forged' WHERE position = 6"], "hash_mismatch", 6, "t6"),
-        ([f"UPDATE entries SET sha256 = '{'e' * 64}' WHERE position = 5"], "hash_mismatch", 5, "t5"),
-        (list(SWAP_3_AND_4), "prev_mismatch", 3, "t4"),
-        (["DELETE FROM entries WHERE position = 7"], "gap", 8, "t8"),
-        (["DELETE FROM entries WHERE position = 1"], "gap", 2, "t2"),
-        (["DELETE FROM entries WHERE position >= 9"], "head_mismatch", 8, None),
-        (["UPDATE prompts SET text = 'You are verbose.'"], "prompt_hash_mismatch", None, None),
-        (
-            ["UPDATE stacks SET canonical_json = replace(canonical_json, 'fp32', 'bf16')"],
-            "stack_hash_mismatch",
-            None,
-            None,
-        ),
-    ],
-    ids=[
-        "edited-content",
-        "respaced-content",
-        "edited-status",
-        "edited-hash",
-        "swapped-pair",
-        "deleted-middle",
-        "deleted-first",
-        "deleted-tail",
-        "edited-prompt",
-        "edited-stack",
-    ],
-)
-async def test_tampering_is_detected_and_located(
-    database: AuditDatabase, statements: list[str], kind: str, position: int | None, record_id: str | None
-) -> None:
-    store, _ = await _tampered_chain(database)
-    try:
-        assert (await store.verify()).ok
-        await database.execute(*statements)
-        report = await store.verify(page_size=3)  # the walk crosses pages, as it does on a long log
-    finally:
-        await store.close()
-    assert not report.ok
-    assert report.problem is not None
-    assert (report.problem.kind, report.problem.position, report.problem.record_id) == (
-        kind,
-        position,
-        record_id,
+async def test_a_record_is_proven_in_a_checkpoint_without_reading_the_log(store: AuditStore) -> None:
+    await _integrated(store, 6)
+    await store.append(entry("s", part="opened", status="streaming"))
+    await store.integrate()
+    await store.append(
+        entry("s", part="closed", status="complete", with_stack=False, fingerprint=FINGERPRINT)
     )
 
+    proof = await store.record_proof("s", tenant="acme")
+    assert proof is not None
+    checkpoint, _ = open_checkpoint(proof.checkpoint.note, [LOG_SIGNER.verifier])
+    assert checkpoint.size == proof.checkpoint.tree_size == 7
+    opened, closed = proof.entries
+    assert (opened.part, opened.index, closed.index, closed.proof) == ("opened", 6, None, None)
+    assert base64.b64decode(opened.leaf_hash) == leaf_hash(opened.entry.encode())
+    assert opened.proof is not None
+    verify_inclusion(
+        6, 7, base64.b64decode(opened.leaf_hash), [base64.b64decode(p) for p in opened.proof], checkpoint.root
+    )
+    assert '"record_id":"s"' in opened.entry, "the entry's bytes travel with its proof"
 
-async def test_a_deleted_tail_with_a_rewound_head_is_caught_by_the_kept_head(database: AuditDatabase) -> None:
-    store, hashes = await _tampered_chain(database)
+    assert await store.record_proof("s", tenant="globex") is None, "tenant-scoped like the record"
+    assert await store.record_proof("nobody", tenant=None) is None
+    older = await store.record_proof("p2", tenant="acme", size=6)
+    assert older is not None and older.checkpoint.tree_size == 6 and older.entries[0].proof is not None
+    with pytest.raises(NoSuchCheckpoint, match="no checkpoint of tree size 5"):
+        await store.record_proof("p2", tenant="acme", size=5)
+
+
+async def test_consistency_proofs_join_any_two_checkpoints(store: AuditStore) -> None:
+    roots, done = {}, 0
+    for size in (1, 3, 4, 9):
+        await _integrated(store, size - done, prefix=f"c{size}-")
+        done, signed = size, await store.checkpoint()
+        roots[signed.tree_size] = base64.b64decode(signed.root_hash)
+    assert sorted(roots) == [1, 3, 4, 9]
+    for old in roots:
+        for new in roots:
+            if old <= new:
+                proof = await store.consistency(old, new)
+                verify_consistency(
+                    old, new, roots[old], roots[new], [base64.b64decode(p) for p in proof.proof]
+                )
+    assert (await store.consistency(3)).new_size == 9, "to defaults to the latest checkpoint"
+    assert (await store.checkpoint(4)).tree_size == 4
+    with pytest.raises(ProofError, match="0 < from <= to"):
+        await store.consistency(0, 4)
+    with pytest.raises(ProofError, match="latest checkpoint has tree size 9"):
+        await store.consistency(3, 10)
+
+
+async def test_a_checkpoint_follows_arriving_entries_within_a_second(database: AuditDatabase) -> None:
+    store = await database.open(checkpoint_interval_s=0.5)
     try:
-        kept = (await store.verify()).head
+        await store.append(entry("first"))
+        deadline = asyncio.get_running_loop().time() + 30  # generous: a busy machine delays, it does not skip
+        while await _signed_size(store) < 1:
+            assert asyncio.get_running_loop().time() < deadline, "no checkpoint covered the entry"
+            await asyncio.sleep(0.05)
+    finally:
+        await store.close()
+
+
+async def _signed_size(store: AuditStore) -> int:
+    try:
+        return (await store.checkpoint()).tree_size
+    except NoSuchCheckpoint:
+        return -1
+
+
+async def test_integration_refuses_to_sign_over_a_tree_changed_behind_its_back(
+    database: AuditDatabase,
+) -> None:
+    store = await database.open()
+    try:
+        await _integrated(store, 4)
+        await database.execute(f"UPDATE tree_nodes SET hash = '{'0' * 64}' WHERE level = 2 AND idx = 0")
+        await store.append(entry("later"))
+        with pytest.raises(LogDiverged, match="not the one the last checkpoint signed"):
+            await store.integrate()
+    finally:
+        await database.execute("DELETE FROM log_queue")
+        await store.close()
+    assert (await database.scalar("SELECT max(tree_size) FROM checkpoints")) == 4, "nothing more was signed"
+
+
+async def test_integration_refuses_a_log_rewound_below_what_it_signed(database: AuditDatabase) -> None:
+    store = await database.open()
+    try:
+        await _integrated(store, 3)
         await database.execute(
-            "DELETE FROM entries WHERE position >= 9",
-            f"UPDATE chain_head SET position = 8, sha256 = '{hashes[7]}'",
+            "DELETE FROM checkpoints WHERE tree_size > 0",
+            "DELETE FROM tree_nodes",
+            "DELETE FROM log_leaves",
         )
-        unanchored = await store.verify()
-        anchored = await store.verify(expect_head=kept)
-        older_anchor = await store.verify(expect_head=(5, hashes[4]))
+        with pytest.raises(LogDiverged, match="rewound"):
+            await store.integrate()
     finally:
         await store.close()
-    assert kept == (10, hashes[9])
-    assert unanchored.ok, "without an anchor a cut tail looks like a shorter log"
-    assert not anchored.ok and anchored.problem is not None
-    assert anchored.problem.kind == "expect_head_mismatch"
-    assert "position 10" in anchored.problem.message
-    assert older_anchor.ok, "an anchor taken earlier still matches a log that only grew"
 
 
-async def test_an_entry_slipped_past_the_head_is_detected(database: AuditDatabase) -> None:
-    store, hashes = await _tampered_chain(database)
-    try:
-        await database.execute(
-            "INSERT INTO entries (position, record_id, part, tenant, created_at, status, content, sha256, prev_sha256)"
-            f" VALUES (11, 'slipped', 'answer', 'acme', '2026-01-02 03:04:05', 'ok', '{{}}', '{'1' * 64}',"
-            f" '{hashes[9]}')"
-        )
-        report = await store.verify()
-    finally:
-        await store.close()
-    assert report.problem is not None and report.problem.kind == "head_mismatch"
-    assert "beyond the stored head" in report.problem.message
-
-
-async def test_verify_record_checks_an_entry_against_its_neighbours(database: AuditDatabase) -> None:
-    store, _ = await _tampered_chain(database)
-    try:
-        intact = await store.verify_record("t5")
-        last = await store.verify_record("t10")
-        await database.execute("UPDATE entries SET content = '{\"forged\":true}' WHERE position = 5")
-        forged = await store.verify_record("t5")
-        missing = await store.verify_record("nobody")
-    finally:
-        await store.close()
-    assert [(c.position, c.ok) for c in intact] == [(5, True)]
-    assert last[0].next_links is None and last[0].ok
-    assert (forged[0].recomputes, forged[0].prev_matches, forged[0].next_links) == (False, True, True)
-    assert missing == []
+async def test_what_a_record_says_of_its_stack_comes_from_hashed_bytes(store: AuditStore) -> None:
+    await store.append(entry("upstream", stack_declared=True))
+    await store.append(entry("proved"))
+    upstream, proved = await store.get_record("upstream", None), await store.get_record("proved", None)
+    assert upstream is not None and proved is not None
+    assert (upstream.stack_declared, proved.stack_declared) == (True, False)
+    assert upstream.entries[0].stack_declared is True

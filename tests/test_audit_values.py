@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from proxy.audit import LinkCheck, NewEntry, stack_fingerprint
-from proxy.audit.chain import canonical_json, prompt_sha256
+from proxy.audit import EntryCheck, NewEntry, stack_fingerprint
+from proxy.audit.entries import canonical_json, entry_text, prompt_sha256, sha256_hex
+from proxy.audit.merkle import leaf_hash
 
 STACK = {"schema": 1, "model": "tiny", "kernel_mode": "batch_invariant"}
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -75,8 +76,17 @@ def test_a_prompt_is_addressed_by_the_sha256_of_its_text() -> None:
     assert new().prompt_sha256 is None
 
 
-def test_a_link_check_is_ok_only_when_every_part_holds() -> None:
-    base = {"position": 3, "part": "answer", "sha256": "a" * 64}
-    assert LinkCheck(**base, recomputes=True, prev_matches=True, next_links=None).ok
-    assert not LinkCheck(**base, recomputes=True, prev_matches=True, next_links=False).ok
-    assert not LinkCheck(**base, recomputes=False, prev_matches=True, next_links=True).ok
+def test_an_entry_is_hashed_once_from_its_own_fields() -> None:
+    made = new(stack_declared=True)
+    assert made.text == entry_text(made.fields())
+    assert made.sha256 == sha256_hex(made.text) and made.leaf_hash == leaf_hash(made.text.encode())
+    assert '"stack_declared":true' in made.text
+    assert '"stack_declared":null' in new(stack=None, fingerprint=None).text, "no stack, nothing declared"
+
+
+def test_an_entry_check_is_ok_only_when_every_part_holds() -> None:
+    base = {"seq": 3, "index": 2, "part": "answer", "sha256": "a" * 64}
+    assert EntryCheck(**base, recomputes=True, included=True).ok
+    assert EntryCheck(**base, recomputes=True, included=None).ok, "not integrated yet is not a failure"
+    assert not EntryCheck(**base, recomputes=True, included=False).ok
+    assert not EntryCheck(**base, recomputes=False, included=True).ok

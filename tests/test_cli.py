@@ -1,5 +1,5 @@
-"""The `stackpin` command line: schema management, verification, audit and listing on a real audit store, and
-`serve` refusing a database whose schema is old."""
+"""The `stackpin` command line: schema management, verification, audit and listing on a real audit store, keys,
+`prove` and `witness` against a running proxy, and `serve` refusing a database whose schema is old."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from pathlib import Path
 import pytest
 
 from proxy.audit import AuditStore
+from proxy.audit.note import COSIGNATURE, parse_signer
 from proxy.audit.schema import upgrade_database
 from proxy.cli import main as stackpin
-from tests.audit_databases import entry
+from tests.audit_databases import LOG_KEY_ENV, LOG_SIGNER, WITNESS_SIGNER, entry
 from tests.fake_replica import FakeReplica
 from tests.proxy_harness import running_proxy
+
+VKEY = LOG_SIGNER.verifier.vkey
 
 
 def write_config(folder: Path, db: Path) -> Path:
@@ -29,7 +32,7 @@ def write_config(folder: Path, db: Path) -> Path:
 
 def fill(url: str, count: int) -> None:
     async def go() -> None:
-        store = await AuditStore.open(url)
+        store = await AuditStore.open(url, signer=LOG_SIGNER)
         try:
             for i in range(count):
                 tenant = "acme" if i % 2 == 0 else "globex"
@@ -58,31 +61,98 @@ def test_db_upgrade_creates_the_schema_and_is_idempotent(
     assert "newest schema" in capsys.readouterr().out
 
 
-def test_verify_passes_on_an_intact_chain_and_locates_an_edit(
+def test_verify_passes_on_an_intact_log_and_locates_an_edit(
     config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert stackpin(["verify", "--config", str(config)]) == 0
+    assert stackpin(["verify", "--config", str(config), "--log-key", VKEY]) == 0
     out = capsys.readouterr().out
-    assert "chain intact" in out
-    head = next(line.split()[1] for line in out.splitlines() if line.startswith("head:"))
+    assert "log intact" in out and "signatures checked" in out and "checked 6 entries" in out
+    kept = tmp_path / "kept.checkpoint"
+    kept.write_text(_printed_checkpoint(out))
     import sqlite3
 
     with sqlite3.connect(tmp_path / "audit.db") as db:
-        db.execute("UPDATE entries SET content = replace(content, 'hello', 'HELLO') WHERE position = 3")
-    assert stackpin(["verify", "--config", str(config)]) == 1
-    assert "CHAIN BROKEN" in capsys.readouterr().out
-    assert stackpin(["verify", "--config", str(config), "--expect-head", head]) == 1
+        db.execute("UPDATE entries SET content = replace(content, 'hello', 'HELLO') WHERE seq = 3")
+    assert stackpin(["verify", "--config", str(config), "--log-key", VKEY, "--checkpoint", str(kept)]) == 1
+    assert "LOG BROKEN" in capsys.readouterr().out
 
 
-def test_audit_prints_the_full_stack_and_the_chain_link(
+def _printed_checkpoint(out: str) -> str:
+    """The checkpoint verify prints to keep, as the note it is (its lines are indented by two spaces)."""
+    block = out.split("keep it elsewhere, or have a witness keep it):\n", 1)[1]
+    return "".join(line[2:] + "\n" for line in block.splitlines())
+
+
+def test_verify_says_when_no_key_checked_the_signatures(
     config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert stackpin(["audit", "rec_0002", "--config", str(config)]) == 0
+    assert stackpin(["verify", "--config", str(config)]) == 0
+    assert "signatures NOT checked" in capsys.readouterr().out
+    assert stackpin(["verify", "--config", str(config), "--log-key", "garbage"]) == 2
+    assert "--log-key" in capsys.readouterr().err
+
+
+def test_audit_prints_the_full_stack_and_each_entry_s_proof(
+    config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert stackpin(["audit", "rec_0002", "--config", str(config), "--log-key", VKEY]) == 0
     out = capsys.readouterr().out
-    assert "cpu-x86_64-avx512" in out and "batch_invariant" in out and "verifies" in out
+    assert "cpu-x86_64-avx512" in out and "batch_invariant" in out
+    assert "recomputes, proven in the checkpoint of size 6" in out and "signature checked" in out
     assert stackpin(["audit", "rec_0002", "--config", str(config), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["chain_ok"] is True
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["entries_ok"] is True and printed["entries"][0]["index"] == 2
     assert stackpin(["audit", "rec_missing", "--config", str(config)]) == 2
+
+
+def test_keygen_writes_a_private_key_once_and_prints_its_verifier_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.key"
+    assert stackpin(["keygen", "witness.example/w1", "--witness", "--out", str(path)]) == 0
+    vkey = capsys.readouterr().out.strip()
+    signer = parse_signer(path.read_text())
+    assert (signer.kind, signer.verifier.vkey) == (COSIGNATURE, vkey)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert stackpin(["keygen", "witness.example/w1", "--out", str(path)]) == 2
+    assert "never overwritten" in capsys.readouterr().err
+
+
+async def test_prove_and_witness_check_a_running_proxy_s_log(
+    replica: FakeReplica, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    witness_key, store = tmp_path / "w.key", tmp_path / "witness.jsonl"
+    witness_key.write_text(WITNESS_SIGNER.text)
+    async with running_proxy([replica], tmp_path, log={"signing_key_env": LOG_KEY_ENV}) as proxy:
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        records = [(await proxy.post("/v1/chat/completions", body))[2]["Stackpin-Record"] for _ in range(3)]
+        await proxy.proxy.store.integrate()
+        client = ["--url", proxy.url, "--log-key", VKEY]
+        watch = ["witness", *client, "--store", str(store), "--key", str(witness_key), "--once"]
+        assert await asyncio.to_thread(stackpin, watch) == 0
+        assert await asyncio.to_thread(stackpin, ["prove", records[1], *client]) == 0
+        out = capsys.readouterr().out
+        assert "cosigned checkpoint of size 3" in out and "PROVEN: leaf 1 of the tree of size 3" in out
+        assert await asyncio.to_thread(stackpin, ["prove", records[1], *client, "--json"]) == 0
+        saved = tmp_path / "proof.json"
+        saved.write_text(capsys.readouterr().out)
+        checkpoint = tmp_path / "checkpoint"
+        checkpoint.write_text((await proxy.proxy.store.checkpoint()).note)
+        await proxy.post("/v1/chat/completions", body)
+        await proxy.proxy.store.integrate()
+        assert await asyncio.to_thread(stackpin, watch) == 0
+        config = tmp_path / "verify.toml"
+        config.write_text(f'[store]\nurl = "{proxy.settings.store.url}"\n[local_backend]\nenabled = "off"\n')
+    offline = ["prove", records[1], "--proof", str(saved), "--checkpoint", str(checkpoint), "--log-key", VKEY]
+    assert await asyncio.to_thread(stackpin, offline) == 0, "checked from the saved files alone"
+    assert await asyncio.to_thread(stackpin, [*offline[:2], "--proof", str(saved), "--log-key", VKEY]) == 0
+    assert await asyncio.to_thread(stackpin, ["prove", records[0], *offline[2:]]) == 2, (
+        "another record's proof"
+    )
+    witnessed = ["verify", "--config", str(config), "--log-key", VKEY, "--witness", str(store)]
+    assert await asyncio.to_thread(stackpin, [*witnessed, "--witness-key", WITNESS_SIGNER.verifier.vkey]) == 0
+    out = capsys.readouterr().out
+    assert "2 checkpoints held outside the database matched" in out and "log intact" in out
 
 
 def test_records_lists_and_filters(config: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -98,8 +98,10 @@ def test_a_request_gets_a_record_and_its_replay_is_reproduced(
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert json.loads(replay.stdout)["outcome"] == "reproduced"
     audit = stackpin(folder, env, "audit", record_id)
-    assert audit.returncode == 0 and "batch_invariant" in audit.stdout and "verifies" in audit.stdout
-    assert stackpin(folder, env, "verify").returncode == 0
+    assert audit.returncode == 0 and "batch_invariant" in audit.stdout and "recomputes" in audit.stdout
+    assert (folder / "stackpin.db.log.key").exists(), "the log's signing key beside the database, not in it"
+    verify = stackpin(folder, env, "verify")
+    assert verify.returncode == 0 and "signatures checked" in verify.stdout, verify.stdout
 
 
 def test_identical_requests_under_concurrency_give_one_completion(

@@ -128,7 +128,7 @@ def test_a_record_shows_its_request_answer_tokens_stack_and_entries(site: Site, 
     assert page.locator("#stack tr.distinct td.key").all_inner_texts() == ["kernel_mode"], (
         "what distinguishes the stack from the other live one is highlighted"
     )
-    assert "every link verifies" in page.inner_text("#entries")
+    assert "every entry recomputes" in page.inner_text("#entries")
     assert "temperature" in page.inner_text("#decoding")
     shot(page, "record")
 

@@ -23,7 +23,8 @@ T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
 def record(*entries: tuple[str, str, dict[str, Any]]) -> AuditRecord:
     views = [
         EntryView(
-            position=i + 1,
+            seq=i + 1,
+            index=i,
             part=part,  # type: ignore[arg-type]
             created_at=T0,
             status=status,
@@ -32,7 +33,7 @@ def record(*entries: tuple[str, str, dict[str, Any]]) -> AuditRecord:
             fingerprint="a" * 64,
             content=content,
             sha256="0" * 64,
-            prev_sha256="0" * 64,
+            stack_declared=False,
         )
         for i, (part, status, content) in enumerate(entries)
     ]

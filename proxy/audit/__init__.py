@@ -1,15 +1,19 @@
-"""The audit store: an append-only, hash-chained log of every answer, on SQLite or PostgreSQL.
+"""The audit store: an append-only transparency log of every answer, on SQLite or PostgreSQL.
 
 The proxy builds each record's content and hands it over as a `NewEntry`; this package commits it (group
-commit), reads records back, and verifies the chain. See docs/audit.md.
+commit), puts it in a Merkle tree and signs checkpoints over it, reads records and proofs back, and verifies
+the log. See docs/audit.md.
 """
 
-from proxy.audit.chain import ChainProblem, canonical_json, prompt_sha256, stack_fingerprint
+from proxy.audit.checks import LogProblem
 from proxy.audit.commit import CommitObserver
+from proxy.audit.entries import canonical_json, prompt_sha256, stack_fingerprint
 from proxy.audit.errors import (
     AuditError,
     DatabaseUrlError,
     DuplicateEntry,
+    LogDiverged,
+    NoSuchCheckpoint,
     SchemaError,
     SchemaOutdated,
     SchemaTooNew,
@@ -18,46 +22,64 @@ from proxy.audit.errors import (
     UnknownStack,
 )
 from proxy.audit.listing import RecordFilter
+from proxy.audit.merkle import ProofError
+from proxy.audit.note import NoteError, Signer, Verifier
 from proxy.audit.schema import HEAD_REVISION, schema_revision, upgrade_database
 from proxy.audit.store import AuditStore
 from proxy.audit.values import (
     AuditRecord,
+    ConsistencyProof,
+    EntryCheck,
+    EntryProof,
     EntryView,
-    LinkCheck,
     NewEntry,
     OpenStream,
     RecordCounts,
+    RecordProof,
     RecordSummary,
+    SignedCheckpoint,
     StoredEntry,
     StreamCounts,
     VerifyReport,
 )
+from proxy.audit.verify import Witnessed
 
 __all__ = [
     "HEAD_REVISION",
     "AuditError",
     "AuditRecord",
     "AuditStore",
-    "ChainProblem",
     "CommitObserver",
+    "ConsistencyProof",
     "DatabaseUrlError",
     "DuplicateEntry",
+    "EntryCheck",
+    "EntryProof",
     "EntryView",
-    "LinkCheck",
+    "LogDiverged",
+    "LogProblem",
     "NewEntry",
+    "NoSuchCheckpoint",
+    "NoteError",
     "OpenStream",
+    "ProofError",
     "RecordCounts",
     "RecordFilter",
+    "RecordProof",
     "RecordSummary",
     "SchemaError",
     "SchemaOutdated",
     "SchemaTooNew",
+    "SignedCheckpoint",
+    "Signer",
     "StoreClosed",
     "StoreUnavailable",
     "StoredEntry",
     "StreamCounts",
     "UnknownStack",
+    "Verifier",
     "VerifyReport",
+    "Witnessed",
     "canonical_json",
     "prompt_sha256",
     "schema_revision",

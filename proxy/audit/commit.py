@@ -1,14 +1,16 @@
-"""Group commit: many concurrent appends share one transaction, and each returns only after that commit.
+"""Group commit, the sequencing half of the log: concurrent appends share one transaction, and each returns only
+after that commit.
 
 A caller's entry goes on a queue with a future. One writer task takes up to `batch_max` entries (waiting at
-most `batch_wait_ms` for more once the first arrives) and, in ONE transaction, locks the chain head, stores
-stacks and prompts not stored yet, gives the entries their positions and hashes, inserts them, moves the head
-and commits; then it resolves every future, or fails them all with the error. While one batch commits the next
-one gathers, so under load the cost of a durable commit is shared by everyone waiting.
+most `batch_wait_ms` for more once the first arrives) and, in ONE transaction, stores stacks and prompts not
+stored yet, gives the entries contiguous sequence numbers, inserts them, queues the batch for integration
+(one row: its first number, its size, its entries' leaf hashes), and commits; then it resolves every future, or fails them all with the error. While one
+batch commits the next one gathers, so under load the cost of a durable commit is shared by everyone waiting.
 
-The head row is locked with `SELECT ... FOR UPDATE` on PostgreSQL and by `BEGIN IMMEDIATE` on SQLite, so
-several proxies on one database append to one chain without forking it. This module knows nothing of reading
-records.
+No lock is shared by the proxies: on PostgreSQL a batch takes one block of numbers from a sequence, which never
+waits for another transaction, and an entry's bytes do not depend on any other entry, so they are hashed before
+the transaction begins. Putting entries into the Merkle tree and signing checkpoints is the integrator's work
+(`integrate.py`). This module knows nothing of reading records.
 """
 
 from __future__ import annotations
@@ -19,11 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, func, insert, select, text
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from proxy.audit.chain import Link, chain_links
 from proxy.audit.errors import (
     AuditError,
     DuplicateEntry,
@@ -32,7 +33,7 @@ from proxy.audit.errors import (
     UnknownStack,
     failure_reason,
 )
-from proxy.audit.models import ChainHead, Entry, Prompt, Stack
+from proxy.audit.models import SEQUENCE_BLOCK, Entry, LogQueue, Prompt, Stack
 from proxy.audit.values import NewEntry, StoredEntry
 from proxy.audit.writer import TransactionRunner
 
@@ -52,9 +53,9 @@ class CommitObserver(Protocol):
 
 @dataclass(frozen=True)
 class _Written:
-    """What one transaction did: the chain links of the entries it stored, and what it learnt on the way."""
+    """What one transaction did: the sequence numbers of the entries it stored, and what it learnt on the way."""
 
-    links: list[Link]
+    seqs: list[int]
     missing_stacks: set[str]
     found_stacks: set[str]
     new_stacks: set[str]
@@ -85,6 +86,8 @@ class GroupCommitter:
         observer: CommitObserver | None = None,
     ) -> None:
         self._writer = writer
+        if batch_max > SEQUENCE_BLOCK:
+            raise ValueError(f"batch_max must be at most {SEQUENCE_BLOCK}, got {batch_max}")
         self._batch_max = batch_max
         self._batch_wait_s = batch_wait_ms / 1000.0
         self._observer = observer
@@ -227,6 +230,8 @@ class GroupCommitter:
     async def _transaction(self, batch: list[_Pending]) -> list[tuple[_Pending, StoredEntry]]:
         """Commits what it can of `batch` in one transaction; entries it refuses are failed, not returned."""
         entries = [p.entry for p in batch]
+        for entry in entries:
+            entry.leaf_hash  # noqa: B018  (its bytes, made and cached here, outside the transaction)
         written = await self._writer.run(lambda connection: self._write(connection, entries))
         self._remember(self._known_stacks, written.found_stacks | written.new_stacks)
         self._remember(self._known_prompts, written.new_prompts)
@@ -247,13 +252,13 @@ class GroupCommitter:
                 StoredEntry(
                     record_id=p.entry.record_id,
                     part=p.entry.part,
-                    position=link.position,
-                    sha256=link.sha256,
-                    prev_sha256=link.prev_sha256,
+                    seq=seq,
+                    sha256=p.entry.sha256,
+                    leaf_hash=p.entry.leaf_hash.hex(),
                     created_at=p.entry.created_at,
                 ),
             )
-            for p, link in zip(kept, written.links, strict=True)
+            for p, seq in zip(kept, written.seqs, strict=True)
         ]
 
     def _write(self, connection: Connection, entries: list[NewEntry]) -> _Written:
@@ -261,28 +266,25 @@ class GroupCommitter:
 
         It reads the caches but never changes them, and settles no future: both belong to the event loop.
         """
-        head = connection.execute(
-            select(ChainHead.position, ChainHead.sha256).where(ChainHead.id == 1).with_for_update()
-        ).one()
         found, missing = self._check_named_stacks(connection, entries)
         entries = [e for e in entries if e.fingerprint not in missing]
         if not entries:
             return _Written([], missing, found, set(), set())
         new_stacks, new_prompts = self._store_stacks_and_prompts(connection, entries)
-        links = chain_links(head.position, head.sha256, [e.fields() for e in entries])
+        first = sequence_block(connection, len(entries))
+        seqs = list(range(first, first + len(entries)))
+        connection.execute(insert(Entry), [entry_row(e, seq) for e, seq in zip(entries, seqs, strict=True)])
         connection.execute(
-            insert(Entry),
+            insert(LogQueue),
             [
-                _entry_row(e, link.position, link.prev_sha256, link.sha256)
-                for e, link in zip(entries, links, strict=True)
+                {
+                    "first_seq": first,
+                    "count": len(entries),
+                    "leaf_hashes": "".join(e.leaf_hash.hex() for e in entries),
+                }
             ],
         )
-        connection.execute(
-            update(ChainHead)
-            .where(ChainHead.id == 1)
-            .values(position=links[-1].position, sha256=links[-1].sha256)
-        )
-        return _Written(links, missing, found, new_stacks, new_prompts)
+        return _Written(seqs, missing, found, new_stacks, new_prompts)
 
     def _check_named_stacks(
         self, connection: Connection, entries: list[NewEntry]
@@ -314,7 +316,6 @@ class GroupCommitter:
                     {
                         "fingerprint": entry.fingerprint,
                         "canonical_json": entry.stack_json,
-                        "declared": entry.stack_declared,
                         "first_seen": entry.created_at,
                     },
                 )
@@ -341,9 +342,21 @@ def _insert_ignoring(dialect: str, model: type[Stack] | type[Prompt], key: str) 
     return module.insert(model).on_conflict_do_nothing(index_elements=[key])
 
 
-def _entry_row(entry: NewEntry, position: int, prev_sha256: str, sha256: str) -> dict[str, Any]:
+def sequence_block(connection: Connection, count: int) -> int:
+    """The first of `count` contiguous sequence numbers that no other transaction gets (count <= SEQUENCE_BLOCK).
+
+    PostgreSQL: one `nextval` of a sequence that steps by SEQUENCE_BLOCK; it never waits, and a block left unused
+    by a failed batch is a gap, which only orders entries and needs no filling. SQLite: the largest number plus
+    one, since its transactions write one at a time.
+    """
+    if connection.dialect.name == "postgresql":
+        return int(connection.execute(text("SELECT nextval('entries_seq')")).scalar_one())
+    return int(connection.execute(select(func.coalesce(func.max(Entry.seq), 0) + 1)).scalar_one())
+
+
+def entry_row(entry: NewEntry, seq: int) -> dict[str, Any]:
     return {
-        "position": position,
+        "seq": seq,
         "record_id": entry.record_id,
         "part": entry.part,
         "tenant": entry.tenant,
@@ -354,9 +367,10 @@ def _entry_row(entry: NewEntry, position: int, prev_sha256: str, sha256: str) ->
         "prompt_sha256": entry.prompt_sha256,
         "replay_of": entry.replay_of,
         "status": entry.status,
+        "stack_declared": entry.fields().stack_declared,
         "content": entry.content_json,
-        "sha256": sha256,
-        "prev_sha256": prev_sha256,
+        "sha256": entry.sha256,
+        "prev_sha256": None,
     }
 
 

@@ -1,6 +1,6 @@
 """How the audit store reaches its database: URL checks, engines and per-dialect connection settings.
 
-Knows SQLite (aiosqlite, the embedded default) and PostgreSQL (asyncpg). Knows nothing of tables or the chain.
+Knows SQLite (aiosqlite, the embedded default) and PostgreSQL (asyncpg). Knows nothing of tables or the log.
 """
 
 from __future__ import annotations

@@ -8,9 +8,12 @@
     ├── UnknownStack       an entry names a fingerprint whose stack was never stored
     ├── DuplicateEntry     the record already has an entry of that part
     ├── StoreUnavailable   the database failed a commit or a read (down, unreachable, restarting); try again
-    └── StoreClosed        append after close()
+    ├── StoreClosed        append after close()
+    ├── NoSuchCheckpoint   the log signed no checkpoint of the size asked for (or none yet)
+    └── LogDiverged        the stored tree no longer matches what the log signed: it will not sign more
 
-Invalid entries are rejected earlier, when `NewEntry` is built (pydantic's ValidationError).
+Invalid entries are rejected earlier, when `NewEntry` is built (pydantic's ValidationError); a proof that cannot
+exist (a leaf beyond the tree, sizes out of order) is `proxy.audit.merkle.ProofError`, a ValueError.
 """
 
 from __future__ import annotations
@@ -51,6 +54,14 @@ class StoreUnavailable(AuditError):
 
 
 class StoreClosed(AuditError):
+    pass
+
+
+class NoSuchCheckpoint(AuditError, LookupError):
+    pass
+
+
+class LogDiverged(AuditError):
     pass
 
 

@@ -87,7 +87,7 @@ def where(query: Select[Any], selected: RecordFilter) -> Select[Any]:
 def page(
     columns: list[Any], selected: RecordFilter, *, limit: int, before: Any = None, after: Any = None
 ) -> Select[Any]:
-    """Newest first; `before`/`after` are (created_at, position) of a first entry on the page beside it.
+    """Newest first; `before`/`after` are (created_at, seq) of a first entry on the page beside it.
 
     With `after` the rows come oldest first (the page just newer than the cursor); the caller reverses them.
     """
@@ -95,16 +95,16 @@ def page(
     if before is not None:
         query = query.where(_earlier(*before))
     if after is not None:
-        query = query.where(~_earlier(*after), ENTRIES.c.position != after[1])
-        return query.order_by(ENTRIES.c.created_at.asc(), ENTRIES.c.position.asc()).limit(limit)
+        query = query.where(~_earlier(*after), ENTRIES.c.seq != after[1])
+        return query.order_by(ENTRIES.c.created_at.asc(), ENTRIES.c.seq.asc()).limit(limit)
     # By time first, so that a filter on tenant, stack or model can walk its (column, created_at) index.
-    return query.order_by(ENTRIES.c.created_at.desc(), ENTRIES.c.position.desc()).limit(limit)
+    return query.order_by(ENTRIES.c.created_at.desc(), ENTRIES.c.seq.desc()).limit(limit)
 
 
-def _earlier(created_at: Any, position: int) -> ColumnElement[bool]:
+def _earlier(created_at: Any, seq: int) -> ColumnElement[bool]:
     return or_(
         ENTRIES.c.created_at < created_at,
-        and_(ENTRIES.c.created_at == created_at, ENTRIES.c.position < position),
+        and_(ENTRIES.c.created_at == created_at, ENTRIES.c.seq < seq),
     )
 
 

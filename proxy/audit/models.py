@@ -1,8 +1,9 @@
 """The audit database's tables as SQLAlchemy 2.0 typed declarative models.
 
 These models describe the schema that the Alembic migrations in `migrations/versions/` create; they never
-create it themselves (only the migrations do, and a test checks that both agree). Hashing and verification
-live in `chain.py`, reading and writing in `store.py`.
+create it themselves (only the migrations do, and a test checks that both agree). An entry's bytes are
+`entries.py`'s business, the tree's hashing `merkle.py`'s; writing is `commit.py` (sequencing) and
+`integrate.py` (the tree and its checkpoints), reading `store.py` and `tree.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    Sequence,
+    SmallInteger,
     String,
     Text,
     text,
@@ -66,13 +69,13 @@ class Base(DeclarativeBase):
 
 
 class Stack(Base):
-    """A serving stack, stored once: its canonical JSON hashes to its fingerprint."""
+    """A serving stack, stored once: its canonical JSON hashes to its fingerprint. Whether it was declared or
+    proved is said by each entry that names it, where it is hashed."""
 
     __tablename__ = "stacks"
 
     fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
     canonical_json: Mapped[str] = mapped_column(Text)
-    declared: Mapped[bool] = mapped_column(Boolean)
     first_seen: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
@@ -85,12 +88,18 @@ class Prompt(Base):
     text: Mapped[str] = mapped_column(Text)
 
 
+# PostgreSQL hands out sequence numbers in blocks of this many, one block per group commit: the entries of a batch
+# get contiguous numbers without a lock shared by the proxies (SQLite has one writer at a time anyway).
+SEQUENCE_BLOCK = 1024
+ENTRY_SEQUENCE = Sequence("entries_seq", increment=SEQUENCE_BLOCK, start=1, metadata=Base.metadata)
+
+
 class Entry(Base):
-    """One link of the chain; a record is the entries that share its record id."""
+    """One entry of the log, written once; a record is the entries that share its record id."""
 
     __tablename__ = "entries"
 
-    position: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     record_id: Mapped[str] = mapped_column(String(100), index=True)
     part: Mapped[str] = mapped_column(String(16))
     tenant: Mapped[str] = mapped_column(String(200))
@@ -101,13 +110,14 @@ class Entry(Base):
     prompt_sha256: Mapped[str | None] = mapped_column(String(64), ForeignKey("prompts.sha256"))
     replay_of: Mapped[str | None] = mapped_column(String(100))
     status: Mapped[str] = mapped_column(String(64))
+    stack_declared: Mapped[bool | None] = mapped_column(Boolean)
     content: Mapped[str] = mapped_column(Text)
     sha256: Mapped[str] = mapped_column(String(64))
-    prev_sha256: Mapped[str] = mapped_column(String(64))
+    prev_sha256: Mapped[str | None] = mapped_column(String(64))  # only on entries written as a hash chain
 
     __table_args__ = (
         CheckConstraint("part IN ('answer', 'opened', 'closed', 'flag')", name="part"),
-        CheckConstraint("position > 0", name="position"),
+        CheckConstraint("seq > 0", name="seq"),
         # A record has at most one entry of each part, except flags, which may accumulate.
         Index(
             "uq_entries_record_part",
@@ -126,13 +136,44 @@ class Entry(Base):
     )
 
 
-class ChainHead(Base):
-    """The last entry's position and hash, in one row that every append locks and moves."""
+class LogQueue(Base):
+    """Batches committed but not yet in the tree: entries `first_seq` to `first_seq + count - 1`, with the leaf
+    hashes their writer computed, 64 hex digits each, in order (None: compute them from the entries)."""
 
-    __tablename__ = "chain_head"
+    __tablename__ = "log_queue"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    position: Mapped[int] = mapped_column(BigInteger)
-    sha256: Mapped[str] = mapped_column(String(64))
+    first_seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(Integer)
+    leaf_hashes: Mapped[str | None] = mapped_column(Text)
 
-    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+class LogLeaf(Base):
+    """The tree's order and its leaves: leaf `leaf_index` (from 0) is the entry `seq`, with its hash."""
+
+    __tablename__ = "log_leaves"
+
+    leaf_index: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    seq: Mapped[int] = mapped_column(BigInteger, ForeignKey("entries.seq"), unique=True)
+    leaf_hash: Mapped[str] = mapped_column(String(64))
+
+
+class TreeNode(Base):
+    """Every perfect subtree's hash above the leaves: node (level, idx), level >= 1, covers leaves
+    [idx * 2**level, (idx + 1) * 2**level). Level 0 is `log_leaves.leaf_hash`."""
+
+    __tablename__ = "tree_nodes"
+
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class LogCheckpoint(Base):
+    """A signed checkpoint (C2SP tlog-checkpoint); `root_hash` in hex repeats the note's, for queries."""
+
+    __tablename__ = "checkpoints"
+
+    tree_size: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    root_hash: Mapped[str] = mapped_column(String(64))
+    note: Mapped[str] = mapped_column(Text)
+    signed_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -1,9 +1,11 @@
-"""The audit store: the one object the proxy holds to append entries, read records back and verify the chain.
+"""The audit store: the one object the proxy holds to append entries, read records and proofs back, and verify
+the log.
 
 It opens the database (refusing a schema that is not at this stackpin's head revision), owns the group
-committer that writes (`commit.py`) and answers reads. What goes into a record's content is the proxy's
-business; how a chain is judged is `chain.py`'s; the schema is made only by the Alembic migrations
-(`schema.py`).
+committer that sequences entries (`commit.py`) and, when it is given the log's signing key, the integrator that
+puts them in the Merkle tree and signs checkpoints (`integrate.py`), and answers reads. What goes into a
+record's content is the proxy's business; how a log is judged is `checks.py`'s; the schema is made only by the
+Alembic migrations (`schema.py`).
 """
 
 from __future__ import annotations
@@ -18,36 +20,45 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from proxy.audit import listing
-from proxy.audit.chain import load_canonical
+from proxy.audit import listing, proofs
 from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import Durability, describe, make_engine, make_writer, parse_url
+from proxy.audit.entries import load_canonical
 from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew, StoreUnavailable, failure_reason
+from proxy.audit.integrate import Integrator
 from proxy.audit.listing import RecordFilter
-from proxy.audit.models import Entry, Prompt, Stack
+from proxy.audit.models import Entry, LogLeaf, Prompt, Stack
+from proxy.audit.note import Signer, Verifier
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
+from proxy.audit.tree import (
+    checkpoint_of_size,
+)
 from proxy.audit.values import (
     AuditRecord,
+    ConsistencyProof,
+    EntryCheck,
     EntryView,
-    LinkCheck,
     NewEntry,
     OpenStream,
     RecordCounts,
+    RecordProof,
     RecordSummary,
+    SignedCheckpoint,
     StoredEntry,
     StreamCounts,
     VerifyReport,
 )
-from proxy.audit.verify import PAGE_SIZE, verify_chain, verify_record_links
+from proxy.audit.verify import PAGE_SIZE, Witnessed, verify_log
 from proxy.audit.writer import TransactionRunner
 
 ENTRIES = Entry.__table__
+LEAVES = LogLeaf.__table__
 STACKS = Stack.__table__
 PROMPTS = Prompt.__table__
 LIST_LIMIT_MAX = 1000
 SUMMARY_COLUMNS = (
     "record_id",
-    "position",
+    "seq",
     "tenant",
     "created_at",
     "model",
@@ -64,10 +75,17 @@ MARKED_AT_START = '"marked_at_start":true'
 class AuditStore:
     """Open with `await AuditStore.open(url)`; `close()` when done (it commits what is queued first)."""
 
-    def __init__(self, reader: AsyncEngine, writer: TransactionRunner, committer: GroupCommitter) -> None:
+    def __init__(
+        self,
+        reader: AsyncEngine,
+        writers: list[TransactionRunner],
+        committer: GroupCommitter,
+        integrator: Integrator | None,
+    ) -> None:
         self._reader = reader
-        self._writer = writer
+        self._writers = writers
         self._committer = committer
+        self._integrator = integrator
 
     @classmethod
     async def open(
@@ -80,12 +98,16 @@ class AuditStore:
         schema: str | None = None,
         observer: CommitObserver | None = None,
         durability: Durability = "disk",
+        signer: Signer | None = None,
+        checkpoint_interval_s: float = 0.5,
     ) -> AuditStore:
         """Connects to `url` (sqlite+aiosqlite:///file.db or postgresql+asyncpg://...).
 
         Raises SchemaOutdated when the database is not at HEAD_REVISION; with `create_if_empty`, a
         database that holds no table at all is migrated instead (the embedded default's first run).
         `schema` (PostgreSQL only) names the schema that holds the tables. `durability`: see make_writer.
+        With `signer` (the log's key), the store also integrates entries into the tree and signs a checkpoint
+        every `checkpoint_interval_s` while entries arrive; without it, it only appends and reads.
         """
         if batch_max < 1:
             raise ValueError(f"batch_max must be at least 1, got {batch_max}")
@@ -100,17 +122,35 @@ class AuditStore:
         committer = GroupCommitter(
             writer, batch_max=batch_max, batch_wait_ms=batch_wait_ms, observer=observer
         )
+        writers, integrator = [writer], None
+        if signer is not None:
+            # SQLite admits one writer at a time: integration shares the committer's thread. PostgreSQL
+            # integrates on a connection of its own, so that the committer never waits for it.
+            if parsed.get_backend_name() != "sqlite":
+                writers.append(make_writer(parsed, schema=schema, durability=durability))
+            integrator = Integrator(writers[-1], signer, interval_s=checkpoint_interval_s)
         committer.start()
-        return cls(reader, writer, committer)
+        if integrator is not None:
+            integrator.start()
+        return cls(reader, writers, committer, integrator)
 
     async def append(self, entry: NewEntry) -> StoredEntry:
-        """Appends `entry` to the chain; returns only once it is committed (durably)."""
+        """Appends `entry` to the log; returns only once it is committed (durably), before it is in the tree."""
         return await self._committer.submit(entry)
 
+    async def integrate(self) -> SignedCheckpoint | None:
+        """Puts every committed entry in the tree now and signs the checkpoint (None: another proxy is at it)."""
+        if self._integrator is None:
+            raise AuditError("this store has no signing key: it cannot integrate entries or sign checkpoints")
+        return await self._integrator.integrate()
+
     async def close(self) -> None:
-        """Commits every entry already queued, then releases the database."""
+        """Commits every entry already queued, integrates it when this store signs, then releases the database."""
         await self._committer.close()
-        await self._writer.dispose()
+        if self._integrator is not None:
+            await self._integrator.close()
+        for writer in self._writers:
+            await writer.dispose()
         await self._reader.dispose()
 
     async def ping(self) -> None:
@@ -135,7 +175,10 @@ class AuditStore:
             rows = (
                 (
                     await connection.execute(
-                        select(ENTRIES).where(ENTRIES.c.record_id == record_id).order_by(ENTRIES.c.position)
+                        select(ENTRIES, LEAVES.c.leaf_index)
+                        .select_from(ENTRIES.outerjoin(LEAVES, LEAVES.c.seq == ENTRIES.c.seq))
+                        .where(ENTRIES.c.record_id == record_id)
+                        .order_by(ENTRIES.c.seq)
                     )
                 )
                 .mappings()
@@ -149,9 +192,7 @@ class AuditStore:
             if first["fingerprint"] is not None:
                 stack_row = (
                     await connection.execute(
-                        select(STACKS.c.canonical_json, STACKS.c.declared).where(
-                            STACKS.c.fingerprint == first["fingerprint"]
-                        )
+                        select(STACKS.c.canonical_json).where(STACKS.c.fingerprint == first["fingerprint"])
                     )
                 ).one_or_none()
             prompt_sha = next(
@@ -172,7 +213,7 @@ class AuditStore:
             replay_of=first["replay_of"],
             status=main[-1]["status"],
             stack=None if stack_row is None else load_canonical(stack_row.canonical_json),
-            stack_declared=None if stack_row is None else bool(stack_row.declared),
+            stack_declared=_declared(first),
             prompt_sha256=prompt_sha,
             prompt_text=prompt_text,
             entries=[_view(row) for row in main],
@@ -222,14 +263,14 @@ class AuditStore:
     async def _cursor(connection: Any, record_id: str) -> tuple[datetime, int]:
         row = (
             await connection.execute(
-                select(ENTRIES.c.created_at, ENTRIES.c.position).where(
+                select(ENTRIES.c.created_at, ENTRIES.c.seq).where(
                     ENTRIES.c.record_id == record_id, ENTRIES.c.part.in_(listing.FIRST_PARTS)
                 )
             )
         ).one_or_none()
         if row is None:
             raise ValueError(f"no record {record_id!r} to page from")
-        return row.created_at, row.position
+        return row.created_at, row.seq
 
     @staticmethod
     async def _later_parts(connection: Any, record_ids: Sequence[str]) -> dict[str, list[RowMapping]]:
@@ -240,7 +281,7 @@ class AuditStore:
                 await connection.execute(
                     select(ENTRIES.c.record_id, ENTRIES.c.part, ENTRIES.c.status)
                     .where(ENTRIES.c.record_id.in_(record_ids), ENTRIES.c.part.in_(("closed", "flag")))
-                    .order_by(ENTRIES.c.position)
+                    .order_by(ENTRIES.c.seq)
                 )
             )
             .mappings()
@@ -259,7 +300,7 @@ class AuditStore:
             select(ENTRIES.c.record_id)
             .where(ENTRIES.c.replica == replica, ENTRIES.c.created_at >= since, ENTRIES.c.part != "flag")
             .group_by(ENTRIES.c.record_id)
-            .order_by(func.min(ENTRIES.c.position))
+            .order_by(func.min(ENTRIES.c.seq))
         )
         async with self._read() as connection:
             return list((await connection.execute(query)).scalars())
@@ -274,7 +315,7 @@ class AuditStore:
         if opened_before is not None:
             query = query.where(ENTRIES.c.created_at < opened_before)
         async with self._read() as connection:
-            rows = (await connection.execute(query.order_by(ENTRIES.c.position))).mappings().all()
+            rows = (await connection.execute(query.order_by(ENTRIES.c.seq))).mappings().all()
         return [OpenStream.model_validate(dict(row)) for row in rows]
 
     async def stream_counts(self) -> StreamCounts:
@@ -311,17 +352,62 @@ class AuditStore:
             ).scalar_one_or_none()
         return None if found is None else load_canonical(found)
 
+    async def checkpoint(self, size: int | None = None) -> SignedCheckpoint:
+        """The signed checkpoint of tree size `size`, or the latest; NoSuchCheckpoint when there is none."""
+        async with self._reader.connect() as connection:
+            return await connection.run_sync(checkpoint_of_size, size)
+
+    async def record_proof(
+        self, record_id: str, tenant: str | None, size: int | None = None
+    ) -> RecordProof | None:
+        """Each entry of the record with its inclusion proof in the checkpoint of `size` (default the latest).
+
+        None when the record does not exist or is another tenant's (`tenant=None`: any); an entry not in that
+        checkpoint's tree (integrated later, or not yet) has no proof.
+        """
+        async with self._reader.connect() as connection:
+            return await connection.run_sync(proofs.record_proof, record_id, tenant, size)
+
+    async def consistency(self, old: int, new: int | None = None) -> ConsistencyProof:
+        """The proof that the tree of size `new` (default: the latest checkpoint's) extends the tree of `old`."""
+        async with self._reader.connect() as connection:
+            return await connection.run_sync(proofs.consistency, old, new)
+
     async def verify(
-        self, *, expect_head: tuple[int, str] | None = None, page_size: int = PAGE_SIZE
+        self,
+        *,
+        verifiers: list[Verifier] | None = None,
+        witnessed: list[Witnessed] | None = None,
+        page_size: int = PAGE_SIZE,
     ) -> VerifyReport:
-        """Walks the whole chain, `page_size` entries at a time; reports the first problem and where it is."""
+        """Rebuilds the tree from the entries, `page_size` at a time, and holds it to every signed checkpoint (each
+        signature checked with `verifiers`, the trusted log keys) and every `witnessed` one; reports the first
+        problem and where it is."""
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
-        return await verify_chain(self._reader, expect_head=expect_head, page_size=page_size)
+        return await verify_log(
+            self._reader, verifiers=verifiers or [], witnessed=witnessed or [], page_size=page_size
+        )
 
-    async def verify_record(self, record_id: str) -> list[LinkCheck]:
-        """One check per entry of the record (empty when the record does not exist)."""
-        return await verify_record_links(self._reader, record_id)
+    async def check_record(
+        self, record_id: str, verifiers: list[Verifier] | None = None
+    ) -> tuple[list[EntryCheck], SignedCheckpoint | None]:
+        """Per entry of the record: do its bytes recompute, and does its proof in the latest checkpoint verify.
+
+        With `verifiers`, the checkpoint's signature is checked too (NoteError when it fails). Empty when the
+        record does not exist.
+        """
+        async with self._reader.connect() as connection:
+            return await connection.run_sync(proofs.check_record, record_id, verifiers or [])
+
+
+def _declared(row: RowMapping) -> bool | None:
+    """Whether the record's stack was declared, from hashed bytes only: the entry's field, or for a chained
+    entry its content (the chain never hashed `stacks.declared`)."""
+    if row["prev_sha256"] is None:
+        return row["stack_declared"]
+    declared = load_canonical(row["content"]).get("stack_declared")
+    return declared if isinstance(declared, bool) else None
 
 
 async def _ensure_schema(url: str, *, schema: str | None, create_if_empty: bool) -> None:
@@ -356,16 +442,17 @@ async def _ensure_schema(url: str, *, schema: str | None, create_if_empty: bool)
 
 def _view(row: RowMapping) -> EntryView:
     return EntryView(
-        position=row["position"],
+        seq=row["seq"],
+        index=row["leaf_index"],
         part=row["part"],
         created_at=row["created_at"],
         status=row["status"],
         replica=row["replica"],
         model=row["model"],
         fingerprint=row["fingerprint"],
+        stack_declared=_declared(row),
         content=load_canonical(row["content"]),
         sha256=row["sha256"],
-        prev_sha256=row["prev_sha256"],
     )
 
 
@@ -373,7 +460,7 @@ def _summary(start: RowMapping, later: list[RowMapping]) -> RecordSummary:
     closed = [row for row in later if row["part"] == "closed"]
     return RecordSummary(
         id=start["record_id"],
-        position=start["position"],
+        seq=start["seq"],
         tenant=start["tenant"],
         created_at=start["created_at"],
         model=start["model"],

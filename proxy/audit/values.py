@@ -21,7 +21,9 @@ from pydantic import (
     model_validator,
 )
 
-from proxy.audit.chain import ChainProblem, EntryFields, canonical_json, prompt_sha256, sha256_hex
+from proxy.audit.checks import LogProblem
+from proxy.audit.entries import EntryFields, canonical_json, entry_text, prompt_sha256, sha256_hex
+from proxy.audit.merkle import leaf_hash
 
 Part = Literal["answer", "opened", "closed", "flag"]
 HEX64 = r"^[0-9a-f]{64}$"
@@ -48,6 +50,7 @@ class NewEntry(BaseModel):
 
     _content_json: str = PrivateAttr(default="")
     _stack_json: str | None = PrivateAttr(default=None)
+    _text: str | None = PrivateAttr(default=None)
 
     @field_validator("created_at")
     @classmethod
@@ -109,35 +112,55 @@ class NewEntry(BaseModel):
             replay_of=self.replay_of,
             status=self.status,
             content_json=self.content_json,
+            stack_declared=self.stack_declared if self.fingerprint is not None else None,
         )
+
+    @property
+    def text(self) -> str:
+        """The entry's bytes (entries.py), made once: outside the commit, since no other entry changes them."""
+        if self._text is None:
+            self._text = entry_text(self.fields())
+        return self._text
+
+    @property
+    def sha256(self) -> str:
+        return sha256_hex(self.text)
+
+    @property
+    def leaf_hash(self) -> bytes:
+        return leaf_hash(self.text.encode("utf-8"))
 
 
 class StoredEntry(BaseModel):
-    """An entry after its commit: its place in the chain."""
+    """An entry after its commit: durable, sequenced, and in the tree from the next checkpoint on."""
 
     record_id: str
     part: Part
-    position: int
+    seq: int = Field(description="its place in the sequence: unique, increasing, with gaps")
     sha256: str
-    prev_sha256: str
+    leaf_hash: str = Field(description="hex SHA-256(0x00 || entry bytes), the leaf it becomes")
     created_at: datetime
 
 
 class EntryView(BaseModel):
-    position: int
+    seq: int
+    index: int | None = Field(description="its leaf index in the log's tree; None until it is integrated")
     part: Part
     created_at: datetime
     status: str
     replica: str | None
     model: str | None
     fingerprint: str | None
+    stack_declared: bool | None
     content: dict[str, Any]
     sha256: str
-    prev_sha256: str
 
 
 class AuditRecord(BaseModel):
-    """A record: its entries in chain order, its stack and prompt, and the flags set on it later."""
+    """A record: its entries in log order, its stack and prompt, and the flags set on it later.
+
+    Everything here comes from hashed bytes: the entries' own, the stack's (its fingerprint), the prompt's.
+    """
 
     id: str
     tenant: str
@@ -148,7 +171,7 @@ class AuditRecord(BaseModel):
     replay_of: str | None
     status: str = Field(description="the status of the record's latest entry that is not a flag")
     stack: dict[str, Any] | None
-    stack_declared: bool | None
+    stack_declared: bool | None = Field(description="as the record's first entry says; None if it does not")
     prompt_sha256: str | None
     prompt_text: str | None
     entries: list[EntryView]
@@ -177,7 +200,7 @@ class RecordSummary(BaseModel):
     """One line of a listing; `part` is the record's latest non-flag part (`opened`: a stream not closed)."""
 
     id: str
-    position: int = Field(description="the chain position of the record's first entry")
+    seq: int = Field(description="the sequence number of the record's first entry")
     tenant: str
     created_at: datetime
     model: str | None
@@ -196,31 +219,63 @@ class RecordCounts(BaseModel):
     flagged: int
 
 
-class VerifyReport(BaseModel):
-    ok: bool
-    entries_checked: int
-    stacks_checked: int
-    prompts_checked: int
-    head_position: int
-    head_sha256: str
-    problem: ChainProblem | None
+class SignedCheckpoint(BaseModel):
+    """A checkpoint as the log stores and serves it: the signed note, and what it says."""
 
-    @property
-    def head(self) -> tuple[int, str]:
-        """The anchor to keep elsewhere and pass back as `expect_head`."""
-        return self.head_position, self.head_sha256
+    tree_size: int
+    root_hash: str = Field(description="base64, as in the note")
+    note: str
 
 
-class LinkCheck(BaseModel):
-    """One entry of a record checked against its neighbours."""
+class EntryProof(BaseModel):
+    """One entry of a record with its inclusion proof in a checkpoint (hashes in base64)."""
 
-    position: int
+    seq: int
+    part: Part
+    index: int | None
+    entry: str = Field(description="the entry's bytes, whose SHA-256 after 0x00 is its leaf hash")
+    leaf_hash: str
+    proof: list[str] | None = Field(description="None when the entry is not in the checkpoint's tree")
+
+
+class RecordProof(BaseModel):
+    record: str
+    checkpoint: SignedCheckpoint
+    entries: list[EntryProof]
+
+
+class ConsistencyProof(BaseModel):
+    old_size: int = Field(serialization_alias="from")
+    new_size: int = Field(serialization_alias="to")
+    proof: list[str]
+
+
+class EntryCheck(BaseModel):
+    """One entry of a record checked against the log: its bytes, its leaf, and its proof in the checkpoint."""
+
+    seq: int
+    index: int | None
     part: Part
     sha256: str
-    recomputes: bool
-    prev_matches: bool
-    next_links: bool | None = Field(description="None when the entry is the last of the chain")
+    recomputes: bool = Field(description="its bytes hash to its sha256 and to the leaf the tree holds")
+    included: bool | None = Field(description="its inclusion proof verifies; None while it is not integrated")
 
     @property
     def ok(self) -> bool:
-        return self.recomputes and self.prev_matches and self.next_links is not False
+        return self.recomputes and self.included is not False
+
+
+class VerifyReport(BaseModel):
+    ok: bool
+    entries_checked: int = Field(description="leaves rebuilt from their entries' bytes")
+    pending: int = Field(description="entries committed but not yet integrated into the tree")
+    nodes_checked: int
+    checkpoints_checked: int
+    signatures_checked: bool = Field(description="False when no trusted log key was given")
+    witnessed_checked: int = Field(description="checkpoints held by witnesses or kept elsewhere, matched")
+    stacks_checked: int
+    prompts_checked: int
+    tree_size: int
+    root_hash: str = Field(description="base64 root of the rebuilt tree")
+    checkpoint: str | None = Field(description="the latest signed checkpoint, to keep elsewhere")
+    problem: LogProblem | None

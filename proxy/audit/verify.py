@@ -1,195 +1,256 @@
-"""Verification of a stored chain: walks the database page by page and lets `chain.py` judge each link.
+"""Verification of a stored log: reads it page by page and lets `checks.py` judge what it reads.
 
-Never loads the whole table: entries are read in position order, `PAGE_SIZE` at a time, and only the last link
-is kept. Stack and prompt rows are checked against their content addresses the same way. What counts as a
-problem is decided in `chain.py`; this module only reads.
+Never loads a whole table. In order: the snapshot (the latest checkpoint's size, the leaves, the queue, and
+entries that are neither, in one statement), then the leaves in index order with their entries and stored leaf
+hashes, rebuilding the tree from the entries' bytes and holding it to every checkpoint the log signed (each
+signature checked with the trusted log keys) and every checkpoint a witness holds or someone kept; then every
+stored inner node against its children, then the stacks and prompts against their content addresses. The
+first problem is reported with its leaf index and record id.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select
-from sqlalchemy.engine import RowMapping
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy import Connection, exists, func, select
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from proxy.audit.chain import (
-    GENESIS_SHA256,
-    ChainProblem,
-    ChainWalker,
-    EntryFields,
-    Link,
-    check_link,
+from proxy.audit.checks import (
+    Claim,
+    Leaf,
+    LogProblem,
+    TreeWalker,
     check_prompt_row,
     check_stack_row,
+    node_problem,
 )
-from proxy.audit.models import ChainHead, Entry, Prompt, Stack
-from proxy.audit.values import LinkCheck, VerifyReport
+from proxy.audit.models import Entry, LogCheckpoint, LogLeaf, LogQueue, Prompt, Stack, TreeNode
+from proxy.audit.note import NoteError, Verifier, cosigned_at, open_checkpoint, parse_checkpoint, parse_note
+from proxy.audit.tree import b64, read_nodes, stored_fields
+from proxy.audit.values import VerifyReport
 
 PAGE_SIZE = 1000
 ENTRIES = Entry.__table__
+LEAVES = LogLeaf.__table__
+NODES = TreeNode.__table__
+QUEUE = LogQueue.__table__
+CHECKPOINTS = LogCheckpoint.__table__
 STACKS = Stack.__table__
 PROMPTS = Prompt.__table__
 
 
-def link_from_row(row: RowMapping) -> Link:
-    fields = EntryFields(
-        record_id=row["record_id"],
-        part=row["part"],
-        tenant=row["tenant"],
-        created_at=row["created_at"],
-        replica=row["replica"],
-        model=row["model"],
-        fingerprint=row["fingerprint"],
-        prompt_sha256=row["prompt_sha256"],
-        replay_of=row["replay_of"],
-        status=row["status"],
-        content_json=row["content"],
-    )
-    return Link(
-        position=row["position"],
-        prev_sha256=row["prev_sha256"],
-        sha256=row["sha256"],
-        fields=fields,
-    )
+@dataclass(frozen=True)
+class Witnessed:
+    """A checkpoint held outside the database: by a witness (checked against its `cosigners`), or kept by
+    someone (no cosigners)."""
+
+    source: str
+    note: str
+    cosigners: list[Verifier] = field(default_factory=list)
 
 
-async def read_head(connection: AsyncConnection) -> tuple[int, str]:
-    row = (
-        await connection.execute(select(ChainHead.position, ChainHead.sha256).where(ChainHead.id == 1))
+@dataclass
+class _Tally:
+    checkpoints: int = 0
+    witnessed: int = 0
+    nodes: int = 0
+    latest: str | None = None
+
+
+def _snapshot(connection: Connection) -> tuple[int, int, int, int]:
+    """(latest checkpoint's size, leaves, queued entries, entries neither in the tree nor queued), at one instant."""
+    in_tree = exists().where(LEAVES.c.seq == ENTRIES.c.seq)
+    queued = exists().where(
+        ENTRIES.c.seq >= QUEUE.c.first_seq, ENTRIES.c.seq < QUEUE.c.first_seq + QUEUE.c.count
+    )
+    row = connection.execute(
+        select(
+            select(func.coalesce(func.max(CHECKPOINTS.c.tree_size), -1)).scalar_subquery(),
+            select(func.count()).select_from(LEAVES).scalar_subquery(),
+            select(func.coalesce(func.sum(QUEUE.c.count), 0)).scalar_subquery(),
+            select(func.count()).select_from(ENTRIES).where(~in_tree, ~queued).scalar_subquery(),
+        )
     ).one()
-    return int(row.position), str(row.sha256)
+    return int(row[0]), int(row[1]), int(row[2]), int(row[3])
 
 
-async def verify_chain(
-    engine: AsyncEngine, *, expect_head: tuple[int, str] | None = None, page_size: int = PAGE_SIZE
-) -> VerifyReport:
-    """Checks every entry up to the head read at the start; later appends wait for the next run."""
-    async with engine.connect() as connection:
-        head = await read_head(connection)
-    walker = ChainWalker(expect_head)
-    checked, problem = await _walk_entries(engine, walker, head, page_size)
-    if problem is None:
-        problem = walker.finish(*head)
-    if problem is None:
-        problem = await _entries_beyond_head(engine)
-    stacks, stack_problem = await _walk_rows(
-        engine, STACKS, "fingerprint", "canonical_json", check_stack_row, page_size
-    )
-    prompts, prompt_problem = await _walk_rows(engine, PROMPTS, "sha256", "text", check_prompt_row, page_size)
-    problem = problem or stack_problem or prompt_problem
-    return VerifyReport(
-        ok=problem is None,
-        entries_checked=checked,
-        stacks_checked=stacks,
-        prompts_checked=prompts,
-        head_position=head[0],
-        head_sha256=head[1],
-        problem=problem,
-    )
-
-
-async def _walk_entries(
-    engine: AsyncEngine, walker: ChainWalker, head: tuple[int, str], page_size: int
-) -> tuple[int, ChainProblem | None]:
-    after = 0
-    seen_stacks: set[str] = set()
-    while True:
-        async with engine.connect() as connection:
-            rows = (
-                (
-                    await connection.execute(
-                        select(ENTRIES)
-                        .where(ENTRIES.c.position > after, ENTRIES.c.position <= head[0])
-                        .order_by(ENTRIES.c.position)
-                        .limit(page_size)
-                    )
-                )
-                .mappings()
-                .all()
+def _log_claims(
+    connection: Connection, low: int, high: int, verifiers: list[Verifier], tally: _Tally
+) -> tuple[list[Claim], LogProblem | None]:
+    """The log's checkpoints of sizes in [low, high), each signature checked when keys are trusted."""
+    rows = connection.execute(
+        select(CHECKPOINTS.c.tree_size, CHECKPOINTS.c.root_hash, CHECKPOINTS.c.note)
+        .where(CHECKPOINTS.c.tree_size >= low, CHECKPOINTS.c.tree_size < high)
+        .order_by(CHECKPOINTS.c.tree_size)
+    ).all()
+    claims = []
+    for size, root_hex, note in rows:
+        try:
+            if verifiers:
+                checkpoint, _ = open_checkpoint(note, verifiers)
+            else:
+                checkpoint = parse_checkpoint(parse_note(note).text)
+        except NoteError as exc:
+            return claims, _signature_problem(int(size), str(exc))
+        if (checkpoint.size, checkpoint.root.hex()) != (int(size), root_hex):
+            return claims, _signature_problem(
+                int(size), "the row's size or root differs from its signed note"
             )
-            if not rows:
-                return walker.checked, None
-            links = [link_from_row(row) for row in rows]
-            problem = walker.feed(links)
-            if problem is None:
-                problem = await _missing_references(connection, links, seen_stacks)
-            if problem is not None:
-                return walker.checked, problem
-        after = links[-1].position
+        tally.checkpoints += 1
+        tally.latest = note
+        claims.append(Claim(checkpoint.size, checkpoint.root, "log"))
+    return claims, None
 
 
-async def _missing_references(
-    connection: AsyncConnection, links: list[Link], seen: set[str]
-) -> ChainProblem | None:
+def _signature_problem(size: int, why: str) -> LogProblem:
+    return LogProblem(
+        kind="signature_invalid",
+        message=f"the stored checkpoint of size {size} is not one the log signed: {why} (forged or edited)",
+        position=size - 1 if size else None,
+    )
+
+
+def _witnessed_claims(
+    witnessed: list[Witnessed], verifiers: list[Verifier], tally: _Tally
+) -> tuple[list[Claim], LogProblem | None]:
+    claims = []
+    for held in witnessed:
+        try:
+            checkpoint, note = (
+                open_checkpoint(held.note, verifiers)
+                if verifiers
+                else (parse_checkpoint(parse_note(held.note).text), None)
+            )
+            if held.cosigners:
+                note = note or parse_note(held.note)
+                _cosigned_by_one(note, held.cosigners)
+        except NoteError as exc:
+            return claims, LogProblem(
+                kind="witness_signature_invalid",
+                message=f"{held.source}: a checkpoint it holds does not verify: {exc}",
+            )
+        tally.witnessed += 1
+        claims.append(Claim(checkpoint.size, checkpoint.root, held.source))
+    return claims, None
+
+
+def _cosigned_by_one(note: Any, cosigners: list[Verifier]) -> None:
+    errors = []
+    for cosigner in cosigners:
+        try:
+            cosigned_at(note, cosigner)
+            return
+        except NoteError as exc:
+            errors.append(str(exc))
+    raise NoteError("; ".join(errors))
+
+
+def _leaf_page(connection: Connection, after: int, end: int, limit: int) -> list[Leaf]:
+    query = (
+        select(LEAVES.c.leaf_index, LEAVES.c.leaf_hash.label("leaf_node"), ENTRIES)
+        .select_from(LEAVES.outerjoin(ENTRIES, ENTRIES.c.seq == LEAVES.c.seq))
+        .where(LEAVES.c.leaf_index > after, LEAVES.c.leaf_index < end)
+        .order_by(LEAVES.c.leaf_index)
+        .limit(limit)
+    )
+    return [
+        Leaf(
+            index=int(row["leaf_index"]),
+            entry=None if row["seq"] is None else stored_fields(row),
+            stored_hash=None if row["leaf_node"] is None else bytes.fromhex(row["leaf_node"]),
+        )
+        for row in connection.execute(query).mappings()
+    ]
+
+
+def _missing_references(connection: Connection, leaves: list[Leaf], seen: set[str]) -> LogProblem | None:
     """An entry whose stack or prompt row is gone: its hash still verifies, but what served it is lost."""
-    wanted = {link.fields.fingerprint for link in links if link.fields.fingerprint is not None} - seen
-    if not wanted:
-        return None
-    found = set(
-        (
-            await connection.execute(select(STACKS.c.fingerprint).where(STACKS.c.fingerprint.in_(wanted)))
-        ).scalars()
-    )
-    seen.update(found)
-    for link in links:
-        if link.fields.fingerprint in wanted - found:
-            return ChainProblem(
-                kind="stack_missing",
-                message=f"entry {link.position} names stack {link.fields.fingerprint}, which is not stored",
-                position=link.position,
-                record_id=link.record_id,
-            )
-    wanted_prompts = {link.fields.prompt_sha256 for link in links if link.fields.prompt_sha256 is not None}
-    if wanted_prompts:
-        found_prompts = set(
-            (
-                await connection.execute(select(PROMPTS.c.sha256).where(PROMPTS.c.sha256.in_(wanted_prompts)))
-            ).scalars()
-        )
-        for link in links:
-            if link.fields.prompt_sha256 is not None and link.fields.prompt_sha256 not in found_prompts:
-                return ChainProblem(
-                    kind="prompt_missing",
-                    message=f"entry {link.position} names prompt {link.fields.prompt_sha256}, not stored",
-                    position=link.position,
-                    record_id=link.record_id,
+    entries = [(leaf.index, leaf.entry.fields) for leaf in leaves if leaf.entry is not None]
+    for kind, table, key, attribute in (
+        ("stack_missing", STACKS, "fingerprint", "fingerprint"),
+        ("prompt_missing", PROMPTS, "sha256", "prompt_sha256"),
+    ):
+        wanted = {getattr(f, attribute) for _, f in entries if getattr(f, attribute) is not None} - seen
+        if not wanted:
+            continue
+        found = set(connection.execute(select(table.c[key]).where(table.c[key].in_(wanted))).scalars())
+        seen.update(found)
+        for index, fields in entries:
+            if getattr(fields, attribute) in wanted - found:
+                what = "stack" if kind == "stack_missing" else "prompt"
+                return LogProblem(
+                    kind=kind,  # type: ignore[arg-type]
+                    message=f"entry {index} names {what} {getattr(fields, attribute)}, which is not stored",
+                    position=index,
+                    record_id=fields.record_id,
                 )
     return None
 
 
-async def _entries_beyond_head(engine: AsyncEngine) -> ChainProblem | None:
-    """Entries past the head can only have been inserted behind the store's back (appends move the head)."""
-    # One statement, so one snapshot: under READ COMMITTED two statements could straddle a concurrent append.
-    both = select(
-        select(ChainHead.position).where(ChainHead.id == 1).scalar_subquery(),
-        select(func.max(ENTRIES.c.position)).scalar_subquery(),
-    )
-    async with engine.connect() as connection:
-        head_position, last = (await connection.execute(both)).one()
-    if last is not None and last > head_position:
-        return ChainProblem(
-            kind="head_mismatch",
-            message=f"entries exist up to position {last}, beyond the stored head at {head_position}",
-            position=head_position + 1,
-        )
+def _walk(
+    connection: Connection,
+    size: int,
+    walker: TreeWalker,
+    verifiers: list[Verifier],
+    tally: _Tally,
+    page_size: int,
+) -> LogProblem | None:
+    after, low, seen = -1, 0, set[str]()
+    while True:
+        leaves = _leaf_page(connection, after, size, page_size)
+        high = (leaves[-1].index + 2) if leaves else size + 1
+        claims, problem = _log_claims(connection, low, high, verifiers, tally)
+        problem = walker.add(claims) or problem
+        low = high
+        if problem is not None or not leaves:
+            return problem or walker.finish()
+        problem = walker.feed(leaves) or _missing_references(connection, leaves, seen)
+        if problem is not None:
+            return problem
+        after = leaves[-1].index
+
+
+def _inner_nodes(connection: Connection, size: int, tally: _Tally, page_size: int) -> LogProblem | None:
+    level = 1
+    while (1 << level) <= size:
+        after = -1
+        while True:
+            rows = connection.execute(
+                select(NODES.c.idx, NODES.c.hash)
+                .where(NODES.c.level == level, NODES.c.idx > after, NODES.c.idx < (size >> level))
+                .order_by(NODES.c.idx)
+                .limit(page_size)
+            ).all()
+            if not rows:
+                break
+            children = read_nodes(connection, [(level - 1, 2 * int(i) + k) for i, _ in rows for k in (0, 1)])
+            for idx, digest in rows:
+                node = (level, int(idx))
+                left, right = (
+                    children.get((level - 1, 2 * node[1])),
+                    children.get((level - 1, 2 * node[1] + 1)),
+                )
+                problem = node_problem(node, bytes.fromhex(digest), left, right)
+                if problem is not None:
+                    return problem
+                tally.nodes += 1
+            after = int(rows[-1][0])
+        level += 1
     return None
 
 
-async def _walk_rows(
-    engine: AsyncEngine, table: Any, key: str, value: str, check: Any, page_size: int
-) -> tuple[int, ChainProblem | None]:
+def _walk_rows(
+    connection: Connection, table: Any, key: str, value: str, check: Any, page_size: int
+) -> tuple[int, LogProblem | None]:
     checked, after = 0, ""
     while True:
-        async with engine.connect() as connection:
-            rows = (
-                await connection.execute(
-                    select(table.c[key], table.c[value])
-                    .where(table.c[key] > after)
-                    .order_by(table.c[key])
-                    .limit(page_size)
-                )
-            ).all()
+        rows = connection.execute(
+            select(table.c[key], table.c[value])
+            .where(table.c[key] > after)
+            .order_by(table.c[key])
+            .limit(page_size)
+        ).all()
         if not rows:
             return checked, None
         for row_key, row_value in rows:
@@ -200,50 +261,62 @@ async def _walk_rows(
         after = rows[-1][0]
 
 
-async def verify_record_links(engine: AsyncEngine, record_id: str) -> list[LinkCheck]:
-    """Per entry of the record: does it recompute, name its predecessor, and does its successor name it."""
-    async with engine.connect() as connection:
-        # The head first: every entry up to it is committed, so a successor missing below it is really gone.
-        head_position, _ = await read_head(connection)
-        own = (
-            (
-                await connection.execute(
-                    select(ENTRIES).where(ENTRIES.c.record_id == record_id).order_by(ENTRIES.c.position)
-                )
-            )
-            .mappings()
-            .all()
+def _verify(
+    connection: Connection, verifiers: list[Verifier], witnessed: list[Witnessed], page_size: int
+) -> VerifyReport:
+    tally = _Tally()
+    signed, leaves, pending, orphans = _snapshot(connection)
+    size = max(signed, 0)
+    outside, problem = _witnessed_claims(witnessed, verifiers, tally)
+    walker = TreeWalker(outside)
+    if problem is None and orphans:
+        problem = LogProblem(
+            kind="orphan_entry",
+            message=f"{orphans} entries are neither in the tree nor queued for it (inserted behind the log's back, "
+            "or their leaves deleted)",
         )
-        if not own:
-            return []
-        neighbours = {p - 1 for p in (r["position"] for r in own)} | {r["position"] + 1 for r in own}
-        rows = (
-            await connection.execute(
-                select(ENTRIES.c.position, ENTRIES.c.sha256, ENTRIES.c.prev_sha256).where(
-                    ENTRIES.c.position.in_(neighbours)
-                )
-            )
-        ).all()
-    by_position = {int(r.position): (str(r.sha256), str(r.prev_sha256)) for r in rows}
-    return [_check_one(link_from_row(row), by_position, head_position) for row in own]
-
-
-def _check_one(link: Link, by_position: dict[int, tuple[str, str]], head_position: int) -> LinkCheck:
-    if link.position == 1:
-        expected_prev: str | None = GENESIS_SHA256
-    else:
-        expected_prev = by_position.get(link.position - 1, (None, None))[0]
-    successor = by_position.get(link.position + 1)
-    if successor is not None:
-        next_links: bool | None = successor[1] == link.sha256
-    else:
-        next_links = None if link.position >= head_position else False
-    own_problem = check_link(link.position, link.prev_sha256, link)
-    return LinkCheck(
-        position=link.position,
-        part=link.fields.part,  # type: ignore[arg-type]
-        sha256=link.sha256,
-        recomputes=own_problem is None,
-        prev_matches=expected_prev is not None and link.prev_sha256 == expected_prev,
-        next_links=next_links,
+    if problem is None and leaves > size:
+        problem = LogProblem(
+            kind="unsigned_leaves",
+            message=f"the tree holds {leaves} leaves but the latest signed checkpoint covers {size} "
+            "(leaves appended without the log's key)",
+            position=size,
+        )
+    problem = problem or _walk(connection, size, walker, verifiers, tally, page_size)
+    problem = problem or _inner_nodes(connection, size, tally, page_size)
+    stacks, stack_problem = _walk_rows(
+        connection, STACKS, "fingerprint", "canonical_json", check_stack_row, page_size
     )
+    prompts, prompt_problem = _walk_rows(connection, PROMPTS, "sha256", "text", check_prompt_row, page_size)
+    problem = problem or stack_problem or prompt_problem
+    return VerifyReport(
+        ok=problem is None,
+        entries_checked=walker.size,
+        pending=pending,
+        nodes_checked=tally.nodes,
+        checkpoints_checked=tally.checkpoints,
+        signatures_checked=bool(verifiers),
+        witnessed_checked=tally.witnessed,
+        stacks_checked=stacks,
+        prompts_checked=prompts,
+        tree_size=walker.size,
+        root_hash=b64(walker.root),
+        checkpoint=tally.latest,
+        problem=problem,
+    )
+
+
+async def verify_log(
+    engine: AsyncEngine,
+    *,
+    verifiers: list[Verifier],
+    witnessed: list[Witnessed],
+    page_size: int = PAGE_SIZE,
+) -> VerifyReport:
+    """Checks the log up to its latest signed checkpoint; later appends wait for the next run.
+
+    One read-only connection, one snapshot per statement: what a concurrent integration adds lies past the
+    checkpoint read first, and is left alone.
+    """
+    async with engine.connect() as connection:
+        return await connection.run_sync(_verify, verifiers, witnessed, page_size)

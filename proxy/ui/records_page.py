@@ -78,14 +78,15 @@ async def record(request: web.Request) -> web.Response:
     live = live_stacks(proxy.registry.all())
     others = [s["stack"] for s in live if s["fingerprint"] != found.fingerprint]
     replays = await proxy.store.list_records(replay_of=found.id, tenant=viewer.scope, limit=REPLAYS_SHOWN)
-    links = await proxy.store.verify_record(found.id)
-    statuses = {entry.position: entry.status for entry in found.entries}
+    checks, checkpoint = await proxy.store.check_record(found.id)
+    statuses = {entry.seq: entry.status for entry in [*found.entries, *found.flags]}
     return render(
         request,
         "record.html",
         view=record_view(found),
-        links=[(link, statuses.get(link.position, "")) for link in links],
-        verified=all(link.ok for link in links),
+        checks=[(check, statuses.get(check.seq, "")) for check in checks],
+        verified=all(check.ok for check in checks),
+        checkpoint=checkpoint,
         live=live,
         is_live=any(s["fingerprint"] == found.fingerprint for s in live),
         stack_rows=distinguish(found.stack, others) if found.stack is not None else [],

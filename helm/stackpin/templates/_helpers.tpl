@@ -77,6 +77,7 @@ Helm reads numbers from values as floats: the integers the chart writes go throu
 {{- if not .Values.store.existingSecret }}
 {{- $_ := set $cfg "store" (dict "url" .Values.store.url) }}
 {{- end }}
+{{- $_ := set $cfg "log" (dict "signing_key_env" "STACKPIN_LOG_KEY" "public_keys" .Values.log.publicKeys) }}
 {{- if .Values.fleet.enabled }}
 {{- $fleet := dict "key_prefix" (include "stackpin.fleetKeyPrefix" .) }}
 {{- if not .Values.fleet.existingSecret }}
@@ -155,6 +156,11 @@ needs the proxy's client or upstream keys.
 
 {{/* Environment of every process that reads stackpin.toml: the proxy and the migration Job. */}}
 {{- define "stackpin.proxyEnv" -}}
+- name: STACKPIN_LOG_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.log.signingKey.secretName }}
+      key: {{ .Values.log.signingKey.secretKey }}
 {{- if .Values.store.existingSecret }}
 - name: STACKPIN_STORE__URL
   valueFrom:

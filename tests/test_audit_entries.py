@@ -1,4 +1,4 @@
-"""The chain's pure functions: canonical JSON, entry hashes, and the walker that finds the first broken link."""
+"""An entry's bytes: canonical JSON, the documented entry object, and the chain envelope of chained entries."""
 
 from __future__ import annotations
 
@@ -12,17 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.audit.chain import (
+from proxy.audit.entries import (
     GENESIS_SHA256,
-    ChainWalker,
     EntryFields,
-    Link,
     NotCanonicalizable,
+    StoredFields,
     canonical_json,
-    chain_links,
-    check_prompt_row,
-    check_stack_row,
-    entry_hash,
+    chain_hash,
+    entry_text,
     envelope_text,
     format_timestamp,
     load_canonical,
@@ -61,6 +58,7 @@ fields_strategy = st.builds(
     replay_of=st.none() | st.text(min_size=1, max_size=8),
     status=st.text(min_size=1, max_size=8),
     content_json=json_objects.map(canonical_json),
+    stack_declared=st.none() | st.booleans(),
 )
 
 
@@ -83,15 +81,32 @@ def fields(record_id: str = "r1", **overrides: Any) -> EntryFields:
     return EntryFields(**values)
 
 
-def test_entry_hash_is_sha256_of_the_documented_envelope() -> None:
-    """Written out by hand from docs/audit.md, so a change to the hashing cannot pass unnoticed."""
+def test_an_entry_is_the_documented_object() -> None:
+    """Written out by hand from docs/audit.md, so a change to an entry's bytes cannot pass unnoticed."""
+    text = (
+        '{"content":{"token_ids":[1,2],"token_logprobs":[-0.5,-1.25]},'
+        '"created_at":"2026-01-02T03:04:05.678901Z","fingerprint":"' + "ab" * 32 + '","model":"tiny",'
+        '"part":"answer","prompt_sha256":null,"record_id":"r1","replay_of":null,"replica":"replica-a",'
+        '"stack_declared":false,"status":"complete","tenant":"acme"}'
+    )
+    made = fields(stack_declared=False)
+    assert entry_text(made) == text
+    assert StoredFields(made, hashlib.sha256(text.encode()).hexdigest()).text() == text
+
+
+def test_a_chained_entry_keeps_the_documented_envelope() -> None:
+    """The hash chain's envelope, as revisions 0001 and 0002 wrote it: it never held stack_declared."""
     envelope = (
         '{"entry":{"content":{"token_ids":[1,2],"token_logprobs":[-0.5,-1.25]},'
         '"created_at":"2026-01-02T03:04:05.678901Z","fingerprint":"' + "ab" * 32 + '","model":"tiny",'
         '"part":"answer","prompt_sha256":null,"record_id":"r1","replay_of":null,"replica":"replica-a",'
         '"status":"complete","tenant":"acme"},"position":1,"prev":"' + "0" * 64 + '"}'
     )
-    assert entry_hash(1, GENESIS_SHA256, fields()) == hashlib.sha256(envelope.encode()).hexdigest()
+    assert (
+        chain_hash(1, GENESIS_SHA256, fields(stack_declared=True))
+        == hashlib.sha256(envelope.encode()).hexdigest()
+    )
+    assert StoredFields(fields(), "", chained_at=(1, GENESIS_SHA256)).text() == envelope
 
 
 def test_a_stack_fingerprint_is_sha256_of_its_canonical_json() -> None:
@@ -103,15 +118,13 @@ def test_a_stack_fingerprint_is_sha256_of_its_canonical_json() -> None:
 
 @settings(max_examples=60)
 @given(fields_strategy, st.integers(1, 10**12), st.text("0123456789abcdef", min_size=64, max_size=64))
-def test_the_envelope_is_the_canonical_json_of_the_documented_object(
+def test_the_bytes_are_the_canonical_json_of_the_documented_objects(
     fields: EntryFields, position: int, prev: str
 ) -> None:
-    """The hash splices the stored content text into the envelope; that must equal canonicalizing it all."""
-    whole = {
-        "position": position,
-        "prev": prev,
-        "entry": {**fields.header(), "content": load_canonical(fields.content_json)},
-    }
+    """The stored content text is spliced into an entry's bytes; that must equal canonicalizing it all."""
+    content = load_canonical(fields.content_json)
+    assert entry_text(fields) == canonical_json({**fields.header(), "content": content})
+    whole = {"position": position, "prev": prev, "entry": {**fields.header(chained=True), "content": content}}
     assert envelope_text(position, prev, fields) == canonical_json(whole)
 
 
@@ -151,8 +164,9 @@ def test_a_timestamp_has_one_spelling_per_instant() -> None:
 
 @settings(max_examples=60)
 @given(fields_strategy, st.sampled_from(sorted(EntryFields.__dataclass_fields__)), st.integers(1, 10**12))
-def test_every_field_is_covered_by_the_hash(base: EntryFields, name: str, position: int) -> None:
-    before = entry_hash(position, GENESIS_SHA256, base)
+def test_every_field_is_covered_by_the_bytes(base: EntryFields, name: str, position: int) -> None:
+    before = chain_hash(position, GENESIS_SHA256, base)
+    text = entry_text(base)
     changed: dict[str, Any] = {
         "created_at": base.created_at + timedelta(microseconds=1),
         "content_json": canonical_json(
@@ -160,93 +174,18 @@ def test_every_field_is_covered_by_the_hash(base: EntryFields, name: str, positi
         ),
     }
     old = getattr(base, name)
-    new_value = changed.get(name, "x" if old is None else (old + "x" if isinstance(old, str) else None))
-    assert entry_hash(position, GENESIS_SHA256, replace(base, **{name: new_value})) != before
-    assert entry_hash(position + 1, GENESIS_SHA256, base) != before
-    assert entry_hash(position, "1" * 64, base) != before
-
-
-def _chain(count: int) -> list[Link]:
-    return chain_links(0, GENESIS_SHA256, [fields(f"r{i}", content={"i": i}) for i in range(1, count + 1)])
-
-
-def _walk(
-    links: list[Link], page: int, head: tuple[int, str], expect_head: tuple[int, str] | None = None
-) -> Any:
-    walker = ChainWalker(expect_head)
-    for start in range(0, len(links), page):
-        if walker.feed(links[start : start + page]) is not None:
-            break
-    return walker.finish(*head)
-
-
-@given(st.integers(1, 40), st.integers(1, 7))
-def test_an_intact_chain_verifies_whatever_the_page_size(count: int, page: int) -> None:
-    links = _chain(count)
-    assert links[0].prev_sha256 == GENESIS_SHA256
-    assert [link.position for link in links] == list(range(1, count + 1))
-    assert _walk(links, page, (links[-1].position, links[-1].sha256)) is None
-
-
-def test_an_empty_chain_verifies() -> None:
-    assert _walk([], 5, (0, GENESIS_SHA256)) is None
-
-
-MUTATIONS = ["edit", "rehash", "swap", "delete", "truncate", "truncate_and_rewind_head", "respace"]
-
-
-@settings(max_examples=80)
-@given(st.integers(3, 30), st.data(), st.sampled_from(MUTATIONS), st.integers(1, 7))
-def test_any_single_tampering_is_found_and_located(
-    count: int, data: st.DataObject, mutation: str, page: int
-) -> None:
-    links = _chain(count)
-    head = (links[-1].position, links[-1].sha256)
-    kept = head
-    k = data.draw(st.integers(0, count - 2), label="index")
-    tampered = list(links)
-    expected_kind, expected_position = "", 0
-    if mutation == "edit":
-        tampered[k] = replace(links[k], fields=replace(links[k].fields, status="forged"))
-        expected_kind, expected_position = "hash_mismatch", k + 1
-    elif mutation == "rehash":
-        tampered[k] = replace(links[k], sha256="f" * 64)
-        expected_kind, expected_position = "hash_mismatch", k + 1
-    elif mutation == "respace":
-        respaced = " " + links[k].fields.content_json
-        tampered[k] = replace(links[k], fields=replace(links[k].fields, content_json=respaced))
-        expected_kind, expected_position = "content_not_canonical", k + 1
-    elif mutation == "swap":
-        first, second = links[k], links[k + 1]
-        tampered[k] = replace(second, position=first.position)
-        tampered[k + 1] = replace(first, position=second.position)
-        expected_kind, expected_position = "prev_mismatch", k + 1
-    elif mutation == "delete":
-        del tampered[k]
-        expected_kind, expected_position = "gap", k + 2
-    elif mutation == "truncate":
-        tampered = links[: k + 1]
-        expected_kind, expected_position = "head_mismatch", k + 1
+    if name in changed:
+        new_value = changed[name]
+    elif name == "stack_declared":
+        new_value = old is not True
     else:
-        tampered = links[: k + 1]
-        head = (tampered[-1].position, tampered[-1].sha256)
-        expected_kind, expected_position = "expect_head_mismatch", k + 1
-        assert _walk(tampered, page, head) is None, "a cut tail with a rewound head needs the kept head"
-    problem = _walk(tampered, page, head, expect_head=kept)
-    assert problem is not None, f"{mutation} at index {k} went unnoticed"
-    assert (problem.kind, problem.position) == (expected_kind, expected_position)
-
-
-def test_a_kept_head_from_earlier_matches_a_chain_that_only_grew() -> None:
-    links = _chain(10)
-    head = (links[-1].position, links[-1].sha256)
-    assert _walk(links, 3, head, expect_head=(4, links[3].sha256)) is None
-    problem = _walk(links, 3, head, expect_head=(4, "9" * 64))
-    assert problem is not None and (problem.kind, problem.position, problem.record_id) == (
-        "expect_head_mismatch",
-        4,
-        "r4",
-    )
+        new_value = "x" if old is None else old + "x"
+    edited = replace(base, **{name: new_value})
+    assert entry_text(edited) != text
+    if name != "stack_declared":  # the chain's envelope never held it
+        assert chain_hash(position, GENESIS_SHA256, edited) != before
+    assert chain_hash(position + 1, GENESIS_SHA256, base) != before
+    assert chain_hash(position, "1" * 64, base) != before
 
 
 @pytest.mark.parametrize(
@@ -261,14 +200,3 @@ def test_a_kept_head_from_earlier_matches_a_chain_that_only_grew() -> None:
 )
 def test_parse_content_tells_canonical_from_not(text: str, expected: tuple[Any, bool]) -> None:
     assert parse_content(text) == expected
-
-
-def test_stored_stacks_and_prompts_are_checked_against_their_addresses() -> None:
-    stack_text = canonical_json({"model": "tiny", "schema": 1})
-    fingerprint = hashlib.sha256(stack_text.encode()).hexdigest()
-    assert check_stack_row(fingerprint, stack_text) is None
-    edited = check_stack_row(fingerprint, stack_text.replace("tiny", "huge"))
-    assert edited is not None and edited.kind == "stack_hash_mismatch"
-    assert check_prompt_row(prompt_sha256("Be terse."), "Be terse.") is None
-    prompt = check_prompt_row(prompt_sha256("Be terse."), "Be verbose.")
-    assert prompt is not None and prompt.kind == "prompt_hash_mismatch"

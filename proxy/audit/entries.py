@@ -1,0 +1,191 @@
+"""An entry's bytes: canonical JSON of its fields, which the log's Merkle tree hashes as one leaf.
+
+Everything here is a pure function of its arguments. An entry written by this log is
+
+    JCS({"record_id", "part", "tenant", "created_at", "replica", "model", "fingerprint", "prompt_sha256",
+         "replay_of", "status", "stack_declared", "content"})
+
+where JCS is RFC 8785 canonical JSON; its leaf hash is SHA-256(0x00 || those bytes) and its `sha256` is
+SHA-256(those bytes). Entries written before the log was a tree (the hash chain, schema revisions 0001 to
+0003) keep their chain envelope, JCS({"position", "prev", "entry": {...fields but stack_declared}}), as their
+bytes: their leaf hash covers their chain link, so they stay verifiable as they were. Which form a stored row
+uses is told by its `prev_sha256`, present only on chained entries; a row that lies about it no longer hashes
+to its leaf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import rfc8785
+
+GENESIS_SHA256 = "0" * 64
+
+
+class NotCanonicalizable(ValueError):
+    """A value has no RFC 8785 form: NaN or infinite floats, integers beyond 2**53, non-string keys."""
+
+
+def canonical_json(value: Any) -> str:
+    """RFC 8785 (JCS) text of a JSON value; raises NotCanonicalizable with the reason."""
+    try:
+        return rfc8785.dumps(value).decode("utf-8")
+    except (rfc8785.CanonicalizationError, TypeError) as exc:
+        raise NotCanonicalizable(f"value cannot be written as canonical JSON (RFC 8785): {exc}") from exc
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def stack_fingerprint(stack: Mapping[str, Any]) -> str:
+    """The stack fingerprint of docs/protocol.md: SHA-256 of the stack's canonical JSON."""
+    return sha256_hex(canonical_json(dict(stack)))
+
+
+def prompt_sha256(text: str) -> str:
+    """How a prompt text is addressed: SHA-256 of its UTF-8 bytes."""
+    return sha256_hex(text)
+
+
+def format_timestamp(moment: datetime) -> str:
+    """ISO 8601 in UTC with microseconds and a `Z`: one spelling per instant, whatever the input's zone."""
+    if moment.tzinfo is None:
+        raise ValueError("timestamps in the audit log must carry a time zone")
+    # isoformat, not strftime: strftime pads years below 1000 differently from one C library to another.
+    return moment.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+
+
+@dataclass(frozen=True)
+class EntryFields:
+    """What an entry's bytes hold."""
+
+    record_id: str
+    part: str
+    tenant: str
+    created_at: datetime
+    replica: str | None
+    model: str | None
+    fingerprint: str | None
+    prompt_sha256: str | None
+    replay_of: str | None
+    status: str
+    # The canonical JSON text of the content object: computed once when the entry is made, and hashed as
+    # stored when it is verified, so that neither side canonicalizes the (large) content again.
+    content_json: str
+    # Whether the stack was declared by configuration rather than proved; None for an entry without a stack,
+    # and for chained entries, whose bytes never held it (their content may).
+    stack_declared: bool | None = None
+
+    def header(self, *, chained: bool = False) -> dict[str, Any]:
+        """Every field but the content; a chained entry's header lacks `stack_declared`."""
+        header: dict[str, Any] = {
+            "record_id": self.record_id,
+            "part": self.part,
+            "tenant": self.tenant,
+            "created_at": format_timestamp(self.created_at),
+            "replica": self.replica,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "prompt_sha256": self.prompt_sha256,
+            "replay_of": self.replay_of,
+            "status": self.status,
+        }
+        if not chained:
+            header["stack_declared"] = self.stack_declared
+        return header
+
+
+def entry_text(fields: EntryFields) -> str:
+    """JCS of the entry object, built around the content: "content" sorts before every other key."""
+    return '{"content":' + fields.content_json + "," + _header_text(fields.header())[1:]
+
+
+def envelope_text(position: int, prev_sha256: str, fields: EntryFields) -> str:
+    """A chained entry's bytes: JCS({"position": p, "prev": prev, "entry": {...header, "content": ...}}).
+
+    "content" sorts before every other key of an entry, and "entry" before "position" and "prev", so the
+    canonical text is the content member followed by the header's members; a test holds this equal to
+    canonicalizing the whole object.
+    """
+    header = _header_text(fields.header(chained=True))
+    entry = '{"content":' + fields.content_json + "," + header[1:]
+    tail = ',"position":' + canonical_json(position) + ',"prev":' + canonical_json(prev_sha256) + "}"
+    return '{"entry":' + entry + tail
+
+
+# For an object of strings, booleans and nulls under ASCII keys, the standard library's compact key-sorted output
+# is exactly JCS (the same escapes), at C speed; verification writes one header per entry.
+_HEADER_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
+def _header_text(header: dict[str, Any]) -> str:
+    if all(value is None or type(value) in (str, bool) for value in header.values()):
+        text = _HEADER_ENCODER.encode(header)
+        try:
+            text.encode("utf-8")  # a lone surrogate has no JCS form; let canonical_json say so
+        except UnicodeEncodeError:
+            return canonical_json(header)
+        return text
+    return canonical_json(header)
+
+
+def chain_hash(position: int, prev_sha256: str, fields: EntryFields) -> str:
+    """A chained entry's `sha256`: SHA-256 of its envelope."""
+    return sha256_hex(envelope_text(position, prev_sha256, fields))
+
+
+@dataclass(frozen=True)
+class StoredFields:
+    """An entry as a row holds it: its fields, its `sha256`, and for a chained entry its link."""
+
+    fields: EntryFields
+    sha256: str
+    chained_at: tuple[int, str] | None = None  # (position, prev_sha256) of a chained entry
+
+    def text(self) -> str:
+        if self.chained_at is None:
+            return entry_text(self.fields)
+        return envelope_text(*self.chained_at, self.fields)
+
+
+SAFE_INTEGER = 2**53 - 1
+
+
+def _parse_int(literal: str) -> int | float:
+    # JCS writes an integral float such as 2.0**53 without a fraction; only floats reach past 2**53 - 1 there,
+    # so reading such a literal back as an int would make it uncanonicalizable.
+    value = int(literal)
+    return value if -SAFE_INTEGER <= value <= SAFE_INTEGER else float(value)
+
+
+def load_canonical(text: str) -> Any:
+    """Reads JSON written by `canonical_json` back into the value it came from."""
+    return json.loads(text, parse_int=_parse_int)
+
+
+def parse_content(text: str) -> tuple[dict[str, Any] | None, bool]:
+    """The content object stored as `text`, and whether `text` is its canonical form."""
+    try:
+        value = load_canonical(text)
+    except (json.JSONDecodeError, ValueError):
+        return None, False
+    if not isinstance(value, dict):
+        return None, False
+    try:
+        return value, canonical_json(value) == text
+    except NotCanonicalizable:
+        return value, False
+
+
+def is_json_object(text: str) -> bool:
+    """Splicing a content text into an entry's bytes is unambiguous only for one complete JSON object."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
