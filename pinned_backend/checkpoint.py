@@ -78,6 +78,8 @@ class ModelConfig:
     qk_norm: bool
     rope_scaling: RopeScaling | None = None
     moe: MoeConfig | None = None
+    # One divisor per rotary frequency [head_dim / 2], as GGUF files carry Llama 3.x scaling (`rope_freqs`).
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @property
     def q_size(self) -> int:
@@ -158,6 +160,17 @@ def _parse_moe(raw: dict[str, Any], model_type: str, layers: int, where: str) ->
     if top_k > experts:
         raise CheckpointError(f"{where}: num_experts_per_tok {top_k} is more than the {experts} experts")
     return MoeConfig(model_type, experts, top_k, size, norm, sparse)
+def _parse_freq_factors(raw: Any, head_dim: int, where: str) -> tuple[float, ...] | None:
+    if raw is None:
+        return None
+    ok = isinstance(raw, list) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in raw
+    )
+    if not ok or len(raw) != head_dim // 2:
+        raise CheckpointError(
+            f"{where}: 'rope_freq_factors' must be {head_dim // 2} positive numbers, one per rotary frequency"
+        )
+    return tuple(float(v) for v in raw)
 
 
 def parse_config(raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
@@ -219,6 +232,7 @@ def parse_config(raw: Any, where: str = CONFIG_FILE) -> ModelConfig:
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         rope_scaling=_parse_rope_scaling(raw.get("rope_scaling"), where),
         moe=_parse_moe(raw, model_type, layers, where),
+        rope_freq_factors=_parse_freq_factors(raw.get("rope_freq_factors"), head_dim, where),
     )
 
 

@@ -1,6 +1,6 @@
 """`stackpin-backend`: serve a checkpoint over HTTP, write the tiny model, or tune matmul plans for a GPU.
 
-    stackpin-backend serve --model DIR [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
+    stackpin-backend serve --model DIR|FILE.gguf [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
                            [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
                            [--max-step-graphs N] [--prefix-cache | --no-prefix-cache] [--speculative-tokens K]
@@ -30,6 +30,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from pinned_backend.checkpoint import CheckpointError
+from pinned_backend.gguf_checkpoint import is_gguf
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE
 from pinned_backend.routing import OVERFLOW_POLICIES
 from pinned_backend.runtime import BackendSettings
@@ -46,9 +47,13 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stackpin-backend", description="A batch-invariant LLM server.")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve a Hugging Face checkpoint folder")
-    serve.add_argument("--model", type=Path, required=True, help="checkpoint folder")
-    serve.add_argument("--model-name", help="name to serve it under (default: the folder's name)")
+    serve = commands.add_parser("serve", help="serve a Hugging Face checkpoint folder or a GGUF file")
+    serve.add_argument(
+        "--model", type=Path, required=True, help="a Hugging Face checkpoint folder, or a GGUF file (*.gguf)"
+    )
+    serve.add_argument(
+        "--model-name", help="name to serve it under (default: the folder's name, or the file's without .gguf)"
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks any free port")
     serve.add_argument("--kernel-mode", choices=["batch_invariant", "default"], default="batch_invariant")
@@ -186,8 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         error = exc.errors()[0]
         field = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-")
         parser.error(f"{field}: {error['msg']}" if error["loc"] else error["msg"])
-    if not args.model.is_dir():
-        parser.error(f"--model: {args.model} is not a directory")
+    if not args.model.is_dir() and not is_gguf(args.model):
+        parser.error(f"--model: {args.model} is neither a checkpoint folder nor a .gguf file")
+    if is_gguf(args.model) and not args.model.is_file():
+        parser.error(f"--model: {args.model}: file not found")
     try:
         asyncio.run(_serve(settings, args.ready_file))
     except (CheckpointError, ValueError, RuntimeError) as exc:
@@ -213,13 +220,17 @@ def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    print(f"stackpin-backend: {line}", file=sys.stderr, flush=True)
+
+
 async def _serve(settings: BackendSettings, ready_file: Path | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Installed before the ready file appears, so a parent that stops us at once still gets a clean exit.
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    runner = web.AppRunner(create_app(settings), handle_signals=False)
+    runner = web.AppRunner(create_app(settings, report=_say), handle_signals=False)
     await runner.setup()  # loads the model; errors surface here, before anything listens
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
@@ -231,7 +242,7 @@ async def _serve(settings: BackendSettings, ready_file: Path | None) -> None:
             partial = ready_file.with_name(ready_file.name + ".partial")
             partial.write_text(url + "\n")
             partial.replace(ready_file)
-        print(f"stackpin-backend: serving {settings.served_name} at {url}", file=sys.stderr, flush=True)
+        _say(f"serving {settings.served_name} at {url}")
         await stop.wait()
     finally:
         await runner.cleanup()

@@ -3,8 +3,8 @@
 Covers Llama 2/3.x (including `llama3` RoPE scaling), Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
 RMSNorm), tied or untied embeddings, grouped-query attention and a SwiGLU MLP; in Qwen3-MoE and Mixtral, the
 sparse layers' MLP is a mixture of experts (moe.py, routed as routing.py decides). Weights arrive under their
-Hugging Face names (checkpoint.py) and are fused here: q/k/v into one matrix, gate/up into another, so each
-layer issues four GEMMs. This module computes one step's logits; which tokens make up a step, the block
+Hugging Face names (checkpoint.py, or gguf_checkpoint.py from a GGUF file) and are fused here: q/k/v into one
+matrix, gate/up into another, so each layer issues four GEMMs. This module computes one step's logits; which tokens make up a step, the block
 tables and sampling belong to the engine, and the reduction order of each op belongs to the kernels.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pinned_backend.checkpoint import ModelConfig, RopeScaling, load_config, load_weights
+from pinned_backend.gguf_checkpoint import is_gguf, open_gguf
 from pinned_backend.kernels import Kernels
 
 # Re-exported: the reference model in tiny.py and the tests import them from here.
@@ -68,6 +69,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if config.rope_scaling is not None:
         inv_freq = _llama3_scaled(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
     return inv_freq
 
 
@@ -159,9 +162,13 @@ class Transformer:
         *,
         routing: ExpertRouting = DROPLESS,
     ) -> Transformer:
-        """Load a Hugging Face checkpoint folder; a CheckpointError names any missing or malformed file."""
+        """Load a Hugging Face checkpoint folder or a GGUF file; a CheckpointError names any missing or malformed
+        file."""
         _check_dtype(dtype)
         path = Path(path)
+        if is_gguf(path):
+            gguf = open_gguf(path)
+            return cls(gguf.config, gguf.weights(dtype), kernels, device, dtype, routing=routing)
         config = load_config(path)
         return cls(config, load_weights(path, config, dtype), kernels, device, dtype, routing=routing)
 

@@ -16,16 +16,15 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pinned_backend.checkpoint import load_config, weights_sha256
 from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
+from pinned_backend.loading import Report, default_name, load_checkpoint
 from pinned_backend.model import Transformer, matmul_shapes
 from pinned_backend.routing import ExpertRouting, OverflowPolicy
 from pinned_backend.runner import EngineRunner
 from pinned_backend.stack import (
-    DTYPE_NAMES,
     batching_policy,
     build_stack,
     detect_hardware,
@@ -43,8 +42,8 @@ MAX_SPECULATIVE_TOKENS = 16  # a verify pass of more drafts than this would most
 class BackendSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: Path
-    model_name: str | None = None  # defaults to the checkpoint folder's name
+    model: Path  # a Hugging Face checkpoint folder or a GGUF file
+    model_name: str | None = None  # defaults to the folder's name, or the GGUF file's without `.gguf`
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
@@ -117,7 +116,7 @@ class BackendSettings(BaseModel):
 
     @property
     def served_name(self) -> str:
-        return self.model_name or self.model.resolve().name
+        return self.model_name or default_name(self.model)
 
 
 @dataclass
@@ -133,8 +132,13 @@ class Runtime:
     pooling: Pooling
 
 
-def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None] | None = None) -> Runtime:
-    """Load the checkpoint and build the engine; raises CheckpointError or ValueError saying what is wrong."""
+def load_runtime(
+    settings: BackendSettings,
+    on_step: Callable[[StepStats], None] | None = None,
+    report: Report = lambda _: None,
+) -> Runtime:
+    """Load the checkpoint and build the engine; raises CheckpointError or ValueError saying what is wrong.
+    `report` hears each loading step as it starts."""
     device = torch.device(settings.device)
     if settings.threads is not None:
         # Before the kernels are made: they record the count, which the stack reports (a BLAS splits a GEMM
@@ -143,7 +147,8 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device; use --device cpu")
     dtype = settings.torch_dtype
-    config = load_config(settings.model)
+    checkpoint = load_checkpoint(settings.model, dtype, report)
+    config, tokenizer = checkpoint.config, checkpoint.tokenizer
     plan_file = None
     invariant_on_gpu = device.type == "cuda" and settings.kernel_mode == "batch_invariant"
     if invariant_on_gpu:
@@ -154,11 +159,7 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
     kernels = select_kernels(
         settings.kernel_mode, device, kv_split_size=settings.kv_split_size, matmul_plans=plan_file
     )
-    digest = weights_sha256(settings.model)
-    model = Transformer.from_pretrained(
-        settings.model, kernels, device, dtype, routing=settings.expert_routing
-    )
-    tokenizer = Tokenizer.from_pretrained(settings.model)
+    model = Transformer(config, checkpoint.weights, kernels, device, dtype, routing=settings.expert_routing)
     num_blocks = PagedKVCache.blocks_for_budget(
         config, int(settings.kv_cache_mb * 2**20), settings.block_size, dtype
     )
@@ -188,8 +189,8 @@ def load_runtime(settings: BackendSettings, on_step: Callable[[StepStats], None]
         detail = {**detail, "matmul_plans": None if plan_file is None else plan_file.described()}
     stack = build_stack(
         model=settings.served_name,
-        weights_sha256=digest,
-        quantisation=DTYPE_NAMES[dtype],
+        weights_sha256=checkpoint.weights_sha256,
+        quantisation=checkpoint.quantisation,
         hardware=(generation, detail),
         kernel_mode=kernels.mode,
         software=detect_software(device),

@@ -65,6 +65,7 @@ REGISTRY = web.AppKey("registry", CollectorRegistry)
 FINGERPRINT = web.AppKey("fingerprint", str)
 SEEDS = web.AppKey("seeds", random.Random)
 CLOCK = web.AppKey("clock", Callable[[], float])  # type: ignore[arg-type]
+REPORT = web.AppKey("report", Callable[[str], None])  # type: ignore[arg-type]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -74,14 +75,17 @@ def create_app(
     *,
     seeds: random.Random | None = None,
     clock: Callable[[], float] = time.time,
+    report: Callable[[str], None] = lambda _: None,
 ) -> web.Application:
-    """`seeds` draws the seed of a sampled request that sent none; `clock` stamps `created`."""
+    """`seeds` draws the seed of a sampled request that sent none; `clock` stamps `created`; `report` hears
+    each step of loading the model."""
     app = web.Application(middlewares=[_errors_and_headers])
     app[SETTINGS] = settings
     app[REGISTRY] = CollectorRegistry()
     app[METRICS] = BackendMetrics(app[REGISTRY])
     app[SEEDS] = seeds or random.Random()
     app[CLOCK] = clock
+    app[REPORT] = report
     app.cleanup_ctx.append(_runtime_ctx)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
@@ -97,7 +101,9 @@ def create_app(
 async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     loop = asyncio.get_running_loop()
-    runtime = await loop.run_in_executor(None, load_runtime, app[SETTINGS], metrics.observe_step)
+    runtime = await loop.run_in_executor(
+        None, load_runtime, app[SETTINGS], metrics.observe_step, app[REPORT]
+    )
     app[RUNTIME] = runtime
     app[FINGERPRINT] = fingerprint(runtime.stack)
     metrics.set_stack(runtime.stack, app[FINGERPRINT])

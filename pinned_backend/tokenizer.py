@@ -1,9 +1,10 @@
-"""Text to token ids and back, and chat messages to a prompt, as the checkpoint folder defines them.
+"""Text to token ids and back, and chat messages to a prompt, as the checkpoint defines them.
 
 Reads `tokenizer.json` through the `tokenizers` library, the chat template and special tokens from
 `tokenizer_config.json`, and the end-of-sequence ids from both that file and `generation_config.json`. The chat
 template is rendered in a sandboxed jinja2 environment with the settings Hugging Face uses (trim_blocks,
-lstrip_blocks, loop controls, a `tojson` that does not escape HTML, `raise_exception`). `strftime_now` is
+lstrip_blocks, loop controls, a `tojson` that does not escape HTML, `raise_exception`). A GGUF file's tokenizer is
+built by gguf_tokenizer.py and wrapped here the same way. `strftime_now` is
 deliberately not provided: a template that asks for today's date then falls back to its fixed default, so the
 same messages always render to the same prompt. This module knows nothing of models, sampling or HTTP.
 """
@@ -69,8 +70,11 @@ class Tokenizer:
         bos_token: str | None,
         eos_token: str | None,
         eos_token_ids: frozenset[int],
+        where: str = TOKENIZER_CONFIG_FILE,
     ) -> None:
+        """`where` names the file (or the part of it) that holds the chat template, for error messages."""
         self._tokenizer = tokenizer
+        self._where = where
         self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -85,9 +89,7 @@ class Tokenizer:
             try:
                 self._template = env.from_string(chat_template)
             except jinja2.TemplateSyntaxError as exc:
-                raise CheckpointError(
-                    f"{TOKENIZER_CONFIG_FILE}: chat_template is not valid jinja2: {exc}"
-                ) from None
+                raise CheckpointError(f"{where}: chat_template is not valid jinja2: {exc}") from None
 
     @classmethod
     def from_pretrained(cls, folder: Path) -> Tokenizer:
@@ -137,7 +139,7 @@ class Tokenizer:
     ) -> str:
         """The prompt text for `messages` (`{"role": ..., "content": ...}` dicts); `extra` reaches the template."""
         if self._template is None:
-            raise ChatTemplateError(f"this model's {TOKENIZER_CONFIG_FILE} has no chat_template")
+            raise ChatTemplateError(f"this model's {self._where} has no chat_template")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ChatTemplateError(f"messages[{i}] must be an object with a string 'role'")
