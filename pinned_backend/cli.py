@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
         "--model", type=Path, required=True, help="a Hugging Face checkpoint folder, or a GGUF file (*.gguf)"
     )
     serve.add_argument(
-        "--model-name", help="name to serve it under (default: the folder's name, or the file's without .gguf)"
+        "--model-name",
+        help="name to serve it under (default: the folder's name, or the file's without .gguf)",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 picks any free port")

@@ -83,7 +83,9 @@ class GGUFCheckpoint:
                 continue  # read into the config
             name = hugging_face_name(tensor.name)
             if name is None or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                raise CheckpointError(f"{self.path}: unexpected tensor {tensor.name!r} for a {self.architecture}")
+                raise CheckpointError(
+                    f"{self.path}: unexpected tensor {tensor.name!r} for a {self.architecture}"
+                )
             if name not in expected:
                 raise CheckpointError(
                     f"{self.path}: unexpected tensor {tensor.name!r} for its metadata ({name} is not part of "
@@ -162,7 +164,9 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
     return GGUFCheckpoint(path, architecture, config, fields, _stored_types(reader), reader)
 
 
-def config_json(fields: dict[str, Any], architecture: str, tensor_names: set[str], where: str) -> dict[str, Any]:
+def config_json(
+    fields: dict[str, Any], architecture: str, tensor_names: set[str], where: str
+) -> dict[str, Any]:
     """The config.json object the metadata describes, for `parse_config` to validate like any other."""
     arch = architecture
 
@@ -174,12 +178,17 @@ def config_json(fields: dict[str, Any], architecture: str, tensor_names: set[str
         raise CheckpointError(f"{where}: {arch}.rope.scaling.type {scaling!r} is not supported")
     heads = get("attention.head_count")
     if isinstance(heads, list):
-        raise CheckpointError(f"{where}: per-layer head counts ({arch}.attention.head_count) are not supported")
+        raise CheckpointError(
+            f"{where}: per-layer head counts ({arch}.attention.head_count) are not supported"
+        )
     hidden = get("embedding_length")
     head_dim = get("attention.key_length")
     if head_dim is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         head_dim = hidden // heads
-    for key, value in (("attention.value_length", get("attention.value_length")), ("rope.dimension_count", get("rope.dimension_count"))):
+    for key, value in (
+        ("attention.value_length", get("attention.value_length")),
+        ("rope.dimension_count", get("rope.dimension_count")),
+    ):
         if value is not None and value != head_dim:
             raise CheckpointError(
                 f"{where}: {arch}.{key} {value} differs from the head size {head_dim}; only full rotary "
@@ -195,7 +204,9 @@ def config_json(fields: dict[str, Any], architecture: str, tensor_names: set[str
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": get("attention.head_count_kv") if get("attention.head_count_kv") is not None else heads,
+        "num_key_value_heads": get("attention.head_count_kv")
+        if get("attention.head_count_kv") is not None
+        else heads,
         "head_dim": head_dim,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
         "rope_theta": get("rope.freq_base") if get("rope.freq_base") is not None else 10000.0,

@@ -64,7 +64,9 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], where: str) -> Tokenizer:
     merges = [_merge(line, where) for line in _strings(fields, "tokenizer.ggml.merges", where)]
     types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
-        raise CheckpointError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+        raise CheckpointError(
+            f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+        )
     splits, ignore_merges = PRE_TOKENIZERS[pre]
     vocab = {token: i for i, token in enumerate(tokens)}
     raw = RawTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
@@ -76,10 +78,18 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], where: str) -> Tokenizer:
     # Control tokens (<|im_end|>) are special: matched whole, dropped when decoding skips specials; user-defined
     # ones (<think>) are matched whole and kept.
     raw.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _CONTROL]
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _CONTROL
+        ]
     )
     raw.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED]
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _USER_DEFINED
+        ]
     )
     bos = _token(fields, "tokenizer.ggml.bos_token_id", tokens, where)
     eos_ids = {_id(fields, key, len(tokens), where) for key in _EOS_KEYS if key in fields}

