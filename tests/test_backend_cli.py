@@ -17,6 +17,7 @@ import pytest
 
 from pinned_backend.cli import main
 from tests.backend_checkpoint import write_random_checkpoint
+from tests.gguf_files import write_small_gguf
 
 CLI = [sys.executable, "-m", "pinned_backend.cli"]
 
@@ -37,7 +38,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     [
         ((), "required: command"),
         (("serve",), "--model"),
-        (("serve", "--model", "/nonexistent"), "is not a directory"),
+        (("serve", "--model", "/nonexistent"), "is neither a checkpoint folder nor a .gguf file"),
+        (("serve", "--model", "/nonexistent.gguf"), "/nonexistent.gguf: file not found"),
         (("serve", "--model", ".", "--kernel-mode", "fast"), "invalid choice: 'fast'"),
         (("serve", "--model", ".", "--port", "70000"), "--port"),
         (("serve", "--model", ".", "--max-batch-size", "64", "--max-step-tokens", "8"), "max_step_tokens"),
@@ -86,6 +88,14 @@ def test_tune_without_a_gpu_exits_1_saying_it_needs_one() -> None:
     done = run("tune", "--model", str(Path(__file__).parent.parent / "bench/models/qwen3-8b"))
     assert done.returncode == 1
     assert "tuning needs a CUDA GPU" in done.stderr
+
+
+def test_a_gguf_of_an_unsupported_architecture_exits_1_naming_the_file_and_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_small_gguf(tmp_path / "gemma.gguf", architecture="gemma2")
+    assert main(["serve", "--model", str(path), "--port", "0"]) == 1
+    assert "gemma.gguf: architecture 'gemma2' is not supported" in capsys.readouterr().err
 
 
 def test_serve_writes_its_url_to_the_ready_file_and_stops_cleanly(checkpoint: Path, tmp_path: Path) -> None:

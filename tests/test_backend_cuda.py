@@ -1,12 +1,13 @@
 """Specification of `stackpin-backend serve --device cuda`: the real command, on loopback, on a GPU.
 
 It starts on the GPU in either kernel mode, describes the GPU it serves on in its stack, and in `batch_invariant`
-mode gives one request the same tokens and logprob bits alone and amid concurrent others. Needs CUDA and Triton;
-skipped cleanly without them.
+mode gives one request the same tokens and logprob bits alone and amid concurrent others, on random weights and on
+SmolLM2-135M-Instruct's GGUF file (dequantised to bf16). Needs CUDA and Triton; skipped cleanly without them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -42,12 +43,12 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.load(response)  # type: ignore[no-any-return]
 
 
-@pytest.fixture(params=["batch_invariant", "default"])
-def server(request: pytest.FixtureRequest, checkpoint: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+@contextlib.contextmanager
+def serving(model: Path, mode: str, tmp_path: Path) -> Iterator[str]:
+    """`stackpin-backend serve --device cuda` on `model` (a folder or a GGUF file), yielding its URL."""
     pytest.importorskip("triton")
-    mode = request.param
     ready = tmp_path / "ready"
-    args = ["serve", "--model", str(checkpoint), "--port", "0", "--ready-file", str(ready)]
+    args = ["serve", "--model", str(model), "--port", "0", "--ready-file", str(ready)]
     args += ["--device", "cuda", "--dtype", "bf16", "--kernel-mode", mode, "--kv-cache-mb", "16"]
     process = subprocess.Popen(
         [sys.executable, "-m", "pinned_backend.cli", *args],
@@ -61,11 +62,17 @@ def server(request: pytest.FixtureRequest, checkpoint: Path, tmp_path: Path) -> 
             assert process.poll() is None, f"the server exited early: {process.stderr.read()}"  # type: ignore[union-attr]
             assert time.monotonic() < deadline, "the server never wrote its ready file"
             time.sleep(0.2)
-        yield ready.read_text().strip(), mode
+        yield ready.read_text().strip()
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
         process.stderr.close()  # type: ignore[union-attr]
+
+
+@pytest.fixture(params=["batch_invariant", "default"])
+def server(request: pytest.FixtureRequest, checkpoint: Path, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    with serving(checkpoint, request.param, tmp_path) as url:
+        yield url, request.param
 
 
 def test_serve_on_cuda_describes_the_gpu_in_its_stack(server: tuple[str, str]) -> None:
@@ -94,7 +101,12 @@ def test_batch_invariant_on_cuda_answers_alike_alone_and_amid_others(server: tup
     url, mode = server
     if mode != "batch_invariant":
         pytest.skip("only batch_invariant mode promises this")
-    body = {"prompt": "stackpin on a GPU", "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    assert_alike_alone_and_amid_others(url, {"prompt": "stackpin on a GPU", "max_tokens": 12})
+
+
+def assert_alike_alone_and_amid_others(url: str, request: dict[str, Any]) -> dict[str, Any]:
+    """The same greedy request alone and four times amid twelve sampled others: one set of bits."""
+    body = {**request, "temperature": 0, "logprobs": 3}
     alone = _post(f"{url}/v1/completions", body)
     others = [
         {"prompt": "x" * (5 + 13 * i), "max_tokens": 4 + i, "temperature": 0.7, "seed": i} for i in range(12)
@@ -109,3 +121,19 @@ def test_batch_invariant_on_cuda_answers_alike_alone_and_amid_others(server: tup
         return answer["stackpin"]["token_ids"], json.dumps(choice["logprobs"]), choice["text"]
 
     assert all(bits(answer) == bits(alone) for answer in answers)
+    return alone
+
+
+def test_a_gguf_served_on_cuda_answers_sensibly_and_alike_alone_and_amid_others(
+    smollm2_gguf: Path, tmp_path: Path
+) -> None:
+    with serving(smollm2_gguf, "batch_invariant", tmp_path) as url:
+        with urllib.request.urlopen(f"{url}/v1/stack", timeout=30) as response:
+            stack = json.load(response)
+        stack = stack.get("stack", stack)
+        assert stack["quantisation"] == "gguf:Q4_1+Q8_0+F32->bf16"
+        prompt = "<|im_start|>user\nWhat is the capital of France? Answer in one sentence.<|im_end|>\n"
+        answer = assert_alike_alone_and_amid_others(
+            url, {"prompt": prompt + "<|im_start|>assistant\n", "max_tokens": 16}
+        )
+    assert "Paris" in answer["choices"][0]["text"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.runtime import BackendSettings, load_runtime
 from pinned_backend.stack import STACK_KEYS, fingerprint
 from tests.backend_checkpoint import MOE_CONFIG, write_random_checkpoint
+from tests.gguf_files import write_small_gguf
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +98,22 @@ def test_a_broken_checkpoint_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"config\.json: not valid JSON"):
         load_runtime(BackendSettings(model=tmp_path))
+
+
+def test_a_gguf_stack_names_the_files_digest_its_stored_types_and_the_compute_dtype(tmp_path: Path) -> None:
+    path = write_small_gguf(tmp_path / "Small-Llama.Q8_0.gguf")
+    said: list[str] = []
+    runtime = load_runtime(BackendSettings(model=path, block_size=4, kv_split_size=8), report=said.append)
+    assert runtime.stack["weights_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert runtime.stack["quantisation"] == "gguf:F32+Q8_0->fp32"
+    assert runtime.stack["model"] == "Small-Llama.Q8_0"
+    assert any("dequantising to fp32" in line for line in said), said
+    assert said[-1].endswith("checkpoint loaded")
+    # The same file under another name on another path: the same weights, the same digest.
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    again = load_runtime(
+        BackendSettings(model=copy, model_name="Small-Llama.Q8_0", block_size=4, kv_split_size=8)
+    )
+    assert again.stack == runtime.stack
