@@ -184,9 +184,9 @@ def main() -> None:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
     print(
-        f"# {path.name}: {args.requests} chat requests, up to {args.max_tokens} tokens each, greedy, float32"
+        f"# {path.name}: {args.requests} chat requests, up to {args.max_tokens} tokens each, greedy, {dtype}"
     )
-    print(f"commit {commit}, {detect_hardware(torch.device('cpu'))}, torch {torch.__version__} "
+    print(f"commit {commit}, {detect_hardware(torch.device(args.device))}, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, Python {platform.python_version()}")  # fmt: skip
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         systems: dict[str, Callable[[], int]] = {

@@ -10,7 +10,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,driver_version --format=csv >"$out/gguf_gpu.txt" 2>&1
 start=$(date +%s)
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_backend_cuda.py -k gguf >"$out/gguf_pytest.log" 2>&1
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_backend_cuda.py tests/test_attention_triton_split.py \
+    -k "gguf or head_group" >"$out/gguf_pytest.log" 2>&1
 echo "== gguf test: exit $? in $(($(date +%s) - start)) s"
 start=$(date +%s)
 python3 -m bench.gguf_speed --device cuda --requests 8 --max-tokens 32 --rounds 3 >"$out/gguf_speed.md" 2>"$out/gguf_speed.log"

@@ -45,19 +45,21 @@ class _Sequences:
     Slots no sequence owns hold NaN, so a kernel that reads one shows it.
     """
 
-    def __init__(self, lengths: Sequence[int], seed: int) -> None:
+    def __init__(self, lengths: Sequence[int], seed: int, heads: tuple[int, int, int] = (HQ, HKV, D)) -> None:
         gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        hq, hkv, d = heads
+        self.scale = d**-0.5
 
         def rand(n: int, heads: int) -> torch.Tensor:
-            return torch.randn(n, heads, D, device=DEVICE, generator=gen).to(DTYPE)
+            return torch.randn(n, heads, d, device=DEVICE, generator=gen).to(DTYPE)
 
-        self.q = [rand(n, HQ) for n in lengths]
-        self.k = [rand(n, HKV) for n in lengths]
-        self.v = [rand(n, HKV) for n in lengths]
+        self.q = [rand(n, hq) for n in lengths]
+        self.k = [rand(n, hkv) for n in lengths]
+        self.v = [rand(n, hkv) for n in lengths]
         n_pages = [-(-n // PAGE) for n in lengths]
         total = sum(n_pages) + 3
         order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.k_cache = torch.full((total, PAGE, HKV, D), float("nan"), device=DEVICE, dtype=DTYPE)
+        self.k_cache = torch.full((total, PAGE, hkv, d), float("nan"), device=DEVICE, dtype=DTYPE)
         self.v_cache = torch.full_like(self.k_cache, float("nan"))
         tables = torch.full((len(lengths), max(n_pages) + 2), -1, dtype=torch.int32)
         for s, n in enumerate(lengths):
@@ -76,14 +78,14 @@ class _Sequences:
         q = torch.stack([self.q[s][p] for s, p in queries])
         seq = torch.tensor([s for s, _ in queries], dtype=torch.int32, device=DEVICE)
         pos = torch.tensor([p for _, p in queries], dtype=torch.int32, device=DEVICE)
-        return attention(q, self.k_cache, self.v_cache, self.tables, seq, pos, SCALE, split, path=path)
+        return attention(q, self.k_cache, self.v_cache, self.tables, seq, pos, self.scale, split, path=path)
 
     def alone(self, attention: Attention, s: int, p: int, split: int) -> torch.Tensor:
         """Sequence s's query at p decoded by itself, with a block table of just that sequence's pages."""
         table = self.tables[s : s + 1, : -(-(p + 1) // PAGE)]
         seq = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         pos = torch.full((1,), p, dtype=torch.int32, device=DEVICE)
-        return attention(self.q[s][p][None], self.k_cache, self.v_cache, table, seq, pos, SCALE, split)
+        return attention(self.q[s][p][None], self.k_cache, self.v_cache, table, seq, pos, self.scale, split)
 
 
 def test_decode_and_verify_steps_take_the_chunks_path_while_the_workspace_fits() -> None:
@@ -115,6 +117,22 @@ def test_chunks_path_gives_the_serial_paths_bits(attention: Attention, split: in
         assert torch.equal(data.step(attention, [(0, p)], split), chunks), "the default path changed the bits"
     many = data.step(attention, [(0, p) for p in POSITIONS] + [(1, 36)], split, path="chunks")
     assert torch.equal(many[:-1], prefill[POSITIONS]), "tokens sharing a chunks-path step changed their bits"
+
+
+@gpu
+@needs_cuda
+def test_a_head_group_that_does_not_divide_the_tile_keeps_the_bits_and_the_accuracy(
+    attention: Attention,
+) -> None:
+    # SmolLM2-135M's heads: groups of 3 query heads, so a 16-row tile holds 5 tokens' rows and one spare row.
+    data = _Sequences([701, 37], seed=40, heads=(9, 3, 64))
+    prefill = data.step(attention, [(0, p) for p in range(701)], 128, path="serial")
+    for p in (1, 63, 64, 255, 700):
+        chunks = data.step(attention, [(0, p)], 128, path="chunks")
+        assert torch.equal(chunks, data.step(attention, [(0, p)], 128, path="serial")), p
+        assert torch.equal(chunks[0], prefill[p]), f"position {p}: decode differs from prefill"
+        ref = attention_reference(data.q[0][p], data.k[0], data.v[0], p, data.scale)
+        assert _rel_err(chunks[0], ref) < 1e-2, f"position {p} is wrong"
 
 
 @gpu

@@ -372,7 +372,7 @@ def paged_attention(
     _, page, hkv, d_k = k_cache.shape
     if d_k != d or v_cache.shape != k_cache.shape:
         raise ValueError("attention: q, k_cache and v_cache disagree on shape")
-    if hq % hkv != 0 or _ROWS % (hq // hkv) != 0:
+    if hq % hkv != 0 or hq // hkv > _ROWS:
         raise ValueError(f"attention: {hq} query heads over {hkv} KV heads is not a supported grouping")
     if split % KV_TILE != 0:
         raise ValueError(f"attention: kv split size {split} must be a multiple of {KV_TILE}")
