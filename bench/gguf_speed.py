@@ -193,10 +193,12 @@ def main() -> None:
             mode: functools.partial(ours, runtime, prompts, concurrency, args.max_tokens)
             for mode, runtime in runtimes.items()
         }
+        # Older transformers name no padding token for this file; padding is masked out, so EOS serves.
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         systems["transformers"] = functools.partial(
             theirs,
             model,
-            tokenizer.pad_token_id,
+            pad,
             tokenizer.eos_token_id,
             prompts,
             concurrency,
