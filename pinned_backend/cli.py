@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         field = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-")
         parser.error(f"{field}: {error['msg']}" if error["loc"] else error["msg"])
     if not args.model.is_dir() and not is_gguf(args.model):
-        parser.error(f"--model: {args.model} is neither a checkpoint folder nor a .gguf file")
+        parser.error(f"--model: {args.model} is not a directory (nor a .gguf file)")
     if is_gguf(args.model) and not args.model.is_file():
         parser.error(f"--model: {args.model}: file not found")
     try:

@@ -38,7 +38,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     [
         ((), "required: command"),
         (("serve",), "--model"),
-        (("serve", "--model", "/nonexistent"), "is neither a checkpoint folder nor a .gguf file"),
+        (("serve", "--model", "/nonexistent"), "is not a directory (nor a .gguf file)"),
         (("serve", "--model", "/nonexistent.gguf"), "/nonexistent.gguf: file not found"),
         (("serve", "--model", ".", "--kernel-mode", "fast"), "invalid choice: 'fast'"),
         (("serve", "--model", ".", "--port", "70000"), "--port"),
