@@ -160,6 +160,8 @@ def _parse_moe(raw: dict[str, Any], model_type: str, layers: int, where: str) ->
     if top_k > experts:
         raise CheckpointError(f"{where}: num_experts_per_tok {top_k} is more than the {experts} experts")
     return MoeConfig(model_type, experts, top_k, size, norm, sparse)
+
+
 def _parse_freq_factors(raw: Any, head_dim: int, where: str) -> tuple[float, ...] | None:
     if raw is None:
         return None

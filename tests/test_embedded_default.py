@@ -157,12 +157,12 @@ def test_embeddings_and_the_responses_api_on_the_local_backend_are_recorded_and_
     url, folder, env = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     embedded = client.embeddings.with_raw_response.create(
-        model="stackpin-tiny", input=["the sea", "a lighthouse"]
+        model="smollm2-135m-instruct", input=["the sea", "a lighthouse"]
     )
     vectors = [item.embedding for item in embedded.parse().data]
     assert len(vectors) == 2 and abs(sum(x * x for x in vectors[0]) - 1) < 1e-5
     responded = client.responses.with_raw_response.create(
-        model="stackpin-tiny", input="Tell me about the sea.", max_output_tokens=8
+        model="smollm2-135m-instruct", input="Tell me about the sea.", max_output_tokens=8
     )
     assert responded.parse().output_text
     for raw in (embedded, responded):
@@ -178,6 +178,10 @@ def test_the_console_holds_one_format_and_says_what_the_start_is_doing(
     lines = (folder / "serve.log").read_text().splitlines()
     events = [json.loads(line)["event"] for line in lines]  # every line one JSON object, the backend's too
     assert "local_backend_output" in events, "the backend's own lines are relayed as events"
+    relayed = [json.loads(line).get("line", "") for line in lines]
+    assert any("dequantising to fp32" in line for line in relayed), (
+        "the backend says what it does while it loads"
+    )
     starting, started = events.index("local_backend_starting"), events.index("local_backend_started")
     assert starting < started < events.index("serving")
 
