@@ -41,7 +41,7 @@ class ClientRequest:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object the audit log can hold (proxy/recordable.py), or BadRequest naming the field."""
+    """The body as a JSON object, or BadRequest saying why not; whether the log can hold it is `read_request`'s."""
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     try:
@@ -54,11 +54,6 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"the request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    try:
-        check_recordable(body)
-    except Unrecordable as e:
-        where = f"'{e.path}'" if e.path else "the request body"
-        raise BadRequest(f"{where} {e.reason}", param=e.path or None) from e
     return body
 
 
@@ -76,7 +71,15 @@ def read_request(
     default_route: str | None = None,
     live_models: Callable[[], list[str]] = list,
 ) -> ClientRequest:
-    """`live_models` names the models a client could ask for, for the error that a request without one gets."""
+    """`live_models` names the models a client could ask for, for the error that a request without one gets.
+
+    Every body that may reach a replica passes here, whoever built it (the API, the audit page's probe), so the
+    check that the audit log can hold it (proxy/recordable.py) is made here, before any replica is called."""
+    try:
+        check_recordable(body)
+    except Unrecordable as e:
+        where = f"'{e.path}'" if e.path else "the request body"
+        raise BadRequest(f"{where} {e.reason}", param=e.path or None) from e
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
