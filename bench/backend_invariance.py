@@ -31,7 +31,7 @@ import torch
 from pinned_backend.engine import Engine
 from pinned_backend.runtime import BackendSettings, load_runtime
 from pinned_backend.sampling import SamplingParams
-from pinned_backend.schedule import Arrival, run_schedule
+from pinned_backend.scripted_arrivals import Arrival, run_schedule
 from pinned_backend.stack import detect_hardware
 
 MODES = ("batch_invariant", "default")

@@ -4,7 +4,7 @@ Resources, acquired in order and released in reverse: the audit store (whose str
 proxy are closed as interrupted first, proxy/sweep.py, and which integrates the log and signs its checkpoints
 with the log's key), the HTTP client for replicas, the embedded
 local backend (when configured), the replica registry with its health monitor, which checks every replica
-before the first request is accepted, and the fleet (proxy/fleet/runtime.py): rate limits, and in fleet mode the
+before the first request is accepted, and the fleet (proxy/fleet/resource.py): rate limits, and in fleet mode the
 shared view in Redis. The audit page (proxy/ui/) is a sub-application at /ui over the same resources.
 """
 
@@ -20,12 +20,12 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from proxy.app_keys import PROMPTS, PROXY, ROUTES
 from proxy.audit import AuditStore
 from proxy.config import Secrets, Settings
-from proxy.fleet.runtime import fleet_for
+from proxy.fleet.resource import fleet_for
 from proxy.handlers import routes
 from proxy.health import HealthMonitor
-from proxy.keys import PROMPTS, PROXY, ROUTES
 from proxy.local_backend import LocalBackend
 from proxy.log_keys import serving_signer
 from proxy.metrics import ProxyMetrics

@@ -218,7 +218,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from proxy.serve import serve
+    from proxy.launch import serve
 
     flags = {name: value for name, value in (("host", args.host), ("port", args.port)) if value is not None}
     settings, secrets = load_settings(args.config, server=flags)
@@ -258,7 +258,7 @@ def _read(path: Path, what: str) -> str:
 
 def _verify(args: argparse.Namespace) -> int:
     from proxy.audit import Witnessed
-    from proxy.inspect import verify
+    from proxy.audit_commands import verify
     from proxy.witness import WitnessStore
 
     settings = _settings(args)
@@ -271,7 +271,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from proxy.inspect import audit
+    from proxy.audit_commands import audit
 
     settings = _settings(args)
     return asyncio.run(audit(settings.store, args.record, _log_keys(args, settings), as_json=args.json))
@@ -352,7 +352,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _records(args: argparse.Namespace) -> int:
-    from proxy.inspect import list_records
+    from proxy.audit_commands import list_records
 
     if not 1 <= args.limit <= 1000:
         raise ConfigError(f"--limit must be between 1 and 1000, got {args.limit}")

@@ -15,15 +15,15 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from proxy.app_keys import PROMPTS, PROXY, ROUTES
 from proxy.audit import AuditRecord, NoSuchCheckpoint, ProofError
 from proxy.auth import authenticate
+from proxy.client_request import parse_body, read_request
 from proxy.compare import Comparison
 from proxy.endpoints import ENDPOINTS
 from proxy.errors import BadRequest, NotFound, RequestTimeout
-from proxy.keys import PROMPTS, PROXY, ROUTES
 from proxy.pins import Pin, parse_pin_body
 from proxy.records import Served
-from proxy.requests import parse_body, read_request
 from proxy.router import live_stacks
 from proxy.serving import Proxy
 from proxy.sinks import HttpSink

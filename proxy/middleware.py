@@ -14,10 +14,10 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from proxy.app_keys import PROXY
 from proxy.audit import StoreUnavailable
 from proxy.errors import AtCapacity, AuditStoreUnavailable, HttpError, PayloadTooLarge, StackpinError
 from proxy.forward import ReplicaRejected
-from proxy.keys import PROXY
 
 log = structlog.get_logger("stackpin.http")
 

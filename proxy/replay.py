@@ -15,12 +15,12 @@ from typing import Any
 
 from proxy.answers import View, seed_of, view_of
 from proxy.audit import AuditRecord
+from proxy.client_request import ClientRequest
 from proxy.compare import Comparison, compare
 from proxy.endpoints import CHAT
 from proxy.errors import BadRequest
 from proxy.pins import Pin
 from proxy.prompts import PromptVersion
-from proxy.requests import ClientRequest
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,13 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from proxy.audit import AuditError, AuditRecord, AuditStore, NewEntry
+from proxy.client_request import ClientRequest
 from proxy.compare import Comparison
 from proxy.config import Secrets, Settings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
 from proxy.endpoints import CHAT, RESPONSES, answer_problem
 from proxy.errors import AuditStoreUnavailable, BadRequest, ReplicaFailed
-from proxy.fleet.runtime import Fleet
+from proxy.fleet.resource import Fleet
 from proxy.forward import Answer, Event, ReplicaGarbage, ReplicaUnavailable, Stream, open_stream, post_json
 from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
@@ -41,7 +42,6 @@ from proxy.redact import Redactor
 from proxy.registry import Registry, Replica
 from proxy.relay import Relay
 from proxy.replay import Answered, Replaying, recorded, replay_request
-from proxy.requests import ClientRequest
 from proxy.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
 from proxy.sinks import BufferSink, Sink
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from proxy.logs import configure_logging
-from tests.fake_replica import FakeReplica
+from tests.support.fake_replica import FakeReplica
 
 # The chart's fixtures (`rendered`, `variant`) live beside its helpers; the GPU kernels' (`triton_ops`,
 # `unwritten_elements_show`) in a module of their own.
-pytest_plugins = ["tests.helm_chart", "tests.triton_fixtures"]
+pytest_plugins = ["tests.support.helm_chart", "tests.support.triton_fixtures"]
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from tests.audit_databases import KINDS, audit_database, entry
+from tests.support.audit_databases import KINDS, audit_database, entry
 
 
 @pytest.mark.parametrize("kind", KINDS)

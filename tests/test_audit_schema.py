@@ -31,7 +31,7 @@ from proxy.audit.entries import GENESIS_SHA256, chain_hash
 from proxy.audit.merkle import leaf_hash, verify_inclusion
 from proxy.audit.models import Base, UTCDateTime
 from proxy.audit.schema import downgrade_database, script_head
-from tests.audit_databases import (
+from tests.support.audit_databases import (
     KINDS,
     LOG_SIGNER,
     POSTGRES_URL,

@@ -26,7 +26,7 @@ from proxy.audit import (
 )
 from proxy.audit.merkle import EMPTY_ROOT, leaf_hash, verify_consistency, verify_inclusion
 from proxy.audit.note import open_checkpoint
-from tests.audit_databases import KINDS, LOG_SIGNER, STACK, T0, AuditDatabase, audit_database, entry
+from tests.support.audit_databases import KINDS, LOG_SIGNER, STACK, T0, AuditDatabase, audit_database, entry
 
 FINGERPRINT = stack_fingerprint(STACK)
 

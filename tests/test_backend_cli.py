@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from pinned_backend.cli import main
-from tests.backend_checkpoint import write_random_checkpoint
-from tests.gguf_files import write_small_gguf
+from tests.support.backend_checkpoint import write_random_checkpoint
+from tests.support.gguf_files import write_small_gguf
 
 CLI = [sys.executable, "-m", "pinned_backend.cli"]
 

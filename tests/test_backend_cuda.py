@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.backend_checkpoint import write_random_checkpoint
+from tests.support.backend_checkpoint import write_random_checkpoint
 
 pytestmark = [
     pytest.mark.gpu,

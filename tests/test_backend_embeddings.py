@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pinned_backend.embeddings import pool
 from pinned_backend.runtime import BackendSettings
 from pinned_backend.server import create_app
-from tests.backend_checkpoint import CHARACTERS, write_random_checkpoint
+from tests.support.backend_checkpoint import CHARACTERS, write_random_checkpoint
 
 EMBEDDINGS = "/v1/embeddings"
 

@@ -13,8 +13,8 @@ from pinned_backend.checkpoint import CheckpointError, weights_sha256
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.runtime import BackendSettings, load_runtime
 from pinned_backend.stack import STACK_KEYS, fingerprint
-from tests.backend_checkpoint import MOE_CONFIG, write_random_checkpoint
-from tests.gguf_files import write_small_gguf
+from tests.support.backend_checkpoint import MOE_CONFIG, write_random_checkpoint
+from tests.support.gguf_files import write_small_gguf
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pinned_backend.checkpoint import weights_sha256
 from pinned_backend.runtime import BackendSettings
 from pinned_backend.server import create_app
-from tests.backend_checkpoint import write_random_checkpoint
+from tests.support.backend_checkpoint import write_random_checkpoint
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

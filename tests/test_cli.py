@@ -17,9 +17,9 @@ from proxy.audit import AuditStore
 from proxy.audit.note import COSIGNATURE, parse_signer
 from proxy.audit.schema import upgrade_database
 from proxy.cli import main as stackpin
-from tests.audit_databases import LOG_KEY_ENV, LOG_SIGNER, WITNESS_SIGNER, entry
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import running_proxy
+from tests.support.audit_databases import LOG_KEY_ENV, LOG_SIGNER, WITNESS_SIGNER, entry
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import running_proxy
 
 VKEY = LOG_SIGNER.verifier.vkey
 

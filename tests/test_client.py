@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main as stackpin
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import running_proxy
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import running_proxy
 
 
 async def test_probe_counts_one_completion_when_deterministic_and_more_when_not(

@@ -13,7 +13,7 @@ import torch
 
 from pinned_backend.kernels.triton.launches import Launches
 from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
-from tests.backend_checkpoint import make_engine, write_random_checkpoint
+from tests.support.backend_checkpoint import make_engine, write_random_checkpoint
 from tests.test_step_graphs import _serve_all
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from proxy.local_backend import reporting_progress
 from proxy.logs import configure_logging
-from tests.ui_site import ARTIFACTS, chromium
+from tests.support.ui_site import ARTIFACTS, chromium
 
 pytest.importorskip("torch")
 

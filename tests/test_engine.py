@@ -20,8 +20,8 @@ from pinned_backend.engine import (
 from pinned_backend.kernels.cpu_default import TorchKernels
 from pinned_backend.kvcache import BlockAllocator
 from pinned_backend.sampling import SamplingParams
-from tests.backend_checkpoint import Collector, letters, write_random_checkpoint
-from tests.backend_checkpoint import make_engine as make_checkpoint_engine
+from tests.support.backend_checkpoint import Collector, letters, write_random_checkpoint
+from tests.support.backend_checkpoint import make_engine as make_checkpoint_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 

@@ -14,8 +14,8 @@ from proxy.cli import main as stackpin
 from proxy.fleet.documents import FleetKeys, Lease, Quarantine
 from proxy.fleet.heartbeat import Beat
 from proxy.fleet.state import FleetState, connect
-from tests.fake_replica import FakeReplica, fingerprint_of
-from tests.fleet_support import REDIS_URL, Clock, heartbeat_for, redis_prefix
+from tests.support.fake_replica import FakeReplica, fingerprint_of
+from tests.support.fleet import REDIS_URL, Clock, heartbeat_for, redis_prefix
 
 pytestmark = pytest.mark.redis
 

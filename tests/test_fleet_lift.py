@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main as stackpin
-from tests.audit_databases import audit_database
-from tests.fake_replica import FakeReplica
-from tests.fleet_support import REDIS_URL, Fleet, running_fleet
+from tests.support.audit_databases import audit_database
+from tests.support.fake_replica import FakeReplica
+from tests.support.fleet import REDIS_URL, Fleet, running_fleet
 from tests.test_fleet_sync import CHAT, flags_of
 
 pytestmark = pytest.mark.redis

@@ -12,9 +12,9 @@ import pytest
 from proxy.config import load_settings
 from proxy.errors import ConfigError, RateLimited
 from proxy.fleet.limits import Limits, RateLimiter, refusal, window_of
-from tests.audit_databases import audit_database
-from tests.fake_replica import FakeReplica
-from tests.fleet_support import T0, Clock, RedisRelay, running_fleet
+from tests.support.audit_databases import audit_database
+from tests.support.fake_replica import FakeReplica
+from tests.support.fleet import T0, Clock, RedisRelay, running_fleet
 
 CHAT = {
     "model": "fake-model",

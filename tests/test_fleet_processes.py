@@ -19,9 +19,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from tests.audit_databases import LOG_SIGNER, WITNESS_SIGNER, AuditDatabase, audit_database
-from tests.fake_replica import FakeReplica
-from tests.fleet_support import REDIS_URL, proxy_processes, redis_prefix
+from tests.support.audit_databases import LOG_SIGNER, WITNESS_SIGNER, AuditDatabase, audit_database
+from tests.support.fake_replica import FakeReplica
+from tests.support.fleet import REDIS_URL, proxy_processes, redis_prefix
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis]
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from proxy.fleet.documents import Quarantine
-from tests.audit_databases import audit_database
-from tests.fake_replica import FakeReplica
-from tests.fleet_support import Fleet, RedisRelay, running_fleet
+from tests.support.audit_databases import audit_database
+from tests.support.fake_replica import FakeReplica
+from tests.support.fleet import Fleet, RedisRelay, running_fleet
 
 pytestmark = pytest.mark.redis
 

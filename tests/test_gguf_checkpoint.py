@@ -19,7 +19,7 @@ from pinned_backend.checkpoint import CheckpointError, ModelConfig, expected_sha
 from pinned_backend.gguf_checkpoint import file_sha256, open_gguf, unpermute_rows
 from pinned_backend.kernels import select_kernels
 from pinned_backend.model import Transformer, rope_inv_freq
-from tests.gguf_files import llama_cpp_permute, write_gguf
+from tests.support.gguf_files import llama_cpp_permute, write_gguf
 from tests.test_model import VARIANTS, Runner, write_folder
 
 CPU = torch.device("cpu")

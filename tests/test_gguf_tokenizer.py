@@ -16,7 +16,7 @@ from pinned_backend.checkpoint import CheckpointError, parse_config
 from pinned_backend.gguf_checkpoint import open_gguf
 from pinned_backend.gguf_tokenizer import tokenizer_from_gguf
 from pinned_backend.tokenizer import ChatTemplateError, Tokenizer
-from tests.gguf_files import write_gguf
+from tests.support.gguf_files import write_gguf
 from tests.test_gguf_checkpoint import SMALL, random_tensors
 from tests.test_tokenizer import CHATML, SPECIALS
 

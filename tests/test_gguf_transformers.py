@@ -18,7 +18,7 @@ import torch
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
 from pinned_backend.sampling import SamplingParams
-from tests.backend_checkpoint import Collector
+from tests.support.backend_checkpoint import Collector
 
 transformers = pytest.importorskip("transformers")  # a test dependency; the dev extra installs it
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.helm_chart import (
+from tests.support.helm_chart import (
     CHART,
     CONFIG_PATH,
     DASHBOARDS,

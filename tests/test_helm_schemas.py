@@ -12,7 +12,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from tests.helm_chart import (
+from tests.support.helm_chart import (
     CHART,
     CRD_KINDS,
     KUBERNETES_VERSION,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helm_chart import (
+from tests.support.helm_chart import (
     CHART,
     CONFIG_PATH,
     NAMESPACE,

@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_way_of_cutting_a_matmul_between_programs_gives_one_programs_bits() -> None:
-    run_interpreted("tests.interpreted_kernels")
+    run_interpreted("tests.support.interpreted_kernels")
 
 
 def test_a_grouped_expert_matmuls_row_does_not_depend_on_how_the_step_spread_over_the_experts() -> None:
-    run_interpreted("tests.interpreted_expert_matmul")
+    run_interpreted("tests.support.interpreted_expert_matmul")
 
 
 def run_interpreted(module: str) -> None:

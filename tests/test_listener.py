@@ -16,8 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import Harness, running_proxy
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import Harness, running_proxy
 
 CHAT = b'{"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
 

@@ -11,7 +11,7 @@ from proxy.audit.note import COSIGNATURE, generate_signer
 from proxy.config import Settings, resolve_secrets
 from proxy.errors import ConfigError
 from proxy.log_keys import serving_signer, trusted_log_keys, write_key
-from tests.audit_databases import LOG_SIGNER, POSTGRES_URL
+from tests.support.audit_databases import LOG_SIGNER, POSTGRES_URL
 
 
 def settings(url: str, **log: object) -> Settings:

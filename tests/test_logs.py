@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from proxy.logs import configure_logging
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import running_proxy
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import running_proxy
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import running_proxy
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import running_proxy
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
 

@@ -15,7 +15,7 @@ from pinned_backend.kernels import select_kernels
 from pinned_backend.model import Transformer
 from pinned_backend.moe import ExpertWeights, moe_mlp
 from pinned_backend.routing import DROPLESS, ExpertRouting
-from tests.backend_checkpoint import MOE_CONFIG, SMALL_CONFIG, write_random_checkpoint
+from tests.support.backend_checkpoint import MOE_CONFIG, SMALL_CONFIG, write_random_checkpoint
 from tests.test_model import Runner
 
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import pytest
 from proxy.errors import BadRequest
 from proxy.pins import Pin, parse_pin_body, parse_pin_header, resolve_request_pin
 from proxy.stack import Stack
-from tests.fake_replica import tiny_stack
+from tests.support.fake_replica import tiny_stack
 
 STACK = Stack.model_validate(tiny_stack())
 

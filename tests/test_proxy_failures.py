@@ -17,10 +17,10 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from proxy.logs import configure_logging
-from tests.audit_databases import POSTGRES_URL
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import Harness, running_proxy
-from tests.tcp_relay import TcpRelay
+from tests.support.audit_databases import POSTGRES_URL
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import Harness, running_proxy
+from tests.support.tcp_relay import TcpRelay
 
 CHAT = {
     "model": "fake-model",

@@ -12,9 +12,9 @@ import pytest
 
 from proxy.audit.merkle import leaf_hash, verify_consistency, verify_inclusion
 from proxy.audit.note import open_checkpoint
-from tests.audit_databases import KINDS, LOG_KEY_ENV, LOG_SIGNER
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import Harness, running_proxy
+from tests.support.audit_databases import KINDS, LOG_KEY_ENV, LOG_SIGNER
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import Harness, running_proxy
 
 TENANTS = [{"name": "acme", "api_key_env": "ACME_KEY"}, {"name": "globex", "api_key_env": "GLOBEX_KEY"}]
 ENVIRON = {"ACME_KEY": "sk-acme-1", "GLOBEX_KEY": "sk-globex-2"}

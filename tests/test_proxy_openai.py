@@ -11,8 +11,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.fake_replica import FakeReplica, decode_embedding
-from tests.proxy_harness import Harness, running_proxy
+from tests.support.fake_replica import FakeReplica, decode_embedding
+from tests.support.proxy_harness import Harness, running_proxy
 
 MESSAGES = [{"role": "user", "content": "Say something about lighthouses."}]
 

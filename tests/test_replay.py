@@ -19,9 +19,9 @@ from proxy.audit import NewEntry
 from proxy.cli import main as stackpin
 from proxy.pins import Pin
 from proxy.records import Served, closed_entry, opened_entry
-from tests.audit_databases import KINDS
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import Harness, running_proxy
+from tests.support.audit_databases import KINDS
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import Harness, running_proxy
 
 TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
 

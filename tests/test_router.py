@@ -9,7 +9,7 @@ from proxy.pins import Pin
 from proxy.registry import Replica
 from proxy.router import choose, live_stacks
 from proxy.stack import Stack
-from tests.fake_replica import tiny_stack
+from tests.support.fake_replica import tiny_stack
 
 INVARIANT = Stack.model_validate(tiny_stack())
 DEFAULT = Stack.model_validate(tiny_stack(kernel_mode="default"))

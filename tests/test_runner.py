@@ -13,7 +13,7 @@ import torch
 from pinned_backend.engine import EngineStopped
 from pinned_backend.runner import EngineRunner
 from pinned_backend.sampling import SamplingParams
-from tests.backend_checkpoint import Collector, make_engine, write_random_checkpoint
+from tests.support.backend_checkpoint import Collector, make_engine, write_random_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 

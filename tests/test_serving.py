@@ -19,7 +19,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.proxy_harness import Harness, running_proxy
+from tests.support.proxy_harness import Harness, running_proxy
 
 STREAM = {"model": "trivial", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from proxy.forward import describe
 from proxy.stack import Stack, canonical_json, fingerprint, fingerprinted
-from tests.fake_replica import FakeReplica, fingerprint_of, tiny_stack
+from tests.support.fake_replica import FakeReplica, fingerprint_of, tiny_stack
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53) + 1, 2**53 - 1) | st.text(max_size=8),

@@ -16,7 +16,7 @@ import torch
 from pinned_backend.engine import Engine, EngineConfig, RequestTooLarge, StepStats
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS, StepGraphs, StepShape, token_sizes
-from tests.backend_checkpoint import Collector, make_engine, write_random_checkpoint
+from tests.support.backend_checkpoint import Collector, make_engine, write_random_checkpoint
 
 
 @pytest.fixture(scope="module")

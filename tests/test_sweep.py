@@ -17,8 +17,8 @@ import pytest
 from proxy.audit import AuditStore
 from proxy.cli import main as stackpin
 from proxy.sweep import mark_interrupted_streams
-from tests.audit_databases import T0, entry
-from tests.fake_replica import FakeReplica
+from tests.support.audit_databases import T0, entry
+from tests.support.fake_replica import FakeReplica
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 50}
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.ui_site import ARTIFACTS, KEYS, UPSTREAM_KEY, XSS_PROMPT, Site, chromium, run_site
+from tests.support.ui_site import ARTIFACTS, KEYS, UPSTREAM_KEY, XSS_PROMPT, Site, chromium, run_site
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 Page = playwright_api.Page

@@ -12,8 +12,8 @@ import pytest
 from yarl import URL
 
 from proxy.audit import RecordFilter
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import Harness, running_proxy
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import Harness, running_proxy
 
 KEYS = {"KEY_ACME": "sk-acme-0a1b", "KEY_GLOBEX": "sk-globex-2c3d", "KEY_OPS": "sk-ops-4e5f"}
 UPSTREAM_KEY = "sk-upstream-6a7b8c"

@@ -15,12 +15,12 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.app_keys import PROXY, ROUTES
+from proxy.client_request import CHAT
 from proxy.errors import StackpinError
 from proxy.forward import ReplicaRejected
 from proxy.handlers import serve_completion
-from proxy.keys import PROXY, ROUTES
 from proxy.probe import ProbeResult, Reply, probe_body, run_probe
-from proxy.requests import CHAT
 from proxy.router import live_stacks
 from proxy.ui.chart import chart
 from proxy.ui.render import render

@@ -13,10 +13,10 @@ from urllib.parse import urlencode
 from aiohttp import web
 
 from proxy.answers import Tokens, tokens_of
+from proxy.app_keys import PROXY
 from proxy.audit import AuditRecord, RecordSummary
 from proxy.errors import BadRequest, NotFound
 from proxy.handlers import counted_replay
-from proxy.keys import PROXY
 from proxy.pins import Pin
 from proxy.router import live_stacks
 from proxy.ui.answer import answer_body, token_pieces

@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.app_keys import PROXY
 from proxy.audit import RecordFilter
-from proxy.keys import PROXY
 from proxy.registry import Replica
 from proxy.router import live_stacks
 from proxy.ui.render import render

@@ -32,10 +32,10 @@ from proxy.fleet.documents import FleetKeys
 from proxy.fleet.heartbeat import Heartbeat
 from proxy.fleet.state import FleetState, connect
 from proxy.fleet.sync import FleetSync
-from tests.audit_databases import LOG_KEY_ENV, LOG_SIGNER, AuditDatabase
-from tests.fake_replica import FakeReplica
-from tests.proxy_harness import Harness, settings_for
-from tests.tcp_relay import TcpRelay
+from tests.support.audit_databases import LOG_KEY_ENV, LOG_SIGNER, AuditDatabase
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import Harness, settings_for
+from tests.support.tcp_relay import TcpRelay
 
 REDIS_URL = os.environ.get("STACKPIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 T0 = datetime(2026, 3, 4, 5, 6, 30, tzinfo=UTC)  # thirty seconds into a minute
@@ -163,7 +163,7 @@ async def running_fleet(
 
 # Real processes: `stackpin serve` and `stackpin fleet heartbeat`, as a fleet runs them.
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 replicas, a real audit store.
 
 `running_proxy` yields a `Harness` with the proxy's base URL, its application, and helpers to build clients. The
-store is an SQLite file or a fresh PostgreSQL schema (tests/audit_databases.py).
+store is an SQLite file or a fresh PostgreSQL schema (tests/support/audit_databases.py).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import aiohttp
 from aiohttp import web
 
 from proxy.app import create_app
+from proxy.app_keys import PROXY
 from proxy.config import Secrets, Settings, resolve_secrets
-from proxy.keys import PROXY
 from proxy.listener import bind, serving
 from proxy.serving import Proxy
-from tests.audit_databases import LOG_KEY_ENV, LOG_SIGNER, audit_database
-from tests.fake_replica import FakeReplica
+from tests.support.audit_databases import LOG_KEY_ENV, LOG_SIGNER, audit_database
+from tests.support.fake_replica import FakeReplica
 
 
 @dataclass

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.fake_replica import WORDS, FakeReplica, tiny_stack
-from tests.proxy_harness import Harness, running_proxy
+from tests.support.fake_replica import WORDS, FakeReplica, tiny_stack
+from tests.support.proxy_harness import Harness, running_proxy
 
 T = TypeVar("T")
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "ui"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "ui"
 KEYS = {
     "STACKPIN_KEY_ACME": "sk-acme-3f9a1c",
     "STACKPIN_KEY_GLOBEX": "sk-globex-77b2e0",

@@ -1,9 +1,9 @@
 """Checks of the grouped expert matmul run under Triton's interpreter, on the CPU:
-`python -m tests.interpreted_expert_matmul` with TRITON_INTERPRET=1 (tests/test_kernels_interpreted.py starts it
+`python -m tests.support.interpreted_expert_matmul` with TRITON_INTERPRET=1 (tests/test_kernels_interpreted.py starts it
 so). Exits non-zero, naming the case, where a row's result changes with how many rows its expert or the other experts
 got, or where an expert's rows differ from that expert's own matmul.
 
-As for the dense matmul's checks (tests/interpreted_kernels.py): the interpreter computes a dot through numpy, so
+As for the dense matmul's checks (tests/support/interpreted_kernels.py): the interpreter computes a dot through numpy, so
 this proves which rows, weights and K steps a program takes, in fp16 on operands of small multiples of 1/8 (every
 sum exact in fp32, in any order); the GPU's own sums are for a GPU to prove.
 """

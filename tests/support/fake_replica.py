@@ -24,7 +24,7 @@ from typing import Any
 import rfc8785
 from aiohttp import web
 
-from tests.fake_routes import embeddings_body, response_body, response_events
+from tests.support.fake_routes import embeddings_body, response_body, response_events
 
 WORDS = [
     "the",

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "stackpin"
 FLEET_VALUES = CHART / "ci" / "values-gpu-fleet.yaml"
 DASHBOARDS = REPO / "dashboards"

@@ -1,4 +1,4 @@
-"""Checks of the matmul's bookkeeping run under Triton's interpreter, on the CPU: `python -m tests.interpreted_kernels`
+"""Checks of the matmul's bookkeeping run under Triton's interpreter, on the CPU: `python -m tests.support.interpreted_kernels`
 with TRITON_INTERPRET=1 (tests/test_kernels_interpreted.py starts it so, since Triton reads the variable when a
 kernel is defined). Exits non-zero, naming the case, where a way of cutting the work or of loading the operands gives
 other bits than one program per tile with plain loads.

@@ -1,4 +1,4 @@
-"""The fake replica's embeddings and Responses API answers (tests/fake_replica.py): pure functions of the request.
+"""The fake replica's embeddings and Responses API answers (tests/support/fake_replica.py): pure functions of the request.
 
 Embeddings are unit vectors drawn from a hash of each input, in float32 so that base64 carries them exactly. A
 response, whole or as OpenAI's events, says the text the fake's completion would.

@@ -1,0 +1,1 @@
+"""Helpers the tests share: fake replicas and routes, harnesses, stores, fixtures."""
