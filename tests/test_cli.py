@@ -190,6 +190,18 @@ def test_serve_refuses_an_old_schema_and_names_the_command(tmp_path: Path) -> No
     assert "stackpin db upgrade" in result.stderr
 
 
+def test_reading_commands_refuse_a_store_that_does_not_exist_and_create_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "typo.db"
+    path = write_config(tmp_path, missing)
+    for command in (["verify"], ["records"], ["audit", "rec_0000"]):
+        assert stackpin([*command, "--config", str(path)]) == 2
+        said = "".join(capsys.readouterr())
+        assert "does not exist" in said and "typo.db" in said, said
+    assert not missing.exists(), "reading a store must never create one"
+
+
 def test_a_bad_configuration_is_one_clear_line_and_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

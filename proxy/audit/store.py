@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import exists, func, select, text
@@ -24,7 +25,14 @@ from proxy.audit import listing, proofs
 from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import Durability, describe, make_engine, make_writer, parse_url
 from proxy.audit.entries import load_canonical
-from proxy.audit.errors import AuditError, SchemaOutdated, SchemaTooNew, StoreUnavailable, failure_reason
+from proxy.audit.errors import (
+    AuditError,
+    DatabaseUrlError,
+    SchemaOutdated,
+    SchemaTooNew,
+    StoreUnavailable,
+    failure_reason,
+)
 from proxy.audit.integrate import Integrator
 from proxy.audit.listing import RecordFilter
 from proxy.audit.models import Entry, LogLeaf, Prompt, Stack
@@ -116,6 +124,15 @@ class AuditStore:
         if durability not in ("disk", "process"):
             raise ValueError(f"durability must be 'disk' or 'process', got {durability!r}")
         parsed = parse_url(url)
+        if parsed.get_backend_name() == "sqlite" and not create_if_empty:
+            # Opening a missing file would create an empty one: a typo in the path must not leave a database
+            # behind, nor be reported as a schema to upgrade.
+            database = parsed.database or ""
+            if not Path(database).is_file():
+                raise DatabaseUrlError(
+                    f"the audit database {database!r} does not exist; check [store] url (a proxy's first "
+                    "start creates it, as does `stackpin db upgrade`)"
+                )
         await _ensure_schema(url, schema=schema, create_if_empty=create_if_empty)
         reader = make_engine(parsed, schema=schema, writer=False)
         writer = make_writer(parsed, schema=schema, durability=durability)
