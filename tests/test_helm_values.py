@@ -129,6 +129,52 @@ def test_the_kv_split_reaches_the_backend_only_when_a_stack_names_it(tmp_path: P
     assert flags(args["pinned"])["--kv-split-size"] == "256"
 
 
+def test_serving_features_and_expert_capacity_reach_the_backend_as_its_flags(tmp_path: Path) -> None:
+    path = tmp_path / "values.yaml"
+    plain = {**TINY, "name": "plain"}
+    featured = {
+        **TINY,
+        "name": "featured",
+        "prefixCache": False,
+        "speculativeTokens": 4,
+        "matmulPlans": "none",
+    }
+    capped = {**TINY, "name": "capped", "expertCapacityFactor": 1.25, "expertOverflow": "next_expert"}
+    path.write_text(yaml.safe_dump({"stacks": [plain, featured, capped]}))
+    manifests = render(path)
+    args = {
+        s["name"]: container(one(manifests, "Deployment", backend_name(s)), "backend")["args"]
+        for s in (plain, featured, capped)
+    }
+    for flag in ("--no-prefix-cache", "--speculative-tokens", "--matmul-plans", "--expert-capacity-factor"):
+        assert flag not in args["plain"], "unset, the backend's own defaults apply"
+    assert flags(args["featured"])["--no-prefix-cache"] is None
+    assert flags(args["featured"])["--speculative-tokens"] == "4"
+    assert flags(args["featured"])["--matmul-plans"] == "none"
+    assert flags(args["capped"])["--expert-capacity-factor"] == "1.25"
+    assert flags(args["capped"])["--expert-overflow"] == "next_expert"
+
+
+@pytest.mark.parametrize(
+    ("stack", "message"),
+    [
+        ({"expertOverflow": "next_expert"}, "set expertCapacityFactor too"),
+        ({"expertCapacityFactor": 0}, "expertCapacityFactor"),
+        ({"expertCapacityFactor": 1.0, "expertOverflow": "drop"}, "expertOverflow"),
+        ({"speculativeTokens": -1}, "speculativeTokens"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_expert_and_speculation_values_that_make_no_sense_are_refused(
+    stack: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump({"stacks": [{**TINY, **stack}]}))
+    result = helm("template", RELEASE, CHART, "-f", path)
+    assert result.returncode != 0, f"rendered although {stack}"
+    assert message in result.stderr
+
+
 def test_a_stack_can_be_scaled_to_zero_and_stays_listed(tmp_path: Path) -> None:
     path = tmp_path / "values.yaml"
     stack = {**TINY, "name": "parked", "replicas": 0}

@@ -118,9 +118,18 @@ def backend_name(stack: dict[str, Any]) -> str:
     return f"{RELEASE}-backend-{stack['name']}"
 
 
-def flags(args: list[str]) -> dict[str, str]:
-    """`serve --model x --dtype bf16` -> {"--model": "x", "--dtype": "bf16"}."""
-    return dict(zip(args[1::2], args[2::2], strict=True))
+def flags(args: list[str]) -> dict[str, str | None]:
+    """`serve --model x --no-prefix-cache --dtype bf16` -> {"--model": "x", "--no-prefix-cache": None, ...}."""
+    found: dict[str, str | None] = {}
+    rest = args[1:]
+    while rest:
+        flag, rest = rest[0], rest[1:]
+        assert flag.startswith("--"), f"{flag!r} is no flag: {args}"
+        if rest and not rest[0].startswith("--"):
+            found[flag], rest = rest[0], rest[1:]
+        else:
+            found[flag] = None
+    return found
 
 
 def proxy_config(manifests: list[Manifest]) -> dict[str, Any]:

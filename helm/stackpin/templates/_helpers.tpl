@@ -258,6 +258,9 @@ ConfigMap includes it, so `helm template` and `helm install` fail before anythin
 {{- if and (gt (int (default 0 .gpus)) 0) (ne (mod (int (default 128 .kvSplitSize)) 64) 0) }}
 {{- fail (printf "stack %q: the GPU attention walks keys in tiles of 64; set kvSplitSize to a multiple of 64" .name) }}
 {{- end }}
+{{- if and .expertOverflow (not .expertCapacityFactor) }}
+{{- fail (printf "stack %q: expertOverflow says what a capped expert does with the tokens it refuses; set expertCapacityFactor too, or remove expertOverflow" .name) }}
+{{- end }}
 {{- if gt (int (default 32 .maxBatchSize)) (int (default 256 .maxStepTokens)) }}
 {{- fail (printf "stack %q: maxStepTokens must be at least maxBatchSize" .name) }}
 {{- end }}
