@@ -119,6 +119,16 @@ async def test_open_refuses_an_empty_database_and_names_the_command(blank: Audit
     assert await schema_revision(blank.url, schema=blank.schema) is None, "open must not migrate on its own"
 
 
+async def test_open_refuses_a_missing_sqlite_file_unless_asked_to_create_one(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'typo.db'}"
+    with pytest.raises(DatabaseUrlError, match="does not exist"):
+        await AuditStore.open(url)
+    assert not (tmp_path / "typo.db").exists()
+    store = await AuditStore.open(url, create_if_empty=True)
+    await store.close()
+    assert await schema_revision(url) == HEAD_REVISION
+
+
 async def test_create_if_empty_migrates_a_blank_database(blank: AuditDatabase) -> None:
     store = await blank.open(create_if_empty=True)
     try:

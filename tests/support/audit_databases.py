@@ -97,7 +97,9 @@ class AuditDatabase:
 async def create_blank(kind: str, folder: Path) -> AuditDatabase:
     """A blank database (no tables) of `kind`; `drop` removes it."""
     if kind == "sqlite":
-        return AuditDatabase(kind, f"sqlite+aiosqlite:///{folder / 'audit.db'}", None)
+        path = folder / "audit.db"
+        path.touch()  # an empty file is an SQLite database without tables; a missing one is no database
+        return AuditDatabase(kind, f"sqlite+aiosqlite:///{path}", None)
     schema = f"audit_test_{uuid.uuid4().hex[:12]}"
     await _admin(f'CREATE SCHEMA "{schema}"')
     return AuditDatabase(kind, POSTGRES_URL, schema)
