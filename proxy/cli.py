@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", parents=[config], help="run the proxy")
     serve.add_argument("--host", help="address to listen on (default: [server] host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default: [server] port, 8080)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="processes serving the port, about one per core (default: [server] workers, 1)",
+    )
     serve.set_defaults(run=_serve)
 
     db = commands.add_parser("db", help="the audit store's schema")
@@ -220,7 +225,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     from proxy.launch import serve
 
-    flags = {name: value for name, value in (("host", args.host), ("port", args.port)) if value is not None}
+    given = (("host", args.host), ("port", args.port), ("workers", args.workers))
+    flags = {name: value for name, value in given if value is not None}
     settings, secrets = load_settings(args.config, server=flags)
     return serve(settings, secrets)
 
