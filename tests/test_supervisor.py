@@ -225,6 +225,48 @@ async def test_a_worker_that_dies_ends_the_serve_and_the_next_start_marks_its_st
         assert await asyncio.to_thread(stackpin, ["verify", "--config", str(config)]) == 0
 
 
+def children(pid: int) -> dict[int, str]:
+    """`pid`'s child processes and their command lines."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if entry.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found[int(entry.name)] = (entry / "cmdline").read_text().replace("\0", " ")
+        except OSError:
+            continue
+    return found
+
+
+async def test_the_embedded_backend_is_one_process_that_every_worker_serves_from(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "stackpin.toml"
+    config.write_text(
+        f'[store]\nurl = "sqlite+aiosqlite:///{tmp_path / "audit.db"}"\n'
+        f'[local_backend]\nenabled = "on"\nmodel = "{tiny_model}"\n'
+    )
+    async with serving(config, free_port(), tmp_path / "serve.log") as served:
+        backends = [pid for pid, line in children(served.process.pid).items() if "pinned_backend.cli" in line]
+        assert len(backends) == 1, "one backend for every worker"
+        async with aiohttp.ClientSession() as session, session.get(f"{served.url}/v1/models") as response:
+            model = (await response.json())["data"][0]["id"]
+        workers: set[str] = set()
+        for _ in range(40):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                body = {**CHAT, "model": model, "max_tokens": 2}
+                replies = [session.post(f"{served.url}/v1/chat/completions", json=body) for _ in range(8)]
+                for response in await asyncio.gather(*replies):
+                    assert response.status == 200, await response.text()
+                    workers.add(response.headers["Stackpin-Worker"])
+                    response.release()
+            if len(workers) == WORKERS:
+                break
+        assert workers == {"0", "1"}
+        assert await stopped(served.process) == 0
+    assert gone(backends[0]), "the backend stopped with the proxy"
+
+
 def test_workers_refuse_a_port_in_use_at_once_and_limits_they_cannot_share(
     replica: FakeReplica, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
