@@ -3,7 +3,8 @@ heartbeat sidecar that registers a backend in a fleet (`stackpin fleet heartbeat
 
 Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error; `verify` 0 when the
 log is intact, 1 when it is not; `prove` 0 when every entry is proven, 1 when one is not; `witness --once` 0 when
-the checkpoint is accepted, 1 when refused; every command exits 2 on a usage or configuration error.
+the checkpoint is accepted, 1 when refused; `serve --workers N` exits 1 when a worker died; every command exits 2
+on a usage or configuration error.
 """
 
 from __future__ import annotations
