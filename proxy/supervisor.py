@@ -223,26 +223,27 @@ async def _watch(workers: list[Worker], stop: asyncio.Event, sock: socket.socket
         announcing.cancel()
         stopping.cancel()
     ended = [endings[t] for t in done if t in endings]
+    if ended:
+        first = ended[0]
+        log.error(
+            "worker_ended",
+            worker=first.index,
+            pid=first.process.pid,
+            status=first.process.returncode,
+            meaning=_meaning(first.process.returncode),
+            then="stopping the other workers; restart the proxy, whose start marks this worker's open streams",
+        )
     for worker in workers:
         worker.stop()
     statuses = await asyncio.gather(*endings)
-    if not ended:
-        log.info("stopped", workers=len(workers))
-        # A worker still importing when SIGTERM came ends by it: asked to stop, it did.
-        clean = all(status in (0, -signal.SIGTERM) for status in statuses)
-        return EXIT_OK if clean else EXIT_WORKER_ENDED
-    first = ended[0]
-    status = first.process.returncode
-    log.error(
-        "worker_ended",
-        worker=first.index,
-        pid=first.process.pid,
-        status=status,
-        meaning=_meaning(status),
-        then="stopped the other workers; restart the proxy, whose start marks this worker's open streams",
-    )
-    # A worker that refused to start (its reason is on stderr already) is a configuration error, like one proxy's.
-    return EXIT_ERROR if status == EXIT_ERROR else EXIT_WORKER_ENDED
+    log.info("stopped", workers=len(workers))
+    if ended:
+        # A worker that refused to start (its reason is on stderr already) is a configuration error, as for one
+        # proxy; any other end of a worker fails the serve.
+        return EXIT_ERROR if ended[0].process.returncode == EXIT_ERROR else EXIT_WORKER_ENDED
+    # A worker still importing when SIGTERM came ends by it: asked to stop, it did.
+    clean = all(status in (0, -signal.SIGTERM) for status in statuses)
+    return EXIT_OK if clean else EXIT_WORKER_ENDED
 
 
 async def _announce(workers: list[Worker], sock: socket.socket) -> None:
@@ -256,5 +257,7 @@ def _meaning(status: int | None) -> str:
     if status is None:
         return "still running"
     if status < 0:
-        return f"killed by {signal.Signals(-status).name}"
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-status).name}"
+        return f"killed by signal {-status}"
     return f"exited with status {status}"
