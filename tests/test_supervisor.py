@@ -125,11 +125,12 @@ async def stopped(process: asyncio.subprocess.Process) -> int:
 
 
 def gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie that no one reaped yet has exited too)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return True
-    return False
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -223,6 +224,21 @@ async def test_a_worker_that_dies_ends_the_serve_and_the_next_start_marks_its_st
         finally:
             await store.close()
         assert await asyncio.to_thread(stackpin, ["verify", "--config", str(config)]) == 0
+
+
+async def test_workers_stop_when_their_supervisor_is_killed(replica: FakeReplica, tmp_path: Path) -> None:
+    async with audit_database("sqlite", tmp_path) as db:
+        config = config_for(db, replica, tmp_path)
+        async with serving(config, free_port(), tmp_path / "serve.log") as served:
+            served.process.send_signal(signal.SIGKILL)
+            await served.process.wait()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + STOP_S
+            while not all(gone(pid) for pid in served.pids) and loop.time() < deadline:
+                await asyncio.sleep(0.1)
+        assert all(gone(pid) for pid in served.pids), "no worker outlives its supervisor"
+        stops = [line for line in (tmp_path / "serve.log").read_text().splitlines() if '"stopped"' in line]
+        assert len(stops) == WORKERS, "each stopped as on SIGTERM"
 
 
 def children(pid: int) -> dict[int, str]:
