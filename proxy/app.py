@@ -26,7 +26,7 @@ from proxy.config import Secrets, Settings
 from proxy.fleet.resource import fleet_for
 from proxy.handlers import routes
 from proxy.health import HealthMonitor
-from proxy.local_backend import LocalBackend
+from proxy.local_backend import BackendProcess
 from proxy.log_keys import serving_signer
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import error_middleware
@@ -66,8 +66,12 @@ def create_app(
     secrets: Secrets,
     *,
     clock: Callable[[], datetime] = utc_now,
-    local_backend: LocalBackend | None = None,
+    local_backend: BackendProcess | None = None,
+    shared_metrics: ProxyMetrics | None = None,
+    sweep_at_start: bool = True,
 ) -> web.Application:
+    """`shared_metrics` and `sweep_at_start=False` are for a worker among several (proxy/worker.py): their metrics are
+    combined, and their supervisor has swept the streams left open before any worker serves."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
     app[ROUTES] = settings.route_pins()
     app[PROMPTS] = PromptBook.from_config(settings.prompts)
@@ -76,7 +80,7 @@ def create_app(
         app.add_subapp("/ui", ui_app(settings, secrets))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
-        metrics = ProxyMetrics(CollectorRegistry())
+        metrics = shared_metrics or ProxyMetrics(CollectorRegistry())
         signer = serving_signer(settings, secrets)
         store = await AuditStore.open(
             settings.store.url,
@@ -91,12 +95,13 @@ def create_app(
             checkpoint_interval_s=settings.log.checkpoint_interval_s,
         )
         try:
-            await mark_interrupted_streams(
-                store,
-                clock(),
-                fleet=settings.fleet.redis_url is not None,
-                replica_timeout_s=settings.server.replica_timeout_s,
-            )
+            if sweep_at_start:
+                await mark_interrupted_streams(
+                    store,
+                    clock(),
+                    fleet=settings.fleet.redis_url is not None,
+                    replica_timeout_s=settings.server.replica_timeout_s,
+                )
         except BaseException:
             await store.close()
             raise

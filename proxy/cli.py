@@ -3,7 +3,8 @@ heartbeat sidecar that registers a backend in a fleet (`stackpin fleet heartbeat
 
 Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error; `verify` 0 when the
 log is intact, 1 when it is not; `prove` 0 when every entry is proven, 1 when one is not; `witness --once` 0 when
-the checkpoint is accepted, 1 when refused; every command exits 2 on a usage or configuration error.
+the checkpoint is accepted, 1 when refused; `serve --workers N` exits 1 when a worker died; every command exits 2
+on a usage or configuration error.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", parents=[config], help="run the proxy")
     serve.add_argument("--host", help="address to listen on (default: [server] host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default: [server] port, 8080)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        help="processes serving the port, about one per core (default: [server] workers, 1)",
+    )
     serve.set_defaults(run=_serve)
 
     db = commands.add_parser("db", help="the audit store's schema")
@@ -220,7 +226,8 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _serve(args: argparse.Namespace) -> int:
     from proxy.launch import serve
 
-    flags = {name: value for name, value in (("host", args.host), ("port", args.port)) if value is not None}
+    given = (("host", args.host), ("port", args.port), ("workers", args.workers))
+    flags = {name: value for name, value in given if value is not None}
     settings, secrets = load_settings(args.config, server=flags)
     return serve(settings, secrets)
 

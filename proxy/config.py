@@ -60,6 +60,9 @@ class ServerSettings(_Section):
     # Past this many open connections only the probes are answered (proxy/listener.py). Default: half the
     # process's file-descriptor limit, at most 4096, so that a flood of sockets cannot exhaust it.
     max_connections: int | None = Field(default=None, ge=1)
+    # Processes serving the one port, each a whole proxy appending to the one log (proxy/workers.py); about one
+    # per core. Above 1 they share the listening socket, the embedded backend and the log's key.
+    workers: int = Field(default=1, ge=1, le=256)
 
     @property
     def loopback_only(self) -> bool:

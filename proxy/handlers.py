@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.app_keys import PROMPTS, PROXY, ROUTES
 from proxy.audit import AuditRecord, NoSuchCheckpoint, ProofError
@@ -295,7 +295,7 @@ async def metrics(request: web.Request) -> web.Response:
     proxy.metrics.observe_replicas(proxy.registry.all())
     if proxy.fleet is not None and proxy.fleet.sync is not None:
         proxy.metrics.fleet_stale.set(1 if proxy.fleet.sync.status().stale else 0)
-    body = generate_latest(proxy.metrics.registry)
+    body = proxy.metrics.exposition()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -1,7 +1,9 @@
 """`stackpin serve`: bind the port, configure logging, start the embedded backend when wanted, run the application.
 
 The port is bound first, so that one in use is refused at once rather than after the model has loaded. Every line
-the proxy writes is a JSON log line (proxy/logs.py); a reason not to start is one plain line and exit 2.
+the proxy writes is a JSON log line (proxy/logs.py); a reason not to start is one plain line and exit 2. With
+`server.workers` above 1 this process supervises that many serving processes instead (proxy/supervisor.py), each
+of which runs its application through `run_app`, as a single proxy does.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import asyncio
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -21,6 +25,7 @@ from proxy.errors import ConfigError
 from proxy.listener import bind, serving
 from proxy.local_backend import LocalBackend, wanted
 from proxy.logs import configure_logging
+from proxy.supervisor import supervise, workers_refused
 
 log = structlog.get_logger("stackpin.serve")
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -28,12 +33,21 @@ EXIT_OK, EXIT_ERROR = 0, 2
 
 def serve(settings: Settings, secrets: Secrets) -> int:
     host, port = settings.server.host, settings.server.port
+    refused = workers_refused(settings)
+    if refused is not None:
+        print(f"stackpin: {refused}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         sock = bind(host, port)
     except OSError as e:
         print(f"stackpin: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return EXIT_ERROR
     configure_logging(settings.log_level)
+    if settings.server.workers > 1:
+        try:
+            return supervise(settings, secrets, sock)
+        finally:
+            sock.close()
     local = (
         LocalBackend(settings.local_backend)
         if wanted(settings.local_backend, bool(settings.replicas))
@@ -45,13 +59,8 @@ def serve(settings: Settings, secrets: Secrets) -> int:
             hint="configure [[replicas]] or install the backend extra (pip install 'stackpin[backend]')",
         )
     app = create_app(settings, secrets, local_backend=local)
-    auth = "API key required" if secrets.tenant_key_hashes else "loopback only, no API key needed"
-    ui = None
-    if settings.ui.enabled:
-        login = ", log in with a tenant's API key" if secrets.tenant_key_hashes else ""
-        ui = f"records, replays, stacks, probes{login}"
     try:
-        asyncio.run(_run(app, sock, settings, auth=auth, ui=ui))
+        asyncio.run(run_app(app, sock, settings, serving_line(settings, secrets)))
     except (SchemaError, ConfigError) as e:
         print(f"stackpin: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -60,10 +69,26 @@ def serve(settings: Settings, secrets: Secrets) -> int:
     return EXIT_OK
 
 
-async def _run(
-    app: web.Application, sock: socket.socket, settings: Settings, *, auth: str, ui: str | None
+def serving_line(settings: Settings, secrets: Secrets) -> dict[str, Any]:
+    """What the `serving` log line says besides the URL: who may call, and what the audit page shows."""
+    auth = "API key required" if secrets.tenant_key_hashes else "loopback only, no API key needed"
+    if not settings.ui.enabled:
+        return {"auth": auth}
+    login = ", log in with a tenant's API key" if secrets.tenant_key_hashes else ""
+    return {"auth": auth, "audit_page_shows": f"records, replays, stacks, probes{login}"}
+
+
+async def run_app(
+    app: web.Application,
+    sock: socket.socket,
+    settings: Settings,
+    line: dict[str, Any],
+    *,
+    on_serving: Callable[[], None] | None = None,
+    stop_when: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Serves until SIGINT or SIGTERM, which also stops a start still in progress (a model loading)."""
+    """Serves until SIGINT or SIGTERM (or until `stop_when` returns), any of which also stops a start still in
+    progress (a model loading); `on_serving` is called once requests are accepted."""
     task = asyncio.current_task()
     assert task is not None
     stop = asyncio.Event()
@@ -79,13 +104,24 @@ async def _run(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal)
+    watcher = asyncio.create_task(_signal_when(stop_when, on_signal)) if stop_when is not None else None
     try:
         async with serving(app, sock, settings.server) as url:
             started = True
-            links = {"audit_page": f"{url}/ui/", "audit_page_shows": ui} if ui is not None else {}
-            log.info("serving", url=f"{url}/v1", auth=auth, **links)
+            links = {"audit_page": f"{url}/ui/"} if "audit_page_shows" in line else {}
+            log.info("serving", url=f"{url}/v1", **line, **links)
+            if on_serving is not None:
+                on_serving()
             await stop.wait()
     except asyncio.CancelledError:
         log.info("stopped_while_starting")
         return
+    finally:
+        if watcher is not None:
+            watcher.cancel()
     log.info("stopped")
+
+
+async def _signal_when(condition: Callable[[], Awaitable[None]], on_signal: Callable[[], None]) -> None:
+    await condition()
+    on_signal()

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Protocol
 
 import structlog
 
@@ -60,6 +61,16 @@ def wanted(settings: LocalBackendSettings, replicas_configured: bool) -> bool:
     if settings.enabled == "off":
         return False
     return not replicas_configured and backend_installed()
+
+
+class BackendProcess(Protocol):
+    """The embedded backend as an application holds it: `start` returns its URL, `stop` ends what start began."""
+
+    name: str
+
+    async def start(self) -> str: ...
+
+    async def stop(self) -> None: ...
 
 
 class LocalBackend:
@@ -178,6 +189,22 @@ class LocalBackend:
                 await asyncio.wait_for(output, timeout=5)
         with contextlib.suppress(OSError):
             self._workdir.cleanup()
+
+
+class RunningBackend:
+    """The embedded backend as a worker holds it: one process for all workers, started and stopped by their
+    supervisor (proxy/supervisor.py), so that N workers never load N models."""
+
+    name = LocalBackend.name
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def start(self) -> str:
+        return self.url
+
+    async def stop(self) -> None:
+        return None
 
 
 # The child's stdout and stderr, together, into a pipe that relay_output reads.

@@ -1,8 +1,17 @@
-"""The proxy's Prometheus metrics, built on a registry the application owns (names: docs/metrics.md)."""
+"""The proxy's Prometheus metrics, built on a registry the application owns (names: docs/metrics.md).
+
+With several workers (proxy/supervisor.py) every worker's values are kept in files of one folder, in
+prometheus_client's multiprocess mode, and each worker's /metrics answers for them all: a scrape lands on any one
+worker and must see the whole proxy. Gauges say how workers' values combine (`multiprocess_mode`, which a single
+process ignores).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from proxy.registry import Replica
 
@@ -13,8 +22,11 @@ STACK_LABELS = ("endpoint", "fingerprint", "model", "kernel_mode", "hardware")
 
 
 class ProxyMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, shared_folder: Path | None = None) -> None:
+        """`shared_folder`: the multiprocess folder every worker writes to (set in the worker's environment as
+        PROMETHEUS_MULTIPROC_DIR before prometheus_client is imported, which is how that library is told)."""
         self.registry = registry
+        self.shared_folder = shared_folder
         self.requests = Counter(
             "stackpin_requests",
             "Answered requests by HTTP status",
@@ -46,12 +58,14 @@ class ProxyMetrics:
             "1 while the replica is in rotation",
             ["replica", "fingerprint"],
             registry=registry,
+            multiprocess_mode="min",  # in rotation only if every worker has it there
         )
         self.replica_outstanding = Gauge(
             "stackpin_replica_outstanding",
             "Requests in flight to the replica",
             ["replica"],
             registry=registry,
+            multiprocess_mode="livesum",
         )
         self.quarantines = Counter(
             "stackpin_quarantines", "Replicas taken out of rotation", ["replica", "reason"], registry=registry
@@ -75,11 +89,25 @@ class ProxyMetrics:
             registry=registry,
         )
         self.audit_queue = Gauge(
-            "stackpin_audit_queue_depth", "Records waiting to be committed", registry=registry
+            "stackpin_audit_queue_depth",
+            "Records waiting to be committed",
+            registry=registry,
+            multiprocess_mode="livesum",
         )
         self.fleet_stale = Gauge(
-            "stackpin_fleet_state_stale", "1 while the shared fleet state is unreachable", registry=registry
+            "stackpin_fleet_state_stale",
+            "1 while the shared fleet state is unreachable",
+            registry=registry,
+            multiprocess_mode="max",
         )
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets: this process's metrics, or every worker's together."""
+        if self.shared_folder is None:
+            return generate_latest(self.registry)
+        combined = CollectorRegistry()
+        MultiProcessCollector(combined, path=str(self.shared_folder))
+        return generate_latest(combined)
 
     def observe_replicas(self, replicas: list[Replica]) -> None:
         for replica in replicas:

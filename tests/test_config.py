@@ -62,9 +62,13 @@ def test_a_full_file_loads_and_resolves_secrets(tmp_path: Path) -> None:
 def test_the_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STACKPIN_STORE__URL", "sqlite+aiosqlite:///elsewhere.db")
     monkeypatch.setenv("STACKPIN_SERVER__PORT", "9100")
+    monkeypatch.setenv("STACKPIN_SERVER__WORKERS", "4")
     settings, _ = load_settings(write(tmp_path, FULL), ENV)
     assert settings.store.url == "sqlite+aiosqlite:///elsewhere.db"
     assert settings.server.port == 9100
+    assert settings.server.workers == 4
+    settings, _ = load_settings(write(tmp_path, FULL), ENV, server={"workers": 2})
+    assert settings.server.workers == 2, "--workers wins over the environment"
 
 
 def test_no_file_is_the_embedded_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,6 +88,7 @@ def test_no_file_is_the_embedded_default(tmp_path: Path, monkeypatch: pytest.Mon
         ('[routes.r]\ncolour = "blue"\n', {}, "unknown pin keys"),
         ('[[replicas]]\nname = "x"\nurl = "ftp://nope"\n', {}, "http://"),
         ("[server]\nport = 'eighty'\n", {}, "server.port"),
+        ("[server]\nworkers = 0\n", {}, "server.workers"),
         ("[sever]\n", {}, "sever"),
         ('[server]\ndefault_route = "r"\n', {}, "names no route"),
         (
