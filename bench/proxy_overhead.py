@@ -1,11 +1,17 @@
-"""What the proxy costs: N requests straight to a trivial replica and N through the proxy, in one run.
+"""What the proxy costs: straight to a trivial replica, through a bare aiohttp relay, and through stackpin, side by side.
 
-    python -m bench.proxy_overhead [--requests 4000] [--concurrency 64] [--store sqlite|postgres]
+    python -m bench.proxy_overhead [--rounds 4] [--stores sqlite,postgres] [--workers 2] [--profile] [--quick]
 
-Latency is measured with one client at a time (so that queueing does not hide the overhead): the added p50 and
-p99 are proxy minus direct. Throughput is measured with `--concurrency` clients. The proxy runs as its own process
-(`stackpin serve`) with durable audit logging on: SQLite in WAL mode with synchronous=FULL, or PostgreSQL, with
-group commit. Every answered request through the proxy is checked to have exactly one record afterwards.
+Every round starts fresh processes: a trivial replica (bench/trivial_replica.py), a bare relay (bench/bare_relay.py,
+the floor: a Python relay that only forwards), and `stackpin serve` with a durable (`disk`) audit store on SQLite
+and on PostgreSQL (a schema of its own), each measured in turn, the order rotated from round to round. Each is
+measured with a closed-loop client: latency with one client (added = relay minus straight, in the same round),
+throughput with `--concurrency` clients, the relay process's CPU time per request at both (from /proc, its
+workers included; PostgreSQL's own processes are not counted), and a stream's time to first byte (stackpin's waits
+for the `opened` record). After each stackpin round every answered request must have exactly one record and the
+log must verify. Figures are medians over rounds; ratios against the bare relay are taken within each round.
+Writes bench/results/proxy_overhead.md and .json (`--results` elsewhere); `--profile` adds py-spy's view of
+stackpin on SQLite at `--concurrency` clients.
 """
 
 from __future__ import annotations
@@ -14,186 +20,474 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
-from bench.services import (
-    POSTGRES_URL,
-    free_port,
-    log_key_environment,
-    postgres_schema,
-    trivial_replicas,
-    wait_until_up,
-)
+from bench import overhead_report
+from bench.services import POSTGRES_URL, free_port, log_key_environment, postgres_schema, wait_until_up
 from proxy.audit import AuditStore
+from proxy.audit.listing import RecordFilter
 
-WARMUP = 50
-BODY = {
-    "model": "trivial",
-    "messages": [{"role": "user", "content": "hi"}],
-    "max_tokens": 4,
-    "temperature": 0,
-}
+REPO = Path(__file__).resolve().parent.parent
+BODY = json.dumps(
+    {"model": "trivial", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+).encode()
+STREAM_BODY = json.dumps({**json.loads(BODY), "stream": True}).encode()
+HEADERS = {"Content-Type": "application/json"}
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-async def sequential(url: str, n: int) -> list[float]:
+@dataclass(frozen=True)
+class Target:
+    """One way to reach the replica: `straight`, `bare` (the bare relay), or `stackpin` on `store`."""
+
+    kind: str
+    store: str | None = None
+    workers: int = 1
+
+    @property
+    def name(self) -> str:
+        if self.kind != "stackpin":
+            return self.kind
+        return f"stackpin-{self.store}" + (f"-w{self.workers}" if self.workers > 1 else "")
+
+
+@dataclass
+class Figures:
+    """One target in one round."""
+
+    target: str
+    round: int
+    p50_ms: float
+    p99_ms: float
+    rps: float
+    cpu_ms_1: float | None
+    cpu_ms_many: float | None
+    ttfb_p50_ms: float
+    records: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    rounds: int
+    warmup: int
+    latency_requests: int
+    requests: int
+    concurrency: int
+    stream_requests: int
+    targets: list[Target]
+
+
+# --- load -------------------------------------------------------------------------------------------------------
+
+
+async def sequential(session: aiohttp.ClientSession, url: str, n: int, ids: list[str]) -> list[float]:
     latencies = []
-    async with aiohttp.ClientSession() as session:
-        for _ in range(n):
-            started = time.perf_counter()
-            async with session.post(url, json=BODY) as response:
-                await response.read()
-                assert response.status == 200, response.status
-            latencies.append(time.perf_counter() - started)
+    for _ in range(n):
+        started = time.perf_counter()
+        async with session.post(url, data=BODY, headers=HEADERS) as response:
+            await response.read()
+            if response.status != 200:
+                raise RuntimeError(f"{url} answered {response.status}")
+        latencies.append(time.perf_counter() - started)
+        ids.append(response.headers.get("Stackpin-Record", ""))
     return latencies
 
 
-async def concurrent(url: str, n: int, concurrency: int) -> tuple[float, list[str]]:
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(n):
-        queue.put_nowait(i)
-    record_ids: list[str] = []
+async def closed_loop(
+    session: aiohttp.ClientSession, url: str, n: int, clients: int, ids: list[str]
+) -> float:
+    """`clients` clients each sending its next request as soon as its last is answered; returns requests/s."""
+    left = n
 
-    async def worker(session: aiohttp.ClientSession) -> None:
-        while not queue.empty():
-            queue.get_nowait()
-            async with session.post(url, json=BODY) as response:
+    async def client() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            async with session.post(url, data=BODY, headers=HEADERS) as response:
                 await response.read()
-                assert response.status == 200, response.status
-                if "Stackpin-Record" in response.headers:
-                    record_ids.append(response.headers["Stackpin-Record"])
+                if response.status != 200:
+                    raise RuntimeError(f"{url} answered {response.status}")
+            ids.append(response.headers.get("Stackpin-Record", ""))
 
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return n / (time.perf_counter() - started)
+
+
+async def first_bytes(session: aiohttp.ClientSession, url: str, n: int, ids: list[str]) -> list[float]:
+    """Time to the first byte of a streamed answer's body, one stream at a time; each is read to its end."""
+    times = []
+    for _ in range(n):
         started = time.perf_counter()
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    return n / elapsed, record_ids
+        async with session.post(url, data=STREAM_BODY, headers=HEADERS) as response:
+            first = await response.content.readany()
+            times.append(time.perf_counter() - started)
+            rest = first + await response.read()
+            if response.status != 200 or not rest.endswith(b"data: [DONE]\n\n"):
+                raise RuntimeError(f"{url} did not stream a whole answer ({response.status})")
+        ids.append(response.headers.get("Stackpin-Record", ""))
+    return times
 
 
-def percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
-
-
-async def count_records(store_url: str, schema: str | None) -> tuple[int, bool]:
-    store = await AuditStore.open(store_url, schema=schema)
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU time of `pid` and every process under it (a proxy's workers), in seconds."""
     try:
-        report = await store.verify()
-        return report.entries_checked, report.ok
-    finally:
-        await store.close()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    total = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        total += sum(process_cpu_s(int(child)) for child in children)
+    return total
 
 
-async def run(args: argparse.Namespace) -> dict[str, object]:
-    async with AsyncExitStack() as stack:
-        schema = None
-        if args.store == "postgres":
-            store_url = POSTGRES_URL
-            schema = await stack.enter_async_context(postgres_schema("bench_overhead"))
-        else:
-            store_url = f"sqlite+aiosqlite:///{Path(tempfile.mkdtemp(prefix='stackpin-bench-')) / 'audit.db'}"
-        [replica_url] = await stack.enter_async_context(trivial_replicas(1))
-        measured = await measure(args, replica_url, store_url, schema)
-        entries, chain_ok = await count_records(store_url, schema)
-    return {**measured, "records": entries, "chain_ok": chain_ok}
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 async def measure(
-    args: argparse.Namespace, replica_url: str, store_url: str, schema: str | None
-) -> dict[str, object]:
-    folder = Path(tempfile.mkdtemp(prefix="stackpin-bench-"))
-    proxy_port = free_port()
-    config = folder / "stackpin.toml"
-    config.write_text(
-        f'[server]\nport = {proxy_port}\n[store]\nurl = "{store_url}"\n'
-        + f'durability = "{args.durability}"\n'
-        + (f'postgres_schema = "{schema}"\n' if schema else "")
-        + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "{replica_url}"\n'
-    )
-    env = {**os.environ, **log_key_environment(), "STACKPIN_LOG_LEVEL": "warning"}
-    subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "db", "upgrade", "--config", str(config)],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    proxy = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        await wait_until_up(f"http://127.0.0.1:{proxy_port}/readyz")
-        direct_url = f"{replica_url}/v1/chat/completions"
-        proxy_url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
-        # Warm both paths (connections, caches) before measuring.
-        await sequential(direct_url, WARMUP)
-        await sequential(proxy_url, WARMUP)
-        direct_lat = await sequential(direct_url, args.latency_requests)
-        proxy_lat = await sequential(proxy_url, args.latency_requests)
-        direct_tput, _ = await concurrent(direct_url, args.requests, args.concurrency)
-        proxy_tput, record_ids = await concurrent(proxy_url, args.requests, args.concurrency)
-    finally:
-        proxy.terminate()
-        proxy.wait(timeout=30)
-    expected = WARMUP + args.latency_requests + args.requests
+    plan: Plan, target: str, round_: int, url: str, pid: int | None
+) -> tuple[Figures, list[str]]:
+    ids: list[str] = []
+    completions, streams = f"{url}/v1/chat/completions", f"{url}/v1/chat/completions"
     ms = 1000.0
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await sequential(session, completions, plan.warmup, ids)
+        cpu = process_cpu_s(pid) if pid else 0.0
+        latencies = await sequential(session, completions, plan.latency_requests, ids)
+        cpu_1 = (process_cpu_s(pid) - cpu) / plan.latency_requests if pid else None
+        await closed_loop(session, completions, plan.warmup, plan.concurrency, ids)
+        cpu = process_cpu_s(pid) if pid else 0.0
+        rps = await closed_loop(session, completions, plan.requests, plan.concurrency, ids)
+        cpu_many = (process_cpu_s(pid) - cpu) / plan.requests if pid else None
+        ttfb = await first_bytes(session, streams, plan.stream_requests, ids)
+    figures = Figures(
+        target=target,
+        round=round_,
+        p50_ms=percentile(latencies, 50) * ms,
+        p99_ms=percentile(latencies, 99) * ms,
+        rps=rps,
+        cpu_ms_1=cpu_1 * ms if cpu_1 is not None else None,
+        cpu_ms_many=cpu_many * ms if cpu_many is not None else None,
+        ttfb_p50_ms=percentile(ttfb, 50) * ms,
+    )
+    return figures, ids
+
+
+# --- processes --------------------------------------------------------------------------------------------------
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def environment() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{path}" if path else str(REPO)}
+
+
+@asynccontextmanager
+async def process(command: list[str], ready_url: str, env: dict[str, str]) -> AsyncIterator[int]:
+    """A process that answers `ready_url` once started; stopped (SIGTERM, then waited for) at the end."""
+    started = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        try:
+            await wait_until_up(ready_url)
+        except RuntimeError:
+            started.kill()
+            _, err = started.communicate(timeout=30)
+            raise RuntimeError(f"{' '.join(command[1:4])} did not start: {err.decode()[-2000:]}") from None
+        yield started.pid
+    finally:
+        if started.poll() is None:
+            started.terminate()
+        try:
+            started.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            started.kill()
+            started.communicate()
+
+
+@asynccontextmanager
+async def replica(env: dict[str, str]) -> AsyncIterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    async with process(python("-m", "bench.trivial_replica", str(port)), f"{url}/v1/stack", env):
+        yield url
+
+
+@asynccontextmanager
+async def bare_relay(upstream: str, env: dict[str, str]) -> AsyncIterator[tuple[str, int]]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    async with process(python("-m", "bench.bare_relay", str(port), upstream), f"{url}/readyz", env) as pid:
+        yield url, pid
+
+
+@dataclass(frozen=True)
+class Store:
+    url: str
+    schema: str | None
+
+
+@asynccontextmanager
+async def fresh_store(kind: str) -> AsyncIterator[Store]:
+    if kind == "postgres":
+        async with postgres_schema("bench_overhead") as schema:
+            yield Store(POSTGRES_URL, schema)
+        return
+    with tempfile.TemporaryDirectory(prefix="stackpin-bench-") as folder:
+        yield Store(f"sqlite+aiosqlite:///{Path(folder) / 'audit.db'}", None)
+
+
+@asynccontextmanager
+async def stackpin(
+    target: Target, upstream: str, store: Store, env: dict[str, str]
+) -> AsyncIterator[tuple[str, int]]:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="stackpin-bench-") as folder:
+        config = Path(folder) / "stackpin.toml"
+        config.write_text(
+            f'[server]\nport = {port}\n[store]\nurl = "{store.url}"\ndurability = "disk"\n'
+            + (f'postgres_schema = "{store.schema}"\n' if store.schema else "")
+            + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "{upstream}"\n'
+        )
+        env = {**env, **log_key_environment(), "STACKPIN_LOG_LEVEL": "warning"}
+        cli = python("-m", "proxy.cli")
+        subprocess.run(
+            [*cli, "db", "upgrade", "--config", str(config)], check=True, env=env, capture_output=True
+        )
+        workers = ["--workers", str(target.workers)] if target.workers > 1 else []
+        command = [*cli, "serve", "--config", str(config), *workers]
+        async with process(command, f"http://127.0.0.1:{port}/readyz", env) as pid:
+            yield f"http://127.0.0.1:{port}", pid
+
+
+async def check_records(store: Store, ids: list[str], streams: int) -> dict[str, Any]:
+    """Every answered request has exactly one record, each stream two entries, and the log verifies."""
+    opened = await AuditStore.open(store.url, schema=store.schema)
+    try:
+        total = (await opened.count_records(RecordFilter())).total
+        report = await opened.verify()
+    finally:
+        await opened.close()
+    answered, distinct = len(ids), len(set(ids) - {""})
+    entries = report.entries_checked + report.pending
+    checks = {
+        "answered": answered,
+        "records": total,
+        "entries": entries,
+        "log_ok": report.ok,
+        "ok": report.ok and total == answered == distinct and entries == answered + streams,
+    }
+    if not checks["ok"]:
+        raise RuntimeError(f"the records do not match the answers: {checks}, {report.problem}")
+    return checks
+
+
+async def run_target(plan: Plan, target: Target, round_: int, upstream: str, env: dict[str, str]) -> Figures:
+    if target.kind == "straight":
+        figures, _ = await measure(plan, target.name, round_, upstream, None)
+        return figures
+    if target.kind == "bare":
+        async with bare_relay(upstream, env) as (url, pid):
+            figures, _ = await measure(plan, target.name, round_, url, pid)
+        return figures
+    assert target.store is not None
+    async with fresh_store(target.store) as store:
+        async with stackpin(target, upstream, store, env) as (url, pid):
+            figures, ids = await measure(plan, target.name, round_, url, pid)
+        figures.records = await check_records(store, ids, plan.stream_requests)
+    return figures
+
+
+async def run_rounds(plan: Plan, env: dict[str, str]) -> list[Figures]:
+    results = []
+    for round_ in range(plan.rounds):
+        shift = round_ % len(plan.targets)
+        order = plan.targets[shift:] + plan.targets[:shift]
+        async with replica(env) as upstream:
+            for target in order:
+                figures = await run_target(plan, target, round_, upstream, env)
+                print(overhead_report.progress(figures), flush=True)
+                results.append(figures)
+    return results
+
+
+# --- profile ----------------------------------------------------------------------------------------------------
+
+
+async def profile(plan: Plan, env: dict[str, str], seconds: float, out: Path) -> None:
+    """py-spy over stackpin on SQLite while `plan.concurrency` clients load it; its raw stacks go to `out`."""
+    spy = Path(sys.executable).parent / "py-spy"
+    target = Target("stackpin", "sqlite")
+    async with (
+        replica(env) as upstream,
+        fresh_store("sqlite") as store,
+        stackpin(target, upstream, store, env) as (url, pid),
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
+    ):
+        ids: list[str] = []
+        completions = f"{url}/v1/chat/completions"
+        await closed_loop(session, completions, plan.warmup * 4, plan.concurrency, ids)
+        command = [str(spy), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
+                   "--format", "raw", "--idle", "--nonblocking", "--threads", "--output", str(out)]  # fmt: skip
+        recorder = await asyncio.create_subprocess_exec(
+            *command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        load = asyncio.ensure_future(_load_until(recorder, session, completions, plan.concurrency))
+        _, err = await recorder.communicate()
+        await load
+        if recorder.returncode != 0:
+            raise RuntimeError(f"py-spy failed: {err.decode()[-1000:]}")
+
+
+async def _load_until(
+    recorder: asyncio.subprocess.Process, session: aiohttp.ClientSession, url: str, clients: int
+) -> None:
+    while recorder.returncode is None:
+        await closed_loop(session, url, clients * 10, clients, [])
+
+
+# --- main -------------------------------------------------------------------------------------------------------
+
+
+def serve_accepts_workers(env: dict[str, str]) -> bool:
+    shown = subprocess.run(
+        python("-m", "proxy.cli", "serve", "--help"), env=env, capture_output=True, text=True
+    )
+    return "--workers" in shown.stdout
+
+
+def targets(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[Target], list[str]]:
+    notes = []
+    stores = [s for s in args.stores.split(",") if s]
+    chosen = [Target("straight"), Target("bare")] + [Target("stackpin", store) for store in stores]
+    if args.workers > 1:
+        if serve_accepts_workers(env):
+            chosen += [Target("stackpin", store, args.workers) for store in stores]
+        else:
+            notes.append(f"--workers {args.workers} skipped: this tree's `stackpin serve` has no --workers")
+    return chosen, notes
+
+
+def machine() -> dict[str, Any]:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        platform.processor(),
+    )  # fmt: skip
     return {
-        "store": args.store,
-        "durability": args.durability,
-        "requests": args.requests,
-        "concurrency": args.concurrency,
-        "latency_requests": args.latency_requests,
-        "direct_p50_ms": percentile(direct_lat, 50) * ms,
-        "proxy_p50_ms": percentile(proxy_lat, 50) * ms,
-        "added_p50_ms": (percentile(proxy_lat, 50) - percentile(direct_lat, 50)) * ms,
-        "direct_p99_ms": percentile(direct_lat, 99) * ms,
-        "proxy_p99_ms": percentile(proxy_lat, 99) * ms,
-        "added_p99_ms": (percentile(proxy_lat, 99) - percentile(direct_lat, 99)) * ms,
-        "direct_rps": direct_tput,
-        "proxy_rps": proxy_tput,
-        "throughput_ratio": proxy_tput / direct_tput,
-        "records_expected": expected,
-        "unique_record_ids": len(set(record_ids)) == len(record_ids) == args.requests,
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "system": platform.platform(),
     }
 
 
-def main() -> None:
+def commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (
+        " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=4000)
-    parser.add_argument("--latency-requests", type=int, default=1000)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--store", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds, fresh processes each (4)")
+    parser.add_argument("--latency-requests", type=int, default=1000, help="one at a time, per round (1000)")
     parser.add_argument(
-        "--durability", choices=["disk", "process"], default="disk", help="store.durability (see README)"
+        "--requests", type=int, default=3000, help="at --concurrency clients, per round (3000)"
     )
-    parser.add_argument("--json", type=Path, help="also write the figures to this file")
-    args = parser.parse_args()
-    result = asyncio.run(run(args))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        f"store {result['store']}, durability {result['durability']}, group commit; load average {os.getloadavg()[0]:.1f}"
+    parser.add_argument("--concurrency", type=int, default=64, help="closed-loop clients for throughput (64)")
+    parser.add_argument(
+        "--stream-requests", type=int, default=200, help="streams for time to first byte (200)"
     )
-    print(f"{'':28}{'direct':>10}{'proxy':>10}{'added':>10}")
-    for label, key in (("latency p50 (ms, 1 client)", "p50_ms"), ("latency p99 (ms, 1 client)", "p99_ms")):
-        print(
-            f"{label:28}{result['direct_' + key]:>10.3f}{result['proxy_' + key]:>10.3f}{result['added_' + key]:>10.3f}"
+    parser.add_argument("--warmup", type=int, default=100, help="requests before each phase's figures (100)")
+    parser.add_argument(
+        "--stores", default="sqlite,postgres", help="stackpin's stores: sqlite, postgres or both"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="also run stackpin with this many workers")
+    parser.add_argument("--profile", action="store_true", help="py-spy over stackpin on SQLite afterwards")
+    parser.add_argument("--profile-seconds", type=float, default=20)
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1 round, few requests, SQLite only"
+    )
+    parser.add_argument(
+        "--results", type=Path, default=REPO / "bench" / "results", help="folder for the results"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.latency_requests, args.requests, args.stream_requests, args.warmup = (
+            1,
+            200,
+            600,
+            40,
+            20,
         )
-    print(
-        f"{'throughput (req/s, c=' + str(args.concurrency) + ')':28}{result['direct_rps']:>10.0f}"
-        f"{result['proxy_rps']:>10.0f}{'  ratio ' + format(result['throughput_ratio'], '.2f'):>10}"
-    )
-    print(
-        f"records: {result['records']} of {result['records_expected']} expected; chain ok: {result['chain_ok']}"
-    )
+        args.profile_seconds = min(args.profile_seconds, 5)
+    for store in args.stores.split(","):
+        if store not in ("sqlite", "postgres"):
+            parser.error(f"--stores takes sqlite and postgres, not {store!r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    env = environment()
+    chosen, notes = targets(args, env)
+    plan = Plan(args.rounds, args.warmup, args.latency_requests, args.requests, args.concurrency,
+                args.stream_requests, chosen)  # fmt: skip
+    started, load_before = time.monotonic(), os.getloadavg()
+    results = asyncio.run(run_rounds(plan, env))
+    profile_shares = None
+    if args.profile:
+        raw = args.results / "proxy_overhead_profile.txt"
+        asyncio.run(profile(plan, env, args.profile_seconds, raw))
+        profile_shares = overhead_report.profile_shares(raw.read_text())
+        raw.unlink()
+    run = {
+        "command": "python -m bench.proxy_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
+        "commit": commit(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "seconds": round(time.monotonic() - started),
+        "plan": {**asdict(plan), "targets": [t.name for t in plan.targets]},
+        "notes": notes,
+    }
+    summary = overhead_report.summarise(results)
+    document = {
+        "run": run,
+        "summary": summary,
+        "rounds": [asdict(f) for f in results],
+        "profile": profile_shares,
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "proxy_overhead.json").write_text(json.dumps(document, indent=2) + "\n")
+    text = overhead_report.markdown(document)
+    (args.results / "proxy_overhead.md").write_text(text)
+    print()
+    print(overhead_report.table(document))
 
 
 if __name__ == "__main__":
