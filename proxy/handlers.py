@@ -35,6 +35,10 @@ async def read_body(request: web.Request) -> bytes:
     """The whole body, within `server.body_timeout_s`; an undecodable one is the client's to fix."""
     limit = request.config_dict[PROXY].settings.server.body_timeout_s
     try:
+        if request.content.is_eof():
+            return (
+                await request.read()
+            )  # all of it has arrived (most bodies come with their headers): no timer
         async with asyncio.timeout(limit):
             return await request.read()
     except TimeoutError:

@@ -1,4 +1,5 @@
-"""`stackpin serve`: bind the port, configure logging, start the embedded backend when wanted, run the application.
+"""`stackpin serve`: bind the port, configure logging, start the embedded backend when wanted, run the application
+on a uvloop event loop.
 
 The port is bound first, so that one in use is refused at once rather than after the model has loaded. Every line
 the proxy writes is a JSON log line (proxy/logs.py); a reason not to start is one plain line and exit 2. With
@@ -12,10 +13,11 @@ import asyncio
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import structlog
+import uvloop
 from aiohttp import web
 
 from proxy.app import create_app
@@ -29,6 +31,7 @@ from proxy.supervisor import supervise, workers_refused
 
 log = structlog.get_logger("stackpin.serve")
 EXIT_OK, EXIT_ERROR = 0, 2
+T = TypeVar("T")
 
 
 def serve(settings: Settings, secrets: Secrets) -> int:
@@ -60,13 +63,20 @@ def serve(settings: Settings, secrets: Secrets) -> int:
         )
     app = create_app(settings, secrets, local_backend=local)
     try:
-        asyncio.run(run_app(app, sock, settings, serving_line(settings, secrets)))
+        run_on_uvloop(run_app(app, sock, settings, serving_line(settings, secrets)))
     except (SchemaError, ConfigError) as e:
         print(f"stackpin: {e}", file=sys.stderr)
         return EXIT_ERROR
     finally:
         sock.close()
     return EXIT_OK
+
+
+def run_on_uvloop(main: Coroutine[Any, Any, T]) -> T:
+    """Runs a serving process's `main` on uvloop: its transports and scheduling are C, where asyncio's are Python
+    that every request passes through several times (bench/results/proxy_overhead.md)."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 def serving_line(settings: Settings, secrets: Secrets) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from proxy.app import create_app
 from proxy.audit import SchemaError
 from proxy.errors import ConfigError
-from proxy.launch import run_app, serving_line
+from proxy.launch import run_app, run_on_uvloop, serving_line
 from proxy.local_backend import RunningBackend
 from proxy.logs import configure_logging
 from proxy.metrics import ProxyMetrics
@@ -60,7 +60,7 @@ def main() -> int:
 
     sock = socket.socket(fileno=orders.listen_fd)
     try:
-        asyncio.run(
+        run_on_uvloop(
             run_app(
                 app,
                 sock,
