@@ -45,7 +45,15 @@ def summarise(results: list[Any]) -> dict[str, Any]:
         straight, bare = round_figures.get("straight"), round_figures.get("bare")
         for name, f in round_figures.items():
             row = per_target[name]
-            for key in ("p50_ms", "p99_ms", "rps", "cpu_ms_1", "cpu_ms_many", "ttfb_p50_ms"):
+            for key in (
+                "p50_ms",
+                "p99_ms",
+                "rps",
+                "cpu_ms_1",
+                "cpu_ms_many",
+                "cpu_ms_many_loop",
+                "ttfb_p50_ms",
+            ):
                 row[key].append(getattr(f, key))
             if straight is not None and name != "straight":
                 row["added_p50_ms"].append(f.p50_ms - straight.p50_ms)
@@ -96,8 +104,9 @@ def table(document: dict[str, Any]) -> str:
     concurrency = document["run"]["plan"]["concurrency"]
     lines = [
         f"| relay | p50 / p99 ms, 1 client | added p50 / p99 ms | req/s, {concurrency} clients | x straight | x bare "
-        f"| CPU ms/req, 1 / {concurrency} | CPU x bare, 1 / {concurrency} | stream TTFB ms | TTFB - bare ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| CPU ms/req, 1 / {concurrency} | of which event loop, {concurrency} | CPU x bare, 1 / {concurrency} "
+        "| stream TTFB ms | TTFB - bare ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, figures in document["summary"].items():
         m = figures["median"]
@@ -105,6 +114,7 @@ def table(document: dict[str, Any]) -> str:
             f"| {name} | {_f(m['p50_ms'])} / {_f(m['p99_ms'])} | {_f(m.get('added_p50_ms'))} / "
             f"{_f(m.get('added_p99_ms'))} | {_f(m['rps'], 0)} | {_f(m.get('rps_vs_straight'), 3)} | "
             f"{_f(m.get('rps_vs_bare'), 3)} | {_f(m['cpu_ms_1'])} / {_f(m['cpu_ms_many'])} | "
+            f"{_f(m['cpu_ms_many_loop'])} | "
             f"{_f(m.get('cpu_1_vs_bare'))} / {_f(m.get('cpu_many_vs_bare'))} | {_f(m['ttfb_p50_ms'])} | "
             f"{_f(m.get('ttfb_over_bare_ms'))} |"
         )
@@ -141,70 +151,76 @@ def rounds_table(document: dict[str, Any]) -> str:
 
 # Where a sampled frame's time goes, by the file it runs in (first match wins; `self` time of the leaf frame).
 CATEGORIES = (
-    ("idle (event loop waiting)", ("select.py", "selectors.py:select", "base_events.py:_run_once (idle")),
     ("canonical JSON (rfc8785)", ("rfc8785",)),
     ("stdlib json / orjson", ("json/", "orjson")),
     ("pydantic", ("pydantic",)),
     ("SQLAlchemy", ("sqlalchemy",)),
     ("sqlite3 / aiosqlite", ("sqlite3", "aiosqlite")),
     ("asyncpg", ("asyncpg",)),
+    ("aiohttp: socket writes", ("http_writer.py:116", "selector_events.py:1057")),
     ("aiohttp client", ("aiohttp/client", "aiohttp/connector", "aiohttp/streams", "aiohttp/tracing")),
     ("aiohttp server", ("aiohttp/web", "aiohttp/http_", "aiohttp/_http", "aiohttp/base_protocol")),
     ("aiohttp other", ("aiohttp/", "multidict", "yarl")),
     ("logging (structlog)", ("structlog", "logging/")),
     ("metrics (prometheus_client)", ("prometheus_client",)),
-    ("audit entries (proxy/audit)", ("proxy/audit/",)),
+    ("audit entries and commit hand-off (proxy/audit)", ("proxy/audit/",)),
     ("proxy, other", ("proxy/",)),
-    ("asyncio and transports", ("asyncio/", "uvloop")),
+    ("thread hand-offs (executor submit)", ("concurrent/futures",)),
+    ("asyncio (Python)", ("asyncio/",)),
 )
+# A leaf frame in the loop's own run call: uvloop's C loop, whose idle wait and own work py-spy cannot tell apart.
+LOOP_ITSELF = ("Runner.run (", "run_until_complete (", "run_forever (")
+# The proxy's steps, inclusive of what they call.
+STEPS = ("openai_route", "read_body", "read_request", "Proxy._dispatch", "post_json", "Proxy._entry",
+         "AuditStore.append", "GroupCommitter._run", "_observe", "Proxy.answer_response",
+         "RequestHandler.finish_response", "RequestHandler.data_received", "ResponseHandler.data_received")  # fmt: skip
+IDLE_THREAD_LEAVES = ("_worker (", "_connection_worker_thread (", "wait (", "get (")
 
 
-def _category(frame: str) -> str:
+def _category(frames: list[str]) -> str:
+    leaf = frames[-1]
+    if len(frames) == 1 or any(leaf.startswith(name) for name in LOOP_ITSELF):
+        return "event loop itself (uvloop: idle and its own C work)"
+    if "selectors.py" in leaf:
+        return "idle (waiting in select)"
     for name, needles in CATEGORIES:
-        if any(needle in frame for needle in needles):
+        if any(needle in leaf for needle in needles):
             return name
-    return "other (stdlib, hashlib, uuid, ...)"
+    return "other (stdlib, hashlib, os, ...)"
 
 
 def profile_shares(raw: str) -> dict[str, Any]:
-    """py-spy's raw (collapsed) stacks summed into shares: per thread, and within the event loop's thread by
-    where the leaf frame runs, and inclusive shares of the proxy's main steps."""
-    threads: dict[str, int] = defaultdict(int)
+    """py-spy's raw (collapsed) stacks, taken with --idle, summed into shares of the event loop thread's time: by
+    where the leaf frame runs, and by the proxy's steps (inclusive); and each other thread's busy share."""
     leaf: dict[str, int] = defaultdict(int)
     inclusive: dict[str, int] = defaultdict(int)
-    main_total = 0
-    steps = ("serve_completion", "post_json", "_send_json", "answer_entry", "append", "_observe",
-             "answer_response", "read_request", "_handle_request", "log.info", "parse_body")  # fmt: skip
+    threads: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name: [busy, all]
+    loop_total = 0
     for line in raw.splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
-        count = int(count_text)
-        frames = stack.split(";")
-        thread = frames[0]
-        threads[thread] += count
-        if "MainThread" not in thread and "process" not in thread.lower():
+        count, frames = int(count_text), stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]
+        if thread != "MainThread":
+            idle = len(frames) == 1 or frames[-1].startswith(IDLE_THREAD_LEAVES)
+            threads[thread][0] += 0 if idle else count
+            threads[thread][1] += count
             continue
-        main_total += count
-        idle = len(frames) == 1 or any(
-            ("select" in f and "selectors" in f) or "(idle)" in f for f in frames[-2:]
-        )
-        leaf["idle (event loop waiting)" if idle else _category(frames[-1])] += count
-        seen = set()
-        for frame in frames[1:]:
-            function = frame.split(" ", 1)[0]
-            if function in steps and function not in seen:
-                seen.add(function)
-                inclusive[function] += count
-    total = sum(threads.values()) or 1
-    main = main_total or 1
+        loop_total += count
+        leaf[_category(frames)] += count
+        functions = {frame.split(" (", 1)[0] for frame in frames[1:]}
+        for step in STEPS:
+            if step in functions:
+                inclusive[step] += count
+    total = loop_total or 1
     return {
-        "samples": total,
-        "threads": {t: round(c / total, 4) for t, c in sorted(threads.items(), key=lambda x: -x[1])},
-        "event_loop_self": {k: round(c / main, 4) for k, c in sorted(leaf.items(), key=lambda x: -x[1])},
+        "samples": loop_total,
+        "event_loop_self": {k: round(c / total, 4) for k, c in sorted(leaf.items(), key=lambda x: -x[1])},
         "event_loop_inclusive": {
-            k: round(c / main, 4) for k, c in sorted(inclusive.items(), key=lambda x: -x[1])
+            k: round(c / total, 4) for k, c in sorted(inclusive.items(), key=lambda x: -x[1])
         },
+        "other_threads_busy": {t: round(busy / max(n, 1), 4) for t, (busy, n) in threads.items()},
     }
 
 
@@ -213,6 +229,8 @@ def profile_text(profile: dict[str, Any]) -> str:
     lines += [f"| {k} | {v:.1%} |" for k, v in profile["event_loop_self"].items()]
     lines += ["", "| step (event loop thread, inclusive) | share |", "| --- | ---: |"]
     lines += [f"| `{k}` | {v:.1%} |" for k, v in profile["event_loop_inclusive"].items()]
+    lines += ["", "| other thread | busy share of its time |", "| --- | ---: |"]
+    lines += [f"| {k} | {v:.1%} |" for k, v in profile["other_threads_busy"].items()]
     return "\n".join(lines)
 
 
@@ -234,7 +252,7 @@ def markdown(document: dict[str, Any]) -> str:
         f"{plan['latency_requests']} requests one at a time, {plan['requests']} at {plan['concurrency']} "
         f"closed-loop clients, {plan['stream_requests']} streams one at a time (time to the first body byte), "
         f"each phase after {plan['warmup']} warm-up requests. stackpin runs `stackpin serve` with a durable (`disk`) "
-        "store. CPU is the relay process's own (workers included; PostgreSQL's server processes not). Medians over "
+        f"store, logging at `{plan.get('log_level', 'warning')}`. CPU is the relay process's own (workers included; PostgreSQL's server processes not). Medians over "
         "rounds; ratios and differences are taken within each round, then their median.",
         *(f"\nNote: {note}" for note in run["notes"]),
         "",
@@ -252,6 +270,11 @@ def markdown(document: dict[str, Any]) -> str:
         parts += [
             "",
             f"## Where stackpin's time goes (py-spy, SQLite, {plan['concurrency']} clients)",
+            "",
+            "py-spy (`--idle`, 200 Hz) over the stackpin process while the clients load it. Shares are of the "
+            "event loop thread's samples: by where the leaf frame runs (self), and by the proxy's steps "
+            "(inclusive, they overlap). On a loaded machine a thread preempted at a system call is sampled there, "
+            "so system calls (socket writes, waking the writer thread, os.urandom) read larger than their CPU cost.",
             "",
             profile_text(document["profile"]),
         ]

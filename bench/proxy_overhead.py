@@ -75,6 +75,7 @@ class Figures:
     rps: float
     cpu_ms_1: float | None
     cpu_ms_many: float | None
+    cpu_ms_many_loop: float | None  # of cpu_ms_many, the event loops' threads' share
     ttfb_p50_ms: float
     records: dict[str, Any] = field(default_factory=dict)
 
@@ -88,6 +89,7 @@ class Plan:
     concurrency: int
     stream_requests: int
     targets: list[Target]
+    log_level: str = "warning"
 
 
 # --- load -------------------------------------------------------------------------------------------------------
@@ -142,21 +144,48 @@ async def first_bytes(session: aiohttp.ClientSession, url: str, n: int, ids: lis
     return times
 
 
-def process_cpu_s(pid: int) -> float:
-    """User and system CPU time of `pid` and every process under it (a proxy's workers), in seconds."""
+def process_cpu_s(pid: int) -> tuple[float, float]:
+    """User and system CPU time of `pid` and every process under it (a proxy's workers), in seconds: the
+    processes' main threads (their event loops), and all their other threads (the audit writer's, drivers')."""
+    loop = others = 0.0
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except FileNotFoundError:
-        return 0.0
-    total = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split()
-        total += sum(process_cpu_s(int(child)) for child in children)
-    return total
+        return 0.0, 0.0
+    for task in tasks:
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # a thread that ended meanwhile
+        children = _children(task)
+        seconds = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        if task.name == str(pid):
+            loop += seconds
+        else:
+            others += seconds
+        for child in children:
+            child_loop, child_others = process_cpu_s(int(child))
+            loop, others = loop + child_loop, others + child_others
+    return loop, others
+
+
+def _children(task: Path) -> list[str]:
+    try:
+        return (task / "children").read_text().split()
+    except OSError:
+        return []  # a thread that ended, or a kernel without /proc/PID/task/TID/children: no workers counted
+
+
+def cpu_s(pid: int | None) -> tuple[float, float]:
+    return process_cpu_s(pid) if pid else (0.0, 0.0)
 
 
 def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def per_request_ms(before: tuple[float, float], after: tuple[float, float], requests: int) -> float:
+    return (sum(after) - sum(before)) / requests * 1000.0
 
 
 async def measure(
@@ -168,13 +197,13 @@ async def measure(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await sequential(session, completions, plan.warmup, ids)
-        cpu = process_cpu_s(pid) if pid else 0.0
+        before = cpu_s(pid)
         latencies = await sequential(session, completions, plan.latency_requests, ids)
-        cpu_1 = (process_cpu_s(pid) - cpu) / plan.latency_requests if pid else None
+        after_1 = cpu_s(pid)
         await closed_loop(session, completions, plan.warmup, plan.concurrency, ids)
-        cpu = process_cpu_s(pid) if pid else 0.0
+        before_many = cpu_s(pid)
         rps = await closed_loop(session, completions, plan.requests, plan.concurrency, ids)
-        cpu_many = (process_cpu_s(pid) - cpu) / plan.requests if pid else None
+        after_many = cpu_s(pid)
         ttfb = await first_bytes(session, streams, plan.stream_requests, ids)
     figures = Figures(
         target=target,
@@ -182,8 +211,9 @@ async def measure(
         p50_ms=percentile(latencies, 50) * ms,
         p99_ms=percentile(latencies, 99) * ms,
         rps=rps,
-        cpu_ms_1=cpu_1 * ms if cpu_1 is not None else None,
-        cpu_ms_many=cpu_many * ms if cpu_many is not None else None,
+        cpu_ms_1=per_request_ms(before, after_1, plan.latency_requests) if pid else None,
+        cpu_ms_many=per_request_ms(before_many, after_many, plan.requests) if pid else None,
+        cpu_ms_many_loop=(after_many[0] - before_many[0]) / plan.requests * ms if pid else None,
         ttfb_p50_ms=percentile(ttfb, 50) * ms,
     )
     return figures, ids
@@ -204,23 +234,27 @@ def environment() -> dict[str, str]:
 @asynccontextmanager
 async def process(command: list[str], ready_url: str, env: dict[str, str]) -> AsyncIterator[int]:
     """A process that answers `ready_url` once started; stopped (SIGTERM, then waited for) at the end."""
-    started = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+    # Its output goes to a file, never a pipe: a proxy logging every request would fill a pipe and stall.
+    with tempfile.TemporaryFile() as output:
+        started = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
-            await wait_until_up(ready_url)
-        except RuntimeError:
-            started.kill()
-            _, err = started.communicate(timeout=30)
-            raise RuntimeError(f"{' '.join(command[1:4])} did not start: {err.decode()[-2000:]}") from None
-        yield started.pid
-    finally:
-        if started.poll() is None:
-            started.terminate()
-        try:
-            started.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            started.kill()
-            started.communicate()
+            try:
+                await wait_until_up(ready_url)
+            except RuntimeError:
+                started.kill()
+                started.wait(timeout=30)
+                output.seek(0)
+                said = output.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"{' '.join(command[1:4])} did not start: {said}") from None
+            yield started.pid
+        finally:
+            if started.poll() is None:
+                started.terminate()
+            try:
+                started.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                started.kill()
+                started.wait()
 
 
 @asynccontextmanager
@@ -257,7 +291,7 @@ async def fresh_store(kind: str) -> AsyncIterator[Store]:
 
 @asynccontextmanager
 async def stackpin(
-    target: Target, upstream: str, store: Store, env: dict[str, str]
+    target: Target, upstream: str, store: Store, env: dict[str, str], log_level: str
 ) -> AsyncIterator[tuple[str, int]]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="stackpin-bench-") as folder:
@@ -267,7 +301,7 @@ async def stackpin(
             + (f'postgres_schema = "{store.schema}"\n' if store.schema else "")
             + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "{upstream}"\n'
         )
-        env = {**env, **log_key_environment(), "STACKPIN_LOG_LEVEL": "warning"}
+        env = {**env, **log_key_environment(), "STACKPIN_LOG_LEVEL": log_level}
         cli = python("-m", "proxy.cli")
         subprocess.run(
             [*cli, "db", "upgrade", "--config", str(config)], check=True, env=env, capture_output=True
@@ -310,7 +344,7 @@ async def run_target(plan: Plan, target: Target, round_: int, upstream: str, env
         return figures
     assert target.store is not None
     async with fresh_store(target.store) as store:
-        async with stackpin(target, upstream, store, env) as (url, pid):
+        async with stackpin(target, upstream, store, env, plan.log_level) as (url, pid):
             figures, ids = await measure(plan, target.name, round_, url, pid)
         figures.records = await check_records(store, ids, plan.stream_requests)
     return figures
@@ -339,7 +373,7 @@ async def profile(plan: Plan, env: dict[str, str], seconds: float, out: Path) ->
     async with (
         replica(env) as upstream,
         fresh_store("sqlite") as store,
-        stackpin(target, upstream, store, env) as (url, pid),
+        stackpin(target, upstream, store, env, plan.log_level) as (url, pid),
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
     ):
         ids: list[str] = []
@@ -426,6 +460,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stores", default="sqlite,postgres", help="stackpin's stores: sqlite, postgres or both"
     )
     parser.add_argument("--workers", type=int, default=1, help="also run stackpin with this many workers")
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="stackpin's log level (warning: no line per request, as the bare relay writes none; info, the "
+        "default of `stackpin serve`, adds one line per answer)",
+    )
     parser.add_argument("--profile", action="store_true", help="py-spy over stackpin on SQLite afterwards")
     parser.add_argument("--profile-seconds", type=float, default=20)
     parser.add_argument(
@@ -455,15 +496,15 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     chosen, notes = targets(args, env)
     plan = Plan(args.rounds, args.warmup, args.latency_requests, args.requests, args.concurrency,
-                args.stream_requests, chosen)  # fmt: skip
+                args.stream_requests, chosen, args.log_level)  # fmt: skip
     started, load_before = time.monotonic(), os.getloadavg()
     results = asyncio.run(run_rounds(plan, env))
     profile_shares = None
     if args.profile:
-        raw = args.results / "proxy_overhead_profile.txt"
+        raw = Path(tempfile.mkdtemp(prefix="stackpin-bench-")) / "profile.txt"
         asyncio.run(profile(plan, env, args.profile_seconds, raw))
         profile_shares = overhead_report.profile_shares(raw.read_text())
-        raw.unlink()
+        print(f"py-spy's raw stacks: {raw}")
     run = {
         "command": "python -m bench.proxy_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
         "commit": commit(),
