@@ -104,8 +104,7 @@ def _observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: 
     stack = served.replica.stack
     assert stack is not None  # only a replica with a known stack serves
     labels = (endpoint, served.fingerprint, stack.model, stack.kernel_mode, stack.hardware)
-    proxy.metrics.requests.labels(*labels, str(status)).inc()
-    proxy.metrics.duration.labels(*labels).observe(seconds)
+    proxy.metrics.answered(labels, status, seconds)
 
 
 def _model_objects(config: Mapping[Any, Any]) -> dict[str, dict[str, Any]]:

@@ -27,6 +27,9 @@ class ProxyMetrics:
         PROMETHEUS_MULTIPROC_DIR before prometheus_client is imported, which is how that library is told)."""
         self.registry = registry
         self.shared_folder = shared_folder
+        # Each answer's counter and histogram children, by their labels: finding them by name every time costs
+        # several times the update itself. As many entries as the metrics have label sets.
+        self._answered: dict[tuple[tuple[str, ...], int], tuple[Counter, Histogram]] = {}
         self.requests = Counter(
             "stackpin_requests",
             "Answered requests by HTTP status",
@@ -108,6 +111,16 @@ class ProxyMetrics:
         combined = CollectorRegistry()
         MultiProcessCollector(combined, path=str(self.shared_folder))
         return generate_latest(combined)
+
+    def answered(self, labels: tuple[str, ...], status: int, seconds: float) -> None:
+        """One answer, of the stack `labels` (STACK_LABELS) with HTTP `status`, `seconds` from receipt."""
+        children = self._answered.get((labels, status))
+        if children is None:
+            children = (self.requests.labels(*labels, str(status)), self.duration.labels(*labels))
+            self._answered[(labels, status)] = children
+        counter, histogram = children
+        counter.inc()
+        histogram.observe(seconds)
 
     def observe_replicas(self, replicas: list[Replica]) -> None:
         for replica in replicas:
