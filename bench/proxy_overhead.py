@@ -468,10 +468,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default of `stackpin serve`, adds one line per answer)",
     )
     parser.add_argument("--profile", action="store_true", help="py-spy over stackpin on SQLite afterwards")
-    parser.add_argument("--profile-seconds", type=float, default=20)
-    parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: 1 round, few requests, SQLite only"
-    )
+    parser.add_argument("--profile-seconds", type=float, default=20, help="how long py-spy samples (20)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, few requests")
     parser.add_argument(
         "--results", type=Path, default=REPO / "bench" / "results", help="folder for the results"
     )
@@ -485,6 +483,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             20,
         )
         args.profile_seconds = min(args.profile_seconds, 5)
+    if args.profile and not (Path(sys.executable).parent / "py-spy").exists():
+        parser.error("--profile needs py-spy beside this Python (pip install py-spy)")
     for store in args.stores.split(","):
         if store not in ("sqlite", "postgres"):
             parser.error(f"--stores takes sqlite and postgres, not {store!r}")
