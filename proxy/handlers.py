@@ -36,9 +36,8 @@ async def read_body(request: web.Request) -> bytes:
     limit = request.config_dict[PROXY].settings.server.body_timeout_s
     try:
         if request.content.is_eof():
-            return (
-                await request.read()
-            )  # all of it has arrived (most bodies come with their headers): no timer
+            # All of it has arrived (most bodies come with their headers): no timer to arm and cancel.
+            return await request.read()
         async with asyncio.timeout(limit):
             return await request.read()
     except TimeoutError:
