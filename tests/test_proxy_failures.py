@@ -407,14 +407,19 @@ async def test_errors_are_counted_by_route_template_so_metrics_hold_no_ids(
     assert len(errors) == 2, "one series per route and error, however many requests"
 
 
-async def read_stream(harness: Harness, body: dict[str, object]) -> tuple[str, list[str]]:
-    """A stream read to its clean end (an aiohttp client hangs or fails on a broken chunked body)."""
+async def read_stream(
+    harness: Harness, body: dict[str, object], opened: asyncio.Event | None = None
+) -> tuple[str, list[str]]:
+    """A stream read to its clean end (an aiohttp client hangs or fails on a broken chunked body); `opened` is set
+    once its headers have come, which is after its `opened` record was committed."""
     async with (
-        asyncio.timeout(30),
+        asyncio.timeout(60),
         aiohttp.ClientSession() as session,
         session.post(f"{harness.v1}/chat/completions", json=body) as response,
     ):
         assert response.status == 200
+        if opened is not None:
+            opened.set()
         raw = (await response.read()).decode()
         assert "HTTP/1.1" not in raw, "no second response inside the body"
         events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
@@ -442,10 +447,11 @@ async def test_a_store_outage_is_503s_with_retry_after_a_bounded_log_and_recover
                 assert status == 200
                 answered.append(headers["Stackpin-Record"])
             replica.chunk_delay_s = 0.05
+            opened = asyncio.Event()
             long_stream = asyncio.create_task(
-                read_stream(harness, {**CHAT, "max_tokens": 30, "stream": True})
+                read_stream(harness, {**CHAT, "max_tokens": 30, "stream": True}, opened)
             )
-            await asyncio.sleep(0.5)  # the stream is open and relaying
+            await asyncio.wait_for(opened.wait(), 30)  # the stream is open and relaying
             await relay.cut()
 
             async def refused(stream: bool) -> None:
