@@ -7,15 +7,13 @@ import json
 import subprocess
 import sys
 
-import aiohttp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from proxy.forward import describe
 from proxy.stack import Stack, canonical_json, fingerprint, fingerprinted
-from tests.support.fake_replica import FakeReplica, fingerprint_of, tiny_stack
+from tests.support.fake_replica import fingerprint_of, tiny_stack
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53) + 1, 2**53 - 1) | st.text(max_size=8),
@@ -82,13 +80,3 @@ def test_the_serving_features_of_the_batching_policy_are_left_out_of_the_fingerp
     assert fingerprinted(served) == plain
     assert fingerprint(served) == fingerprint(plain) == hashlib.sha256(canonical_json(plain)).hexdigest()
     assert fingerprint(tiny_stack(batching={**plain["batching"], "max_batch_size": 9})) != fingerprint(plain)
-
-
-async def test_the_proxy_keeps_a_replicas_stack_without_its_serving_features(replica: FakeReplica) -> None:
-    plain = tiny_stack()
-    replica.stack = tiny_stack(batching={**plain["batching"], "prefix_cache": True, "speculation": None})
-    async with aiohttp.ClientSession() as session:
-        described = await describe(session, replica.url, timeout_s=10)
-    assert described.honest
-    assert described.document == plain, "what is kept and stored hashes to the fingerprint"
-    assert described.stack.fingerprint == described.fingerprint == fingerprint_of(plain)
