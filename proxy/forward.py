@@ -134,21 +134,30 @@ class Stream:
         name: str | None = None
         last: Event | None = None
         try:
-            async for raw_line in self._response.content:
-                line = raw_line.decode("utf-8").rstrip("\r\n")
-                if line.startswith("data:"):
-                    data_lines.append(line[5:].lstrip(" "))
-                    continue
-                if line.startswith("event:"):
-                    name = line[6:].strip() or None
-                    continue
-                if line or not data_lines:
-                    continue  # comments, ids and keep-alives carry nothing we relay
-                payload, data_lines = "\n".join(data_lines), []
-                if payload == "[DONE]":
-                    return
-                last, name = Event(name, _parse_object(payload.encode())), None
-                yield last
+            async with contextlib.aclosing(_lines(self._response.content)) as lines:
+                async for raw_line in lines:
+                    try:
+                        line = raw_line.decode("utf-8").rstrip("\r\n")
+                    except UnicodeDecodeError as e:
+                        raise ReplicaGarbage(f"event stream is not UTF-8: {excerpt(raw_line, 80)!r}") from e
+                    if line.startswith("data:"):
+                        data_lines.append(line[5:].lstrip(" "))
+                        continue
+                    if line.startswith("event:"):
+                        name = line[6:].strip() or None
+                        continue
+                    if line:
+                        continue  # comments, ids and retry hints carry nothing we relay
+                    if not data_lines:
+                        name = (
+                            None  # a keep-alive, or an event without data: none, and its name names no other
+                        )
+                        continue
+                    payload, data_lines = "\n".join(data_lines), []
+                    if payload == "[DONE]":
+                        return
+                    last, name = Event(name, _parse_object(payload.encode())), None
+                    yield last
         except TRANSPORT_ERRORS as e:
             raise ReplicaUnavailable(f"stream broke: {type(e).__name__}: {e}") from e
         if last is not None and (last.name in TERMINAL_EVENTS or last.data.get("type") in TERMINAL_EVENTS):
@@ -180,6 +189,21 @@ async def open_stream(
         response.close()
         raise ReplicaGarbage("asked for a stream, got a response that is not text/event-stream")
     return Stream(response)
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The stream's lines, each with its end, of any length: aiohttp's own reading by line refuses one over
+    512 KiB, and one event may carry a long prompt's token ids or, in a terminal event, a whole response."""
+    pending = bytearray()
+    async for chunk in content.iter_any():
+        searched, start = len(pending), 0  # what was pending holds no line end
+        pending += chunk
+        while (end := pending.find(b"\n", searched)) != -1:
+            yield bytes(pending[start : end + 1])
+            start = searched = end + 1
+        del pending[:start]
+    if pending:
+        yield bytes(pending)
 
 
 @contextlib.contextmanager

@@ -554,3 +554,30 @@ async def test_an_event_whose_data_is_not_a_json_object_is_garbage(
 ) -> None:
     with pytest.raises(ReplicaGarbage):
         await scripted_events(session, scripted, b'data: {"a": 1}\n\n', part, b"data: [DONE]\n\n")
+
+
+async def test_an_event_that_is_not_utf_8_is_garbage(
+    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    with pytest.raises(ReplicaGarbage, match="not UTF-8"):
+        await scripted_events(session, scripted, b'data: {"text": "caf\xe9"}\n\n', b"data: [DONE]\n\n")
+
+
+async def test_an_event_of_any_length_is_read_whole(
+    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    # A long prompt's token ids arrive in one event, a long response whole in its terminal event.
+    ids = list(range(300_000))
+    event = b"data: " + json.dumps({"stackpin": {"prompt_token_ids": ids}}).encode() + b"\n\n"
+    assert len(event) > 2**21
+    events = await scripted_events(session, scripted, event, b"data: [DONE]\n\n")
+    assert events == [Event(None, {"stackpin": {"prompt_token_ids": ids}})]
+
+
+async def test_the_name_of_an_event_without_data_is_not_given_to_the_next(
+    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+) -> None:
+    events = await scripted_events(
+        session, scripted, b"event: ping\n\n", b'data: {"a": 1}\n\ndata: [DONE]\n\n'
+    )
+    assert events == [Event(None, {"a": 1})]
