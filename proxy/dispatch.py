@@ -84,7 +84,9 @@ async def dispatch(
         except ReplicaUnavailable as e:
             last_failure = f"{replica.name}: {e}"
             log.warning("replica_failed", replica=replica.name, error=str(e))
-            if e.down:
+            # A proved replica comes back when the health monitor reaches it again; a declared upstream has no
+            # stack to prove, so no check would ever bring it back: it stays in rotation on its declaration.
+            if e.down and not replica.declared:
                 registry.unreachable(replica.name)
         except StackMismatch as e:
             last_failure = str(e)

@@ -27,8 +27,9 @@ TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, T
 class ReplicaUnavailable(Exception):
     """Worth retrying on another replica of the identical fingerprint.
 
-    `down` says the replica could not be reached at all (connection refused or reset, timeout): it leaves
-    rotation until the health monitor reaches it again. A replica that answered, even with a 5xx, stays in.
+    `down` says the replica could not be reached at all (connection refused or reset, timeout): a replica that
+    proves its stack leaves rotation until the health monitor reaches it again. A replica that answered, even with
+    a 5xx, stays in, and so does a declared upstream, which no health check reaches.
     """
 
     def __init__(self, message: str, *, down: bool = True) -> None:

@@ -207,6 +207,19 @@ async def test_a_declared_upstream_cannot_prove_its_stack_so_its_answer_is_not_c
     assert dispatched.replica.name == upstream and not dispatcher.mismatches
 
 
+async def test_a_declared_upstream_that_could_not_be_reached_once_stays_in_rotation(
+    dispatcher: Dispatcher, replica: FakeReplica
+) -> None:
+    # No health check ever reaches a declared upstream (it has no stack to prove), so taken out it would stay out.
+    upstream = await dispatcher.register(replica, declared=True)
+    await replica.stop()
+    with pytest.raises(ReplicaFailed):
+        await dispatcher.dispatch(Pin())
+    assert dispatcher.replica(upstream).in_rotation
+    await replica.start(port=int(replica.url.rsplit(":", 1)[1]))
+    assert (await dispatcher.dispatch(Pin())).replica.name == upstream
+
+
 async def test_garbage_and_rejections_are_not_retried(
     dispatcher: Dispatcher, replica: FakeReplica, twin: FakeReplica
 ) -> None:
