@@ -161,7 +161,7 @@ class Stream:
                     yield last
         except TRANSPORT_ERRORS as e:
             raise ReplicaUnavailable(f"stream broke: {type(e).__name__}: {e}") from e
-        if last is not None and (last.name in TERMINAL_EVENTS or last.data.get("type") in TERMINAL_EVENTS):
+        if last is not None and {last.name, _text(last.data.get("type"))} & TERMINAL_EVENTS:
             return
         raise ReplicaUnavailable("stream ended without data: [DONE]")
 
@@ -244,6 +244,10 @@ def _parse_object(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ReplicaGarbage(f"answer is JSON but not an object: {excerpt(raw, 80)!r}")
     return body
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def excerpt(raw: bytes, limit: int) -> str:

@@ -532,6 +532,7 @@ async def test_events_are_read_as_server_sent_events_define_them(
             [b'event: response.output_text.delta\ndata: {"delta": "x"}\n\n'], id="no-terminal-event"
         ),
         pytest.param([], id="nothing-at-all"),
+        pytest.param([b'data: {"type": ["response.completed"]}\n\n'], id="a-type-that-names-no-event"),
     ],
 )
 async def test_a_stream_that_ends_without_done_or_a_terminal_event_is_unavailable(
