@@ -43,8 +43,11 @@ KEY = SecretStr("sk-proxy-own-key-0123456789")
 TIMEOUT_S = 30.0
 # Small: the replicas scripted to reach it never answer at all.
 NEVER_S = 0.2
+# Long enough for a first event to arrive on a busy machine; a replica that then stalls reaches it.
+STALLED_S = 5.0
 
 Script = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+Scripted = Callable[[Script], Awaitable[str]]  # starts a replica answering with a script; returns its URL
 
 
 @pytest.fixture
@@ -54,7 +57,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 @pytest.fixture
-async def scripted(aiohttp_raw_server: Any) -> Callable[[Script], Awaitable[str]]:
+async def scripted(aiohttp_raw_server: Any) -> Scripted:
     """Starts a replica on loopback that answers every request with `script`; returns its base URL."""
 
     async def start(script: Script) -> str:
@@ -117,9 +120,7 @@ async def events_of(stream: Stream) -> list[Event]:
         stream.close()
 
 
-async def scripted_events(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], *parts: bytes
-) -> list[Event]:
+async def scripted_events(session: aiohttp.ClientSession, scripted: Scripted, *parts: bytes) -> list[Event]:
     return await events_of(await opened(session, await scripted(streaming(*parts))))
 
 
@@ -148,7 +149,7 @@ async def test_the_proxys_key_reaches_the_replica_as_a_bearer_token_and_no_key_s
 
 
 async def test_an_answer_without_a_stack_header_says_so(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+    session: aiohttp.ClientSession, scripted: Scripted
 ) -> None:
     answer = await post(session, await scripted(answering(200, b'{"choices": []}')))
     assert answer == Answer({"choices": []}, None)
@@ -164,7 +165,7 @@ async def test_a_body_that_is_not_json_is_garbage_quoting_its_start(
 
 @pytest.mark.parametrize("body", [b"[1, 2]", b'"text"', b"null", b"7"])
 async def test_json_that_is_not_an_object_is_garbage(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], body: bytes
+    session: aiohttp.ClientSession, scripted: Scripted, body: bytes
 ) -> None:
     with pytest.raises(ReplicaGarbage, match="JSON but not an object"):
         await post(session, await scripted(answering(200, body)))
@@ -172,7 +173,7 @@ async def test_json_that_is_not_an_object_is_garbage(
 
 @pytest.mark.parametrize("body", [b"", b"\xff\xfe{", b'{"choices": '])
 async def test_an_empty_undecodable_or_unfinished_body_is_garbage(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], body: bytes
+    session: aiohttp.ClientSession, scripted: Scripted, body: bytes
 ) -> None:
     with pytest.raises(ReplicaGarbage, match="not JSON"):
         await post(session, await scripted(answering(200, body)))
@@ -180,7 +181,7 @@ async def test_an_empty_undecodable_or_unfinished_body_is_garbage(
 
 @pytest.mark.parametrize("status", [201, 202, 204])
 async def test_a_success_other_than_200_is_garbage(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], status: int
+    session: aiohttp.ClientSession, scripted: Scripted, status: int
 ) -> None:
     body = b"" if status == 204 else b'{"choices": []}'
     with pytest.raises(ReplicaGarbage, match=f"status {status}"):
@@ -199,7 +200,7 @@ async def test_a_refused_connection_is_unavailable_and_the_replica_down(
 
 
 async def test_a_replica_that_never_answers_is_unavailable_and_down_once_the_timeout_passes(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], never: asyncio.Event
+    session: aiohttp.ClientSession, scripted: Scripted, never: asyncio.Event
 ) -> None:
     async def silent(request: web.BaseRequest) -> web.StreamResponse:
         await never.wait()
@@ -212,7 +213,7 @@ async def test_a_replica_that_never_answers_is_unavailable_and_down_once_the_tim
 
 
 async def test_a_connection_cut_before_the_whole_body_is_unavailable_and_down(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+    session: aiohttp.ClientSession, scripted: Scripted
 ) -> None:
     async def cut(request: web.BaseRequest) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "100"})
@@ -229,7 +230,7 @@ async def test_a_connection_cut_before_the_whole_body_is_unavailable_and_down(
 
 @pytest.mark.parametrize("status", [500, 502, 503])
 async def test_a_5xx_is_unavailable_but_the_replica_that_answered_stays_up(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], status: int
+    session: aiohttp.ClientSession, scripted: Scripted, status: int
 ) -> None:
     with pytest.raises(ReplicaUnavailable, match=f"answered {status}") as raised:
         await post(session, await scripted(answering(status, b'{"error": {"message": "boom"}}')))
@@ -238,7 +239,7 @@ async def test_a_5xx_is_unavailable_but_the_replica_that_answered_stays_up(
 
 @pytest.mark.parametrize("status", [401, 403])
 async def test_a_replica_refusing_the_proxys_key_is_retried_elsewhere_and_its_answer_never_quoted(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], status: int
+    session: aiohttp.ClientSession, scripted: Scripted, status: int
 ) -> None:
     async def quoting(request: web.BaseRequest) -> web.StreamResponse:
         message = f"Incorrect API key provided: {request.headers['Authorization']}"
@@ -273,7 +274,7 @@ async def test_a_4xx_is_a_rejection_carrying_the_replicas_own_error_body(
     ],
 )
 async def test_a_4xx_without_an_openai_error_body_gets_one_quoting_what_the_replica_sent(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], body: bytes, message: str
+    session: aiohttp.ClientSession, scripted: Scripted, body: bytes, message: str
 ) -> None:
     with pytest.raises(ReplicaRejected) as raised:
         await post(session, await scripted(answering(404, body, "text/plain")))
@@ -320,7 +321,7 @@ async def test_the_proxy_keeps_a_replicas_stack_without_its_serving_features(rep
 
 
 async def test_a_replica_claiming_another_fingerprint_than_its_stack_hashes_to_is_not_honest(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+    session: aiohttp.ClientSession, scripted: Scripted
 ) -> None:
     claim = json.dumps({"stack": tiny_stack(), "fingerprint": "0" * 64}).encode()
     described = await describe(session, await scripted(answering(200, claim)), timeout_s=TIMEOUT_S)
@@ -343,7 +344,7 @@ async def test_a_replica_claiming_another_fingerprint_than_its_stack_hashes_to_i
     ],
 )
 async def test_anything_but_a_valid_stack_at_v1_stack_leaves_the_replica_unavailable(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], body: bytes
+    session: aiohttp.ClientSession, scripted: Scripted, body: bytes
 ) -> None:
     url = await scripted(answering(200, body))
     with pytest.raises(ReplicaUnavailable, match=f"no valid stack at {url}/v1/stack"):
@@ -351,7 +352,7 @@ async def test_anything_but_a_valid_stack_at_v1_stack_leaves_the_replica_unavail
 
 
 async def test_a_stack_refused_with_a_4xx_or_unreachable_leaves_the_replica_unavailable(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], refused: str
+    session: aiohttp.ClientSession, scripted: Scripted, refused: str
 ) -> None:
     with pytest.raises(ReplicaUnavailable, match="no valid stack"):
         await describe(session, await scripted(answering(404, b"not here")), timeout_s=TIMEOUT_S)
@@ -407,7 +408,7 @@ async def test_a_stream_refused_with_a_status_is_sorted_as_an_answer_is(
 
 async def test_a_stream_that_cannot_be_opened_leaves_the_replica_down(
     session: aiohttp.ClientSession,
-    scripted: Callable[[Script], Awaitable[str]],
+    scripted: Scripted,
     refused: str,
     never: asyncio.Event,
 ) -> None:
@@ -424,7 +425,7 @@ async def test_a_stream_that_cannot_be_opened_leaves_the_replica_down(
 
 
 async def test_the_replica_timeout_bounds_a_streams_whole_read(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], never: asyncio.Event
+    session: aiohttp.ClientSession, scripted: Scripted, never: asyncio.Event
 ) -> None:
     async def stalls(request: web.BaseRequest) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -434,7 +435,7 @@ async def test_the_replica_timeout_bounds_a_streams_whole_read(
         return response
 
     stream = await open_stream(
-        session, await scripted(stalls), {**CHAT, "stream": True}, api_key=None, timeout_s=NEVER_S * 5
+        session, await scripted(stalls), {**CHAT, "stream": True}, api_key=None, timeout_s=STALLED_S
     )
     read: list[Event] = []
     with pytest.raises(ReplicaUnavailable, match="stream broke: TimeoutError"):
@@ -516,7 +517,7 @@ async def test_a_stream_the_replica_cuts_off_is_unavailable(
 )
 async def test_events_are_read_as_server_sent_events_define_them(
     session: aiohttp.ClientSession,
-    scripted: Callable[[Script], Awaitable[str]],
+    scripted: Scripted,
     parts: list[bytes],
     expected: list[Event],
 ) -> None:
@@ -536,7 +537,7 @@ async def test_events_are_read_as_server_sent_events_define_them(
     ],
 )
 async def test_a_stream_that_ends_without_done_or_a_terminal_event_is_unavailable(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], parts: list[bytes]
+    session: aiohttp.ClientSession, scripted: Scripted, parts: list[bytes]
 ) -> None:
     with pytest.raises(ReplicaUnavailable, match="stream ended without data: \\[DONE\\]"):
         await scripted_events(session, scripted, *parts)
@@ -551,21 +552,21 @@ async def test_a_stream_that_ends_without_done_or_a_terminal_event_is_unavailabl
     ],
 )
 async def test_an_event_whose_data_is_not_a_json_object_is_garbage(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]], part: bytes
+    session: aiohttp.ClientSession, scripted: Scripted, part: bytes
 ) -> None:
     with pytest.raises(ReplicaGarbage):
         await scripted_events(session, scripted, b'data: {"a": 1}\n\n', part, b"data: [DONE]\n\n")
 
 
 async def test_an_event_that_is_not_utf_8_is_garbage(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+    session: aiohttp.ClientSession, scripted: Scripted
 ) -> None:
     with pytest.raises(ReplicaGarbage, match="not UTF-8"):
         await scripted_events(session, scripted, b'data: {"text": "caf\xe9"}\n\n', b"data: [DONE]\n\n")
 
 
 async def test_an_event_of_any_length_is_read_whole(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+    session: aiohttp.ClientSession, scripted: Scripted
 ) -> None:
     # A long prompt's token ids arrive in one event, a long response whole in its terminal event.
     ids = list(range(300_000))
@@ -576,7 +577,7 @@ async def test_an_event_of_any_length_is_read_whole(
 
 
 async def test_the_name_of_an_event_without_data_is_not_given_to_the_next(
-    session: aiohttp.ClientSession, scripted: Callable[[Script], Awaitable[str]]
+    session: aiohttp.ClientSession, scripted: Scripted
 ) -> None:
     events = await scripted_events(
         session, scripted, b"event: ping\n\n", b'data: {"a": 1}\n\ndata: [DONE]\n\n'
