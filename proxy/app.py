@@ -1,18 +1,29 @@
 """create_app: the proxy's aiohttp application, its resources as cleanup contexts, its routes.
 
-Resources, acquired in order and released in reverse: the audit store (whose streams left open by a stopped
-proxy are closed as interrupted first, proxy/sweep.py, and which integrates the log and signs its checkpoints
-with the log's key), the HTTP client for replicas, the embedded
-local backend (when configured), the replica registry with its health monitor, which checks every replica
-before the first request is accepted, and the fleet (proxy/fleet/resource.py): rate limits, and in fleet mode the
-shared view in Redis. The audit page (proxy/ui/) is a sub-application at /ui over the same resources.
+What needs no releasing is set when the application is built (settings, secrets, metrics, the redactor, routes,
+prompts). Each resource is one cleanup context under its own key (proxy/app_keys.py), acquired in this order and
+released in reverse, and each is built with the ones before it:
+
+1. the audit store, whose streams left open by a stopped proxy are closed as interrupted first (proxy/sweep.py),
+   and which integrates the log and signs its checkpoints with the log's key;
+2. the HTTP client for replicas;
+3. the embedded local backend, when configured;
+4. in fleet mode, the link to Redis (proxy/fleet/link.py) that the registry counts through and the health monitor
+   shares its quarantines through;
+5. the replica registry with its health monitor, which checks every replica before the first request is accepted;
+6. the fleet (proxy/fleet/resource.py): rate limits, and in fleet mode the task that keeps the registry in step;
+7. the serving path (proxy/serving.py) over all of them.
+
+The audit page (proxy/ui/) is a sub-application at /ui over the same keys.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 import aiohttp
@@ -20,10 +31,25 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from proxy.app_keys import PROMPTS, PROXY, ROUTES
+from proxy.app_keys import (
+    CLIENT_SESSION,
+    FLEET,
+    FLEET_LINK,
+    HEALTH,
+    LOCAL_REPLICA,
+    METRICS,
+    PROMPTS,
+    PROXY,
+    REDACTOR,
+    REGISTRY,
+    ROUTES,
+    SECRETS,
+    SETTINGS,
+    STORE,
+)
 from proxy.audit import AuditStore
 from proxy.config import Secrets, Settings
-from proxy.fleet.resource import fleet_for
+from proxy.fleet.resource import fleet_for, fleet_link
 from proxy.handlers import routes
 from proxy.health import HealthMonitor
 from proxy.local_backend import BackendProcess
@@ -31,7 +57,8 @@ from proxy.log_keys import serving_signer
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import error_middleware
 from proxy.prompts import PromptBook
-from proxy.registry import Registry, Replica
+from proxy.redact import Redactor
+from proxy.registry import OutstandingCounter, Registry, Replica
 from proxy.serving import Proxy
 from proxy.sweep import mark_interrupted_streams
 from proxy.ui import ui_app
@@ -43,8 +70,9 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-def registry_from(settings: Settings) -> Registry:
-    registry = Registry()
+def registry_from(settings: Settings, *, counter: OutstandingCounter | None = None) -> Registry:
+    """The configured replicas; a declared one is in rotation on its declaration, a proved one once it proves."""
+    registry = Registry(counter=counter)
     for replica in settings.replicas:
         declared = replica.stack is not None
         registry.add(
@@ -73,76 +101,149 @@ def create_app(
     """`shared_metrics` and `sweep_at_start=False` are for a worker among several (proxy/worker.py): their metrics are
     combined, and their supervisor has swept the streams left open before any worker serves."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
+    app[SETTINGS] = settings
+    app[SECRETS] = secrets
+    app[METRICS] = shared_metrics or ProxyMetrics(CollectorRegistry())
+    app[REDACTOR] = Redactor(key.get_secret_value() for key in secrets.replica_keys.values())
     app[ROUTES] = settings.route_pins()
     app[PROMPTS] = PromptBook.from_config(settings.prompts)
     app.add_routes(routes())
     if settings.ui.enabled:
         app.add_subapp("/ui", ui_app(settings, secrets))
-
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        metrics = shared_metrics or ProxyMetrics(CollectorRegistry())
-        signer = serving_signer(settings, secrets)
-        store = await AuditStore.open(
-            settings.store.url,
-            batch_max=settings.store.batch_max,
-            batch_wait_ms=settings.store.batch_wait_ms,
-            # A blank SQLite file is the embedded default's first run; a shared PostgreSQL is migrated by a job.
-            create_if_empty=settings.store.url.startswith("sqlite"),
-            schema=settings.store.postgres_schema,
-            observer=metrics,
-            durability=settings.store.durability,
-            signer=signer,
-            checkpoint_interval_s=settings.log.checkpoint_interval_s,
-        )
-        try:
-            if sweep_at_start:
-                await mark_interrupted_streams(
-                    store,
-                    clock(),
-                    fleet=settings.fleet.redis_url is not None,
-                    replica_timeout_s=settings.server.replica_timeout_s,
-                )
-        except BaseException:
-            await store.close()
-            raise
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
-        registry = registry_from(settings)
-        monitor_task: asyncio.Task[None] | None = None
-        try:
-            if local_backend is not None:
-                registry.add(
-                    Replica(name=local_backend.name, url=await local_backend.start(), declared=False)
-                )
-            health = HealthMonitor(
-                registry, store, session, metrics, timeout_s=settings.health.timeout_s, clock=clock
-            )
-            await health.check_all()
-            for replica in registry.all():
-                log.info(
-                    "replica",
-                    replica=replica.name,
-                    in_rotation=replica.in_rotation,
-                    fingerprint=replica.fingerprint,
-                    declared=replica.declared,
-                )
-            monitor_task = asyncio.create_task(health.run(settings.health.interval_s))
-            async with fleet_for(settings, registry, health, metrics, clock=clock) as fleet:
-                app[PROXY] = Proxy(
-                    settings, secrets, registry, store, session, metrics, health, clock, fleet=fleet
-                )
-                try:
-                    yield
-                finally:
-                    app[PROXY].closing.shutdown()  # every stream has closed: the server has stopped
-        finally:
-            if monitor_task is not None:
-                monitor_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await monitor_task
-            await session.close()
-            if local_backend is not None:
-                await local_backend.stop()
-            await store.close()
-
-    app.cleanup_ctx.append(resources)
+    app.cleanup_ctx.extend(
+        [
+            functools.partial(audit_store, clock=clock, sweep=sweep_at_start),
+            client_session,
+            functools.partial(local_replica, local_backend),
+            functools.partial(fleet_connection, clock=clock),
+            functools.partial(replicas, clock=clock),
+            functools.partial(fleet, clock=clock),
+            functools.partial(serving_path, clock=clock),
+        ]
+    )
     return app
+
+
+async def audit_store(
+    app: web.Application, *, clock: Callable[[], datetime], sweep: bool
+) -> AsyncIterator[None]:
+    """The audit store, once the streams that a stopped proxy left open are closed as interrupted (`sweep`)."""
+    settings = app[SETTINGS]
+    store = await AuditStore.open(
+        settings.store.url,
+        batch_max=settings.store.batch_max,
+        batch_wait_ms=settings.store.batch_wait_ms,
+        # A blank SQLite file is the embedded default's first run; a shared PostgreSQL is migrated by a job.
+        create_if_empty=settings.store.url.startswith("sqlite"),
+        schema=settings.store.postgres_schema,
+        observer=app[METRICS],
+        durability=settings.store.durability,
+        signer=serving_signer(settings, app[SECRETS]),
+        checkpoint_interval_s=settings.log.checkpoint_interval_s,
+    )
+    try:
+        if sweep:
+            await mark_interrupted_streams(
+                store,
+                clock(),
+                fleet=settings.fleet.redis_url is not None,
+                replica_timeout_s=settings.server.replica_timeout_s,
+            )
+        app[STORE] = store
+        yield
+    finally:
+        await store.close()
+
+
+async def client_session(app: web.Application) -> AsyncIterator[None]:
+    """The HTTP client for replicas: every request, stream and stack check."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)) as session:
+        app[CLIENT_SESSION] = session
+        yield
+
+
+async def local_replica(local_backend: BackendProcess | None, app: web.Application) -> AsyncIterator[None]:
+    """The embedded local backend, started as a child process and stopped with the proxy, when there is one."""
+    if local_backend is None:
+        yield
+        return
+    try:
+        url = await local_backend.start()
+        # It proves its stack like any pinned_backend: the health monitor's first check puts it in rotation.
+        app[LOCAL_REPLICA] = Replica(name=local_backend.name, url=url, declared=False)
+        yield
+    finally:
+        await local_backend.stop()
+
+
+async def fleet_connection(app: web.Application, *, clock: Callable[[], datetime]) -> AsyncIterator[None]:
+    """In fleet mode, the link to Redis that the registry and the health monitor are built with."""
+    async with fleet_link(app[SETTINGS], clock=clock) as link:
+        if link is not None:
+            app[FLEET_LINK] = link
+        yield
+
+
+async def replicas(app: web.Application, *, clock: Callable[[], datetime]) -> AsyncIterator[None]:
+    """The registry and its health monitor, which checks every replica before the first request is accepted and
+    then every `health.interval_s` in the background."""
+    settings, link = app[SETTINGS], app.get(FLEET_LINK)
+    registry = registry_from(settings, counter=link)
+    if LOCAL_REPLICA in app:
+        registry.add(app[LOCAL_REPLICA])
+    health = HealthMonitor(
+        registry,
+        app[STORE],
+        app[CLIENT_SESSION],
+        app[METRICS],
+        timeout_s=settings.health.timeout_s,
+        clock=clock,
+        board=link,
+    )
+    await health.check_all()
+    for replica in registry.all():
+        log.info(
+            "replica",
+            replica=replica.name,
+            in_rotation=replica.in_rotation,
+            fingerprint=replica.fingerprint,
+            declared=replica.declared,
+        )
+    app[REGISTRY], app[HEALTH] = registry, health
+    monitor = asyncio.create_task(health.run(settings.health.interval_s), name="health-monitor")
+    try:
+        yield
+    finally:
+        monitor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await monitor
+
+
+async def fleet(app: web.Application, *, clock: Callable[[], datetime]) -> AsyncIterator[None]:
+    """Rate limits, and in fleet mode the task that keeps the registry in step with the fleet."""
+    resources = (app.get(FLEET_LINK), app[REGISTRY], app[HEALTH], app[METRICS])
+    async with fleet_for(app[SETTINGS], *resources, clock=clock) as joined:
+        app[FLEET] = joined
+        yield
+
+
+async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -> AsyncIterator[None]:
+    """The serving path over the resources above, and the thread where it builds streams' closing entries."""
+    closing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-close")
+    app[PROXY] = Proxy(
+        store=app[STORE],
+        registry=app[REGISTRY],
+        health=app[HEALTH],
+        session=app[CLIENT_SESSION],
+        metrics=app[METRICS],
+        limiter=app[FLEET].limiter,
+        server=app[SETTINGS].server,
+        replica_keys=app[SECRETS].replica_keys,
+        redactor=app[REDACTOR],
+        closing=closing,
+        clock=clock,
+    )
+    try:
+        yield
+    finally:
+        closing.shutdown()  # every stream has closed: the server has stopped

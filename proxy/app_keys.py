@@ -1,13 +1,40 @@
-"""The typed application keys under which create_app hangs shared state."""
+"""The typed application keys under which create_app (proxy/app.py) hangs shared state.
+
+Set when the application is built: the settings, the secrets, the metrics, the redactor, the named routes and the
+prompt book. Set by the cleanup context of each resource, in the order they are acquired: the audit store, the
+HTTP client for replicas, the embedded local backend as a replica and the fleet's link to Redis (each only when there is
+one), the registry with its health monitor, the fleet, and last the serving path built from them all.
+"""
 
 from __future__ import annotations
 
+import aiohttp
 from aiohttp import web
 
+from proxy.audit import AuditStore
+from proxy.config import Secrets, Settings
+from proxy.fleet.link import FleetLink
+from proxy.fleet.resource import Fleet
+from proxy.health import HealthMonitor
+from proxy.metrics import ProxyMetrics
 from proxy.pins import Pin
 from proxy.prompts import PromptBook
+from proxy.redact import Redactor
+from proxy.registry import Registry, Replica
 from proxy.serving import Proxy
 
-PROXY = web.AppKey("proxy", Proxy)
+SETTINGS = web.AppKey("settings", Settings)
+SECRETS = web.AppKey("secrets", Secrets)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+REDACTOR = web.AppKey("redactor", Redactor)
 ROUTES = web.AppKey("routes", dict[str, Pin])
 PROMPTS = web.AppKey("prompts", PromptBook)
+
+STORE = web.AppKey("store", AuditStore)
+CLIENT_SESSION = web.AppKey("client_session", aiohttp.ClientSession)
+LOCAL_REPLICA = web.AppKey("local_replica", Replica)
+FLEET_LINK = web.AppKey("fleet_link", FleetLink)
+REGISTRY = web.AppKey("registry", Registry)
+HEALTH = web.AppKey("health", HealthMonitor)
+FLEET = web.AppKey("fleet", Fleet)
+PROXY = web.AppKey("proxy", Proxy)

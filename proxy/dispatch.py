@@ -3,7 +3,9 @@
 Failures worth a retry (connection, timeout, 5xx, an answer from another stack than the replica proved) move on to
 the next replica of the first choice's exact fingerprint until none is left or the deadline passes. A replica that
 answers under another fingerprint than the one it proved is quarantined on the spot (invariant 3), and its answer
-is thrown away, never served.
+is thrown away, never served. An answer that is not an OpenAI response (`ReplicaGarbage`) is not retried: it
+leaves dispatch as the client's 502. What the request was dispatched to is a `ReplicaSnapshot`, taken when the
+replica is chosen.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 
-from proxy.errors import NoLiveReplica, ReplicaFailed
-from proxy.forward import ReplicaUnavailable
+from proxy.errors import NoLiveReplica, ReplicaFailed, ReplicaUnavailable, StackMismatch
 from proxy.pins import Pin
-from proxy.registry import Registry, Replica
+from proxy.registry import Registry, ReplicaSnapshot
 from proxy.router import choose
 from proxy.stack import short
 
@@ -26,25 +27,14 @@ T = TypeVar("T")
 log = structlog.get_logger("stackpin.dispatch")
 
 
-class StackMismatch(Exception):
-    """The answer came from another stack than the replica proved."""
-
-    def __init__(self, replica: Replica, claimed: str | None) -> None:
-        super().__init__(
-            f"replica {replica.name} answered as stack {claimed}, registered {replica.fingerprint}"
-        )
-        self.replica = replica
-        self.claimed = claimed
-
-
 @dataclass(frozen=True)
 class Dispatched(Generic[T]):
-    replica: Replica
+    replica: ReplicaSnapshot  # as it was when chosen: what the record says served the request
     body: dict[str, Any]
     result: T
 
 
-def check_fingerprint(replica: Replica, claimed: str | None) -> None:
+def check_fingerprint(replica: ReplicaSnapshot, claimed: str | None) -> None:
     """A replica that proves its stack must answer under that stack's fingerprint; a declared one cannot prove."""
     if not replica.declared and claimed != replica.fingerprint:
         raise StackMismatch(replica, claimed)
@@ -54,7 +44,7 @@ async def dispatch(
     registry: Registry,
     pin: Pin,
     body: dict[str, Any],
-    send: Callable[[Replica, dict[str, Any]], Awaitable[T]],
+    send: Callable[[ReplicaSnapshot, dict[str, Any]], Awaitable[T]],
     *,
     endpoint: str | None = None,
     deadline_s: float,
@@ -67,7 +57,9 @@ async def dispatch(
     last_failure = ""
     while True:
         try:
-            replica = choose(registry.all(), pin, endpoint=endpoint, exclude=tried, fingerprint=fingerprint)
+            replica = choose(
+                registry.all(), pin, endpoint=endpoint, exclude=tried, fingerprint=fingerprint
+            ).snapshot()
         except NoLiveReplica as e:
             if not tried:
                 raise
@@ -77,7 +69,6 @@ async def dispatch(
                 extra=e.extra,
             ) from e
         fingerprint = replica.fingerprint
-        assert replica.stack is not None
         forwarded = {**body, "model": replica.stack.model}
         try:
             result = await send(replica, forwarded)

@@ -9,11 +9,17 @@
       NoMatchingStack (409)        no known stack matches the pin
       NoLiveReplica (503)          stacks match the pin but none of their replicas is in rotation
       ReplicaFailed (502)          the replica failed, timed out or answered garbage; nothing was recorded
+        ReplicaUnavailable         unreachable, timed out or a 5xx: worth a retry on a twin of the same fingerprint
+        ReplicaGarbage             an answer that is not what the OpenAI wire format promises
+        StackMismatch              an answer under another fingerprint than the replica proved
+      ReplicaRejected (4xx)        the replica refused the request as the client's fault: its status and error
+                                   body, relayed in OpenAI's shape
       RateLimited (429)            the tenant's requests or tokens per minute are used up; says when to retry
       AuditStoreUnavailable (503)  the audit store cannot commit or read now, so nothing is served; retry soon
       AtCapacity (503)             the proxy holds `server.max_connections` connections; only probes are answered
 
-A `retry_after_s` becomes a `Retry-After` header; `close_connection` closes the connection after the answer.
+The replica's errors are raised by the transport (proxy/forward.py) and by dispatch (proxy/dispatch.py); those
+that dispatch does not retry reach the middleware like any other. A `retry_after_s` becomes a `Retry-After` header; `close_connection` closes the connection after the answer.
 
 The OpenAI SDKs map these statuses to BadRequestError, AuthenticationError, NotFoundError,
 ConflictError and InternalServerError.
@@ -21,9 +27,12 @@ ConflictError and InternalServerError.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from proxy.registry import ReplicaSnapshot
 
 
 class StackpinError(Exception):
@@ -122,6 +131,68 @@ class ReplicaFailed(StackpinError):
     status = 502
     type = "replica_error"
     code = "replica_failed"
+
+
+class ReplicaUnavailable(ReplicaFailed):
+    """Worth retrying on another replica of the identical fingerprint.
+
+    `down` says the replica could not be reached at all (connection refused or reset, timeout): a replica that
+    proves its stack leaves rotation until the health monitor reaches it again. A replica that answered, even with
+    a 5xx, stays in, and so does a declared upstream, which no health check reaches.
+    """
+
+    def __init__(self, message: str, *, down: bool = True) -> None:
+        super().__init__(message)
+        self.down = down
+
+
+class ReplicaGarbage(ReplicaFailed):
+    """The replica answered something that is not an OpenAI response; `problem` says what is wrong with it."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.message = f"the replica answered something that is not an OpenAI response: {problem}"
+
+
+class StackMismatch(ReplicaFailed):
+    """The answer came from another stack than the replica proved."""
+
+    def __init__(self, replica: ReplicaSnapshot, claimed: str | None) -> None:
+        super().__init__(
+            f"replica {replica.name} answered as stack {claimed}, registered {replica.fingerprint}"
+        )
+        self.replica = replica
+        self.claimed = claimed
+
+
+class ReplicaRejected(StackpinError):
+    """A 4xx from the replica: the client's request is at fault, and the client gets the replica's status and
+    error body (in OpenAI's shape, secrets redacted by the middleware like every body)."""
+
+    type = "replica_rejected"  # the label it is counted under; the body keeps the replica's own type
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(f"replica rejected the request with {status}")
+        self.status = status
+        self.replica_body = body
+
+    def body(self) -> dict[str, Any]:
+        return relayed_error(self.replica_body)
+
+
+def relayed_error(body: dict[str, Any]) -> dict[str, Any]:
+    """A replica's error body in OpenAI's shape (message, type, param, code), whatever else it held."""
+    error = body.get("error") if isinstance(body.get("error"), dict) else {}
+    message, kind = error.get("message"), error.get("type")
+    return {
+        "error": {
+            "message": message if isinstance(message, str) else "the replica refused the request",
+            "type": kind if isinstance(kind, str) else "replica_error",
+            "param": error.get("param") if isinstance(error.get("param"), str) else None,
+            "code": error.get("code") if isinstance(error.get("code"), str | int) else None,
+        }
+    }
 
 
 class RateLimited(StackpinError):

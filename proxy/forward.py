@@ -2,8 +2,8 @@
 
 A failure the router may retry on another replica of the same fingerprint (connection refused or reset, timeout,
 5xx) is `ReplicaUnavailable`; an answer that is not what the OpenAI wire format promises is `ReplicaGarbage`;
-a 4xx is the client's problem and comes back as `ReplicaRejected` with the replica's error body. This module knows
-nothing of pins, records or the client.
+a 4xx is the client's problem and comes back as `ReplicaRejected` with the replica's error body. The three are
+part of the proxy's one error tree (proxy/errors.py). This module knows nothing of pins, records or the client.
 """
 
 from __future__ import annotations
@@ -18,34 +18,11 @@ import aiohttp
 from pydantic import SecretStr, ValidationError
 
 from proxy.endpoints import TERMINAL_EVENTS
+from proxy.errors import ReplicaGarbage, ReplicaRejected, ReplicaUnavailable
 from proxy.stack import Stack, fingerprint, fingerprinted
 
 STACK_HEADER = "Stackpin-Stack"
 TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
-
-
-class ReplicaUnavailable(Exception):
-    """Worth retrying on another replica of the identical fingerprint.
-
-    `down` says the replica could not be reached at all (connection refused or reset, timeout): a replica that
-    proves its stack leaves rotation until the health monitor reaches it again. A replica that answered, even with
-    a 5xx, stays in, and so does a declared upstream, which no health check reaches.
-    """
-
-    def __init__(self, message: str, *, down: bool = True) -> None:
-        super().__init__(message)
-        self.down = down
-
-
-class ReplicaGarbage(Exception):
-    """The replica answered something that is not an OpenAI response."""
-
-
-class ReplicaRejected(Exception):
-    def __init__(self, status: int, body: dict[str, Any]) -> None:
-        super().__init__(f"replica rejected the request with {status}")
-        self.status = status
-        self.body = body
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in proxy/middleware.py only.
 
 The OpenAI routes (chat, completions, embeddings, responses) share one handler and one serving path
-(proxy/serving.py); `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for.
+(proxy/serving.py, under `PROXY`); `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for. Each
+handler takes the resources it needs from the application's typed keys (proxy/app_keys.py), and nothing else.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from proxy.app_keys import PROMPTS, PROXY, ROUTES
+from proxy.app_keys import FLEET, METRICS, PROMPTS, PROXY, REGISTRY, ROUTES, SECRETS, SETTINGS, STORE
 from proxy.audit import AuditRecord, NoSuchCheckpoint, ProofError
 from proxy.auth import authenticate
 from proxy.client_request import parse_body, read_request
@@ -33,7 +34,7 @@ log = structlog.get_logger("stackpin.http")
 
 async def read_body(request: web.Request) -> bytes:
     """The whole body, within `server.body_timeout_s`; an undecodable one is the client's to fix."""
-    limit = request.config_dict[PROXY].settings.server.body_timeout_s
+    limit = request.config_dict[SETTINGS].server.body_timeout_s
     try:
         if request.content.is_eof():
             # All of it has arrived (most bodies come with their headers): no timer to arm and cancel.
@@ -52,8 +53,7 @@ async def read_body(request: web.Request) -> bytes:
 
 
 async def openai_route(request: web.Request) -> web.StreamResponse:
-    proxy = request.app[PROXY]
-    tenant = authenticate(request.headers, proxy.secrets)
+    tenant = authenticate(request.headers, request.app[SECRETS])
     body = parse_body(await read_body(request))
     pin_header = request.headers.get("Stackpin-Pin")
     return await serve_completion(request.config_dict, tenant, request.path, body, pin_header, request)
@@ -78,12 +78,11 @@ async def serve_completion(
         pin_header=pin_header,
         routes=config[ROUTES],
         prompts=config[PROMPTS],
-        default_route=proxy.settings.server.default_route,
+        default_route=config[SETTINGS].server.default_route,
         live_models=lambda: sorted(_model_objects(config)),
     )
     client_request = await proxy.continued(client_request, tenant)
-    if proxy.fleet is not None:
-        await proxy.fleet.limiter.admit(tenant)
+    await proxy.limiter.admit(tenant)
     response: web.StreamResponse
     if client_request.stream:
         if http_request is None:
@@ -101,7 +100,6 @@ async def serve_completion(
 
 def _observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: float) -> None:
     stack = served.replica.stack
-    assert stack is not None  # only a replica with a known stack serves
     labels = (endpoint, served.fingerprint, stack.model, stack.kernel_mode, stack.hardware)
     proxy.metrics.answered(labels, status, seconds)
 
@@ -109,7 +107,7 @@ def _observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: 
 def _model_objects(config: Mapping[Any, Any]) -> dict[str, dict[str, Any]]:
     """What a client can name as `model`: each live stack's model, and each route."""
     data: dict[str, dict[str, Any]] = {}
-    for stack in live_stacks(config[PROXY].registry.all()):
+    for stack in live_stacks(config[REGISTRY].all()):
         name = stack["stack"]["model"]
         entry = data.setdefault(
             name, {"id": name, "object": "model", "created": 0, "owned_by": "stackpin", "stacks": []}
@@ -123,13 +121,13 @@ def _model_objects(config: Mapping[Any, Any]) -> dict[str, dict[str, Any]]:
 
 
 async def models(request: web.Request) -> web.Response:
-    authenticate(request.headers, request.app[PROXY].secrets)
+    authenticate(request.headers, request.app[SECRETS])
     data = _model_objects(request.app)
     return web.json_response({"object": "list", "data": [data[name] for name in sorted(data)]})
 
 
 async def model(request: web.Request) -> web.Response:
-    authenticate(request.headers, request.app[PROXY].secrets)
+    authenticate(request.headers, request.app[SECRETS])
     data = _model_objects(request.app)
     model_id = request.match_info["model_id"]
     if model_id not in data:
@@ -141,8 +139,8 @@ async def model(request: web.Request) -> web.Response:
 
 
 async def stacks(request: web.Request) -> web.Response:
-    proxy = request.app[PROXY]
-    authenticate(request.headers, proxy.secrets)
+    registry = request.app[REGISTRY]
+    authenticate(request.headers, request.app[SECRETS])
     replicas = [
         {
             "name": r.name,
@@ -154,26 +152,24 @@ async def stacks(request: web.Request) -> web.Response:
             "quarantined": r.quarantined,
             "outstanding": r.outstanding,
         }
-        for r in proxy.registry.all()
+        for r in registry.all()
     ]
-    return web.json_response({"stacks": live_stacks(proxy.registry.all()), "replicas": replicas})
+    return web.json_response({"stacks": live_stacks(registry.all()), "replicas": replicas})
 
 
 async def get_record(request: web.Request) -> web.Response:
-    proxy = request.app[PROXY]
-    tenant = authenticate(request.headers, proxy.secrets)
+    tenant = authenticate(request.headers, request.app[SECRETS])
     record = await _record_of(request, tenant)
     return web.json_response(record.model_dump(mode="json"))
 
 
 async def replay_record(request: web.Request) -> web.Response:
-    proxy = request.app[PROXY]
-    tenant = authenticate(request.headers, proxy.secrets)
+    tenant = authenticate(request.headers, request.app[SECRETS])
     record = await _record_of(request, tenant)
     raw = await read_body(request)
     options = parse_body(raw) if raw.strip() else {}
     on = parse_pin_body(options["on"]) if options.get("on") is not None else None
-    replay_id, comparison, fingerprint = await counted_replay(proxy, record, tenant, on)
+    replay_id, comparison, fingerprint = await counted_replay(request.app[PROXY], record, tenant, on)
     return web.json_response(_replay_json(record.id, replay_id, comparison, fingerprint))
 
 
@@ -194,7 +190,7 @@ def _replay_json(original: str, replay_id: str, comparison: Comparison, fingerpr
 
 async def _record_of(request: web.Request, tenant: str) -> Any:
     record_id = request.match_info["record_id"]
-    record = await request.app[PROXY].store.get_record(record_id, tenant)
+    record = await request.app[STORE].get_record(record_id, tenant)
     if record is None:
         raise _no_record(record_id)
     return record
@@ -231,28 +227,25 @@ async def _log_read(read: Any) -> Any:
 
 async def log_checkpoint(request: web.Request) -> web.Response:
     """The latest signed checkpoint (or the one of `?size=`), as the signed note itself."""
-    proxy = request.app[PROXY]
-    authenticate(request.headers, proxy.secrets)
-    checkpoint = await _log_read(proxy.store.checkpoint(_size(request, "size")))
+    authenticate(request.headers, request.app[SECRETS])
+    checkpoint = await _log_read(request.app[STORE].checkpoint(_size(request, "size")))
     return web.Response(text=checkpoint.note, content_type="text/plain", charset="utf-8")
 
 
 async def log_consistency(request: web.Request) -> web.Response:
-    proxy = request.app[PROXY]
-    authenticate(request.headers, proxy.secrets)
+    authenticate(request.headers, request.app[SECRETS])
     old = _size(request, "from")
     if old is None:
         raise BadRequest("from is required: the tree size you hold a checkpoint of", param="from")
-    proof = await _log_read(proxy.store.consistency(old, _size(request, "to")))
+    proof = await _log_read(request.app[STORE].consistency(old, _size(request, "to")))
     return web.json_response(proof.model_dump(mode="json", by_alias=True))
 
 
 async def record_proof(request: web.Request) -> web.Response:
     """Inclusion proofs of each entry of the record, tenant-scoped like the record itself."""
-    proxy = request.app[PROXY]
-    tenant = authenticate(request.headers, proxy.secrets)
+    tenant = authenticate(request.headers, request.app[SECRETS])
     record_id = request.match_info["record_id"]
-    proof = await _log_read(proxy.store.record_proof(record_id, tenant, _size(request, "size")))
+    proof = await _log_read(request.app[STORE].record_proof(record_id, tenant, _size(request, "size")))
     if proof is None:
         raise _no_record(record_id)
     return web.json_response(proof.model_dump(mode="json"))
@@ -263,16 +256,15 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    proxy = request.app[PROXY]
     problems = []
     try:
-        await proxy.store.ping()
+        await request.app[STORE].ping()
     except Exception as e:
         problems.append(f"audit store unreachable: {type(e).__name__}")
-    if not proxy.registry.live():
+    if not request.app[REGISTRY].live():
         problems.append("no replica is in rotation")
     body: dict[str, Any] = {"problems": problems}
-    sync = proxy.fleet.sync if proxy.fleet is not None else None
+    sync = request.app[FLEET].sync
     if sync is not None:
         state = sync.status()
         body["fleet"] = {
@@ -293,11 +285,11 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    proxy = request.app[PROXY]
-    proxy.metrics.observe_replicas(proxy.registry.all())
-    if proxy.fleet is not None and proxy.fleet.sync is not None:
-        proxy.metrics.fleet_stale.set(1 if proxy.fleet.sync.status().stale else 0)
-    body = proxy.metrics.exposition()
+    metrics, sync = request.app[METRICS], request.app[FLEET].sync
+    metrics.observe_replicas(request.app[REGISTRY].all())
+    if sync is not None:
+        metrics.fleet_stale.set(1 if sync.status().stale else 0)
+    body = metrics.exposition()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

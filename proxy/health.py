@@ -17,8 +17,8 @@ import aiohttp
 import structlog
 
 from proxy.audit import AuditStore
-from proxy.dispatch import StackMismatch
-from proxy.forward import ReplicaUnavailable, describe
+from proxy.errors import ReplicaUnavailable, StackMismatch
+from proxy.forward import describe
 from proxy.metrics import ProxyMetrics
 from proxy.records import flag_entry
 from proxy.registry import Observation, Registry, Replica
@@ -44,6 +44,7 @@ class HealthMonitor:
         *,
         timeout_s: float,
         clock: Callable[[], datetime],
+        board: QuarantineBoard | None = None,
     ) -> None:
         self.registry = registry
         self.store = store
@@ -51,7 +52,7 @@ class HealthMonitor:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.clock = clock
-        self.board: QuarantineBoard | None = None
+        self.board = board  # fleet mode: where quarantines are shared (proxy/fleet/link.py)
 
     async def check_all(self) -> None:
         replicas = [
@@ -80,7 +81,9 @@ class HealthMonitor:
             await self.quarantine(replica, "stack_changed", claimed=computed)
 
     async def on_mismatch(self, mismatch: StackMismatch) -> None:
-        await self.quarantine(mismatch.replica, "fingerprint_mismatch", claimed=mismatch.claimed)
+        replica = self.registry.get(mismatch.replica.name)
+        if replica is not None:
+            await self.quarantine(replica, "fingerprint_mismatch", claimed=mismatch.claimed)
 
     async def quarantine(
         self, replica: Replica, reason: str, *, claimed: str | None, since: datetime | None = None

@@ -180,8 +180,9 @@ def connection_limit(configured: int | None) -> int:
 async def serving(app: web.Application, sock: socket.socket, server: ServerSettings) -> AsyncIterator[str]:
     """Starts `app` (its cleanup contexts first) and serves it on `sock` until the block ends; yields its URL."""
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
-    await runner.setup()
     try:
+        # Inside: a resource that fails to start must still release those started before it.
+        await runner.setup()
         site = ProxySite(runner, sock, server)
         await site.start()
         yield site.name

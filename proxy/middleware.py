@@ -1,8 +1,8 @@
 """The error middleware: the one place where a failure becomes an OpenAI-style error body.
 
 Every refusal and failure of a request passes here: the proxy's own errors (proxy/errors.py), the audit store's
-unavailability (503 with Retry-After), aiohttp's HTTP refusals, replicas' relayed 4xx bodies (put in OpenAI's
-shape), and anything unexpected (500, logged with its traceback). Every body leaves with the configured secrets
+unavailability (503 with Retry-After), aiohttp's HTTP refusals, the replicas' failures and relayed 4xx bodies
+(in OpenAI's shape; all of them in the one tree), and anything unexpected (500, logged with its traceback). Every body leaves with the configured secrets
 redacted (proxy/redact.py), and is counted in `stackpin_request_errors_total` under its route's template. What
 aiohttp refuses before any handler runs is answered in proxy/listener.py, with the same bodies.
 """
@@ -14,10 +14,9 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from proxy.app_keys import PROXY
+from proxy.app_keys import METRICS, REDACTOR, SETTINGS
 from proxy.audit import StoreUnavailable
 from proxy.errors import AtCapacity, AuditStoreUnavailable, HttpError, PayloadTooLarge, StackpinError
-from proxy.forward import ReplicaRejected
 
 log = structlog.get_logger("stackpin.http")
 
@@ -45,10 +44,6 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
 
 def _error_response(request: web.Request, exc: Exception) -> web.Response:
     """The one place where a failure becomes an OpenAI-style error body, with every secret redacted."""
-    proxy = request.config_dict[PROXY]
-    if isinstance(exc, ReplicaRejected):
-        _count_error(request, "replica_rejected")
-        return web.json_response(proxy.redactor.value(relayed_error(exc.body)), status=exc.status)
     if isinstance(exc, web.HTTPException) and exc.status < 400:
         raise exc
     error = _as_stackpin_error(request, exc)
@@ -57,7 +52,7 @@ def _error_response(request: web.Request, exc: Exception) -> web.Response:
         log.exception("unhandled_error", path=request.path)
     else:
         log.info("request_refused", path=request.path, status=error.status, error=error.message)
-    return error.response(proxy.redactor.value(error.body()))
+    return error.response(request.config_dict[REDACTOR].value(error.body()))
 
 
 def _as_stackpin_error(request: web.Request, exc: Exception) -> StackpinError:
@@ -68,7 +63,7 @@ def _as_stackpin_error(request: web.Request, exc: Exception) -> StackpinError:
             "the audit store is unavailable, and no answer is served without its record; retry shortly"
         )
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        limit = request.config_dict[PROXY].settings.server.max_body_bytes
+        limit = request.config_dict[SETTINGS].server.max_body_bytes
         return PayloadTooLarge(
             f"the request body is larger than the proxy accepts ({limit} bytes; server.max_body_bytes)"
         )
@@ -77,22 +72,8 @@ def _as_stackpin_error(request: web.Request, exc: Exception) -> StackpinError:
     return StackpinError("the proxy failed unexpectedly; the error is in its log")
 
 
-def relayed_error(body: dict[str, Any]) -> dict[str, Any]:
-    """A replica's error body in OpenAI's shape (message, type, param, code), whatever else it held."""
-    error = body.get("error") if isinstance(body.get("error"), dict) else {}
-    message, kind = error.get("message"), error.get("type")
-    return {
-        "error": {
-            "message": message if isinstance(message, str) else "the replica refused the request",
-            "type": kind if isinstance(kind, str) else "replica_error",
-            "param": error.get("param") if isinstance(error.get("param"), str) else None,
-            "code": error.get("code") if isinstance(error.get("code"), str | int) else None,
-        }
-    }
-
-
 def _count_error(request: web.Request, error: str) -> None:
-    request.config_dict[PROXY].metrics.errors.labels(route_label(request), "none", error).inc()
+    request.config_dict[METRICS].errors.labels(route_label(request), "none", error).inc()
 
 
 def route_label(request: web.Request) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 from proxy.audit import NewEntry, OpenStream
 from proxy.pins import Pin
 from proxy.prompts import PromptVersion
-from proxy.registry import Replica
+from proxy.registry import ReplicaSnapshot
 
 DECODING_KEYS = (
     "temperature",
@@ -49,7 +49,7 @@ class Served:
     pin: Pin
     route: str | None
     prompt: PromptVersion | None
-    replica: Replica
+    replica: ReplicaSnapshot  # as it was at dispatch: a later quarantine or lift does not change the record
     forwarded: dict[str, Any]  # exactly what the replica was sent
     received_at: datetime
     replica_endpoint: str | None = None  # where the replica was sent it, when not at `endpoint` (translated)
@@ -59,7 +59,6 @@ class Served:
 
     @property
     def fingerprint(self) -> str:
-        assert self.replica.fingerprint is not None
         return self.replica.fingerprint
 
 
@@ -69,7 +68,6 @@ def decoding_settings(body: dict[str, Any]) -> dict[str, Any]:
 
 def _base(served: Served, part: str, status: str, now: datetime, content: dict[str, Any]) -> NewEntry:
     replica = served.replica
-    assert replica.stack is not None
     return NewEntry(
         record_id=served.record_id,
         part=part,  # type: ignore[arg-type]

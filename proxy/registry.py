@@ -1,7 +1,8 @@
 """The replica registry: which replicas exist, which stack each has proved or declared, and which are in rotation.
 
 This is the in-process registry, the embedded default. It holds state only; the health monitor feeds it what the
-replicas say, and the router reads it. A replica enters rotation only once its stack is known: declared in
+replicas say, and the router reads it. Every change to a replica goes through a `Registry` method; what a request
+was served by is a `ReplicaSnapshot`, taken at dispatch, which no later change to the replica reaches. A replica enters rotation only once its stack is known: declared in
 configuration for an upstream API, or proved at `GET /v1/stack` for a pinned_backend. A replica whose proved stack
 changes is quarantined: out of rotation until an operator restarts the proxy (in fleet mode: lifts the quarantine,
 `stackpin fleet lift`), because every answer it gave since its last good check is now suspect (invariant 3,
@@ -29,6 +30,28 @@ class Observation(Enum):
     CHANGED = "changed"  # the stack differs from the one registered: quarantine
 
 
+def answers_natively(endpoints: frozenset[str] | None, endpoint: str) -> bool:
+    """Whether a replica serving `endpoints` (None: a pinned_backend's) answers `endpoint` itself, rather than
+    through the proxy's translation."""
+    return endpoint in (endpoints if endpoints is not None else BACKEND_ENDPOINTS)
+
+
+@dataclass(frozen=True)
+class ReplicaSnapshot:
+    """A replica as it was when a request was dispatched to it: what the request's records and answer say it was
+    served by, whatever happens to the replica afterwards (a quarantine, a lift, a new lease)."""
+
+    name: str
+    url: str
+    declared: bool
+    stack: Stack
+    fingerprint: str
+    endpoints: frozenset[str] | None
+
+    def natively(self, endpoint: str) -> bool:
+        return answers_natively(self.endpoints, endpoint)
+
+
 @dataclass
 class Replica:
     name: str
@@ -52,11 +75,18 @@ class Replica:
 
     def natively(self, endpoint: str) -> bool:
         """Whether it answers `endpoint` itself, rather than through the proxy's translation."""
-        return endpoint in (self.endpoints if self.endpoints is not None else BACKEND_ENDPOINTS)
+        return answers_natively(self.endpoints, endpoint)
 
     def serves(self, endpoint: str) -> bool:
         # A pinned_backend serves the Responses API through the proxy's translation to chat.
         return self.natively(endpoint) or (endpoint == RESPONSES and self.endpoints is None)
+
+    def snapshot(self) -> ReplicaSnapshot:
+        """What it is now, frozen; only a replica whose stack is known (one in rotation) can be served by."""
+        assert self.stack is not None and self.fingerprint is not None
+        return ReplicaSnapshot(
+            self.name, self.url, self.declared, self.stack, self.fingerprint, self.endpoints
+        )
 
 
 class OutstandingCounter(Protocol):
@@ -68,7 +98,7 @@ class OutstandingCounter(Protocol):
 @dataclass
 class Registry:
     replicas: dict[str, Replica] = field(default_factory=dict)
-    counter: OutstandingCounter | None = None
+    counter: OutstandingCounter | None = None  # fleet mode: the shared counts (proxy/fleet/link.py)
 
     @classmethod
     def of(cls, replicas: Iterable[Replica]) -> Registry:
@@ -114,6 +144,16 @@ class Registry:
 
     def unreachable(self, name: str) -> None:
         self.replicas[name].reachable = False
+
+    def lease(self, name: str, url: str) -> None:
+        """Fleet mode: a heartbeat sidecar proves the replica's stack at `url` (the health monitor stops polling
+        it); the lease says where it is now."""
+        replica = self.replicas[name]
+        replica.leased, replica.url = True, url
+
+    def count_outstanding(self, name: str, count: int) -> None:
+        """Fleet mode: the requests in flight on the replica across the fleet, as the last sync counted them."""
+        self.replicas[name].outstanding = count
 
     def acquire(self, name: str) -> None:
         self.replicas[name].outstanding += 1

@@ -14,32 +14,32 @@ import asyncio
 import contextlib
 import functools
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import aiohttp
 import structlog
 from aiohttp import web
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from proxy.audit import AuditError, AuditRecord, AuditStore, NewEntry
 from proxy.client_request import ClientRequest
 from proxy.compare import Comparison
-from proxy.config import Secrets, Settings
+from proxy.config import ServerSettings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
 from proxy.endpoints import CHAT, RESPONSES, answer_problem
-from proxy.errors import AuditStoreUnavailable, BadRequest, ReplicaFailed
-from proxy.fleet.resource import Fleet
-from proxy.forward import Answer, Event, ReplicaGarbage, ReplicaUnavailable, Stream, open_stream, post_json
+from proxy.errors import AuditStoreUnavailable, BadRequest, ReplicaFailed, ReplicaGarbage, ReplicaUnavailable
+from proxy.fleet.limits import RateLimiter
+from proxy.forward import Answer, Event, Stream, open_stream, post_json
 from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
 from proxy.pins import Pin
 from proxy.records import Served, answer_entry, closed_entry, opened_entry
 from proxy.redact import Redactor
-from proxy.registry import Registry, Replica
+from proxy.registry import Registry, ReplicaSnapshot
 from proxy.relay import Relay
 from proxy.replay import Answered, Replaying, recorded, replay_request
 from proxy.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
@@ -64,27 +64,23 @@ class Sent:
     result: Any  # Answer, or Stream
 
 
-@dataclass
+@dataclass(frozen=True)
 class Proxy:
-    """Everything a request needs, built once by create_app."""
+    """The serving path, built by create_app from the application's resources (proxy/app.py); it owns none of them."""
 
-    settings: Settings
-    secrets: Secrets
-    registry: Registry
     store: AuditStore
-    session: aiohttp.ClientSession
+    registry: Registry
+    health: HealthMonitor  # told of an answer under another fingerprint (invariant 3)
+    session: aiohttp.ClientSession  # to the replicas
     metrics: ProxyMetrics
-    health: HealthMonitor
-    clock: Callable[[], datetime]
-    fleet: Fleet | None = None  # rate limits, and the shared view in fleet mode
+    limiter: RateLimiter  # charged with the tokens each answer used
+    server: ServerSettings  # the replicas' timeout and the retry deadline
+    replica_keys: Mapping[str, SecretStr]  # replica name -> upstream key, sent only in headers
     # What comes from replicas, answers and events alike, is relayed and recorded without any configured key.
-    redactor: Redactor = field(init=False)
+    redactor: Redactor
     # Where streams' closing entries are built, one at a time, off the event loop (see _close).
-    closing: ThreadPoolExecutor = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.redactor = Redactor(key.get_secret_value() for key in self.secrets.replica_keys.values())
-        self.closing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-close")
+    closing: ThreadPoolExecutor
+    clock: Callable[[], datetime]
 
     async def continued(self, request: ClientRequest, tenant: str) -> ClientRequest:
         """A Responses request with `previous_response_id` resolved into the input it stands for."""
@@ -109,7 +105,7 @@ class Proxy:
     ) -> tuple[Served, dict[str, Any]]:
         """Dispatch a non-streamed request and commit its record; returns the body to send afterwards."""
 
-        async def send(replica: Replica, body: dict[str, Any]) -> Sent:
+        async def send(replica: ReplicaSnapshot, body: dict[str, Any]) -> Sent:
             endpoint, sent = self._route(request, replica, body)
             return Sent(endpoint, sent, await self._send_json(replica, endpoint, sent))
 
@@ -143,14 +139,14 @@ class Proxy:
     ) -> tuple[Served, str]:
         """Dispatch a streamed request and relay it; returns how its record closed."""
 
-        async def send(replica: Replica, body: dict[str, Any]) -> Sent:
+        async def send(replica: ReplicaSnapshot, body: dict[str, Any]) -> Sent:
             endpoint, sent = self._route(request, replica, body)
             stream = await open_stream(
                 self.session,
                 replica.url + endpoint,
                 sent,
-                api_key=self.secrets.replica_keys.get(replica.name),
-                timeout_s=self.settings.server.replica_timeout_s,
+                api_key=self.replica_keys.get(replica.name),
+                timeout_s=self.server.replica_timeout_s,
             )
             if not replica.declared and stream.stack_header != replica.fingerprint:
                 stream.close()
@@ -193,7 +189,7 @@ class Proxy:
         return served.record_id, replaying.comparison, served.fingerprint
 
     def _route(
-        self, request: ClientRequest, replica: Replica, body: dict[str, Any]
+        self, request: ClientRequest, replica: ReplicaSnapshot, body: dict[str, Any]
     ) -> tuple[str, dict[str, Any]]:
         """Where a replica is sent a request, and what exactly: a Responses request it does not serve itself
         goes to its chat route, translated."""
@@ -203,7 +199,7 @@ class Proxy:
             return CHAT, to_chat(body)
         return request.endpoint, body
 
-    async def _send_json(self, replica: Replica, endpoint: str, body: dict[str, Any]) -> Answer:
+    async def _send_json(self, replica: ReplicaSnapshot, endpoint: str, body: dict[str, Any]) -> Answer:
         """One non-streamed call, counted among the replica's outstanding requests while it runs."""
         self.registry.acquire(replica.name)
         try:
@@ -211,8 +207,8 @@ class Proxy:
                 self.session,
                 replica.url + endpoint,
                 {**body, "stream": False} if body.get("stream") else body,
-                api_key=self.secrets.replica_keys.get(replica.name),
-                timeout_s=self.settings.server.replica_timeout_s,
+                api_key=self.replica_keys.get(replica.name),
+                timeout_s=self.server.replica_timeout_s,
             )
         finally:
             self.registry.release(replica.name)
@@ -380,20 +376,17 @@ class Proxy:
             return entry, terminal
 
     async def _dispatch(
-        self, request: ClientRequest, send: Callable[[Replica, dict[str, Any]], Awaitable[Sent]]
+        self, request: ClientRequest, send: Callable[[ReplicaSnapshot, dict[str, Any]], Awaitable[Sent]]
     ) -> Dispatched[Sent]:
-        try:
-            return await dispatch(
-                self.registry,
-                request.pin,
-                request.body,
-                send,
-                endpoint=request.endpoint,
-                deadline_s=self.settings.server.retry_deadline_s,
-                on_mismatch=self.health.on_mismatch,
-            )
-        except ReplicaGarbage as e:
-            raise ReplicaFailed(f"the replica answered something that is not an OpenAI response: {e}") from e
+        return await dispatch(
+            self.registry,
+            request.pin,
+            request.body,
+            send,
+            endpoint=request.endpoint,
+            deadline_s=self.server.retry_deadline_s,
+            on_mismatch=self.health.on_mismatch,
+        )
 
     @staticmethod
     def _entry(build: Callable[..., NewEntry], *args: Any, **kwargs: Any) -> NewEntry:
@@ -439,7 +432,7 @@ class Proxy:
     def _count_tokens(self, served: Served, usage: Any) -> None:
         if not isinstance(usage, dict):
             return
-        model = served.replica.stack.model if served.replica.stack else "unknown"
+        model = served.replica.stack.model
         total = 0
         for direction, keys in (
             ("prompt", ("prompt_tokens", "input_tokens")),
@@ -449,8 +442,7 @@ class Proxy:
             if count is not None:
                 self.metrics.tokens.labels(served.fingerprint, model, direction).inc(count)
                 total += count
-        if self.fleet is not None:
-            self.fleet.limiter.charge(served.tenant, total)
+        self.limiter.charge(served.tenant, total)
 
     @staticmethod
     def answer_response(served: Served, body: dict[str, Any]) -> web.Response:

@@ -135,14 +135,14 @@ async def test_outstanding_requests_are_shared_for_routing(
             # Two requests in flight to "a" through the first proxy, as the dispatcher counts them.
             first.proxy.registry.acquire("a")
             first.proxy.registry.acquire("a")
-            await fleet.sync(0).drain()
+            await fleet.sync(0).link.drain()
             await fleet.sync_all()
             assert second.proxy.registry.get("a").outstanding == 2  # type: ignore[union-attr]
             _, _, headers = await second.post("/v1/chat/completions", CHAT)
             assert headers["Stackpin-Stack"] == twin.fingerprint and len(twin.requests) == 1
             first.proxy.registry.release("a")
             first.proxy.registry.release("a")
-            await fleet.sync(0).drain()
+            await fleet.sync(0).link.drain()
             await fleet.sync_all()
             assert second.proxy.registry.get("a").outstanding == 0  # type: ignore[union-attr]
 
@@ -155,7 +155,7 @@ async def test_the_counts_of_a_proxy_that_stopped_publishing_expire(
         async with running_fleet(db, {"a": replica, "b": twin}) as fleet:
             first, second = fleet.proxies
             first.proxy.registry.acquire("a")
-            await fleet.sync(0).drain()
+            await fleet.sync(0).link.drain()
             await fleet.sync_all()
             assert second.proxy.registry.get("a").outstanding == 1  # type: ignore[union-attr]
             # The first proxy dies with a request in flight: it publishes nothing more, and its counts expire

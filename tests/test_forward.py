@@ -260,7 +260,7 @@ async def test_a_4xx_is_a_rejection_carrying_the_replicas_own_error_body(
     with pytest.raises(ReplicaRejected) as raised:
         await post(session, f"{replica.url}/v1/chat/completions", {**CHAT, "max_tokens": 0})
     assert raised.value.status == 400
-    assert raised.value.body == {
+    assert raised.value.replica_body == {
         "error": {"message": "max_tokens must be an integer from 1 to 4096", "type": "invalid_request_error"}
     }
 
@@ -279,7 +279,7 @@ async def test_a_4xx_without_an_openai_error_body_gets_one_quoting_what_the_repl
     with pytest.raises(ReplicaRejected) as raised:
         await post(session, await scripted(answering(404, body, "text/plain")))
     assert raised.value.status == 404
-    assert raised.value.body == {"error": {"message": message, "type": "replica_error"}}
+    assert raised.value.replica_body == {"error": {"message": message, "type": "replica_error"}}
 
 
 def test_an_excerpt_is_whole_when_short_and_otherwise_cut_between_words() -> None:
@@ -398,7 +398,7 @@ async def test_a_stream_refused_with_a_status_is_sorted_as_an_answer_is(
     url = f"{replica.url}/v1/chat/completions"
     with pytest.raises(ReplicaRejected) as rejected:
         await opened(session, url, {**CHAT, "stream": True, "max_tokens": 0})
-    assert rejected.value.body["error"]["message"] == "max_tokens must be an integer from 1 to 4096"
+    assert rejected.value.replica_body["error"]["message"] == "max_tokens must be an integer from 1 to 4096"
     for failure in ("500", "401"):
         replica.failure = failure
         with pytest.raises(ReplicaUnavailable) as unavailable:

@@ -263,8 +263,8 @@ async def test_a_stream_recorded_before_records_kept_events_still_replays(
         assert live is not None
         body = {**CHAT, "model": "fake-model", "stream": True}
         ids, logprobs, text, _ = replica.completion(body)
-        served = Served("rec_" + "0" * 32, "local", "/v1/chat/completions", pin_of(live), None, None, live, body,
-                        datetime.now(UTC))  # fmt: skip
+        served = Served("rec_" + "0" * 32, "local", "/v1/chat/completions", pin_of(live), None, None, live.snapshot(),
+                        body, datetime.now(UTC))  # fmt: skip
         await harness.proxy.store.append(opened_entry(served, datetime.now(UTC)))
         legacy = closed_entry(served, datetime.now(UTC), status="complete", events=[], terminal=None, answer=None,
                               replica_answer=None, upstream_fingerprint=None, error=None)  # fmt: skip

@@ -19,9 +19,10 @@ from typing import Any
 import aiohttp
 import structlog
 
+from proxy.errors import ReplicaUnavailable
 from proxy.fleet.documents import FleetKeys, Lease, Quarantine
 from proxy.fleet.state import FleetState, FleetUnavailable, connect
-from proxy.forward import ReplicaUnavailable, describe
+from proxy.forward import describe
 
 log = structlog.get_logger("stackpin.heartbeat")
 

@@ -1,8 +1,9 @@
-"""Wiring fleet mode into a proxy: the Redis client, the sync task and the rate limiter, as one resource.
+"""Wiring fleet mode into a proxy, as two resources that create_app acquires around the registry.
 
-`create_app` enters `fleet_for(...)` inside its cleanup context. Without `[fleet] redis_url` it yields only a
-rate limiter that counts in this process; with it, the registry's outstanding counts and the health monitor's
-quarantines are shared, and a background task keeps the registry in step with Redis.
+`fleet_link` comes first: in fleet mode the Redis client and this proxy's `FleetLink`, which the registry (its
+outstanding counts) and the health monitor (its quarantines) are built with. `fleet_for` comes after them: the
+rate limiter, and in fleet mode the background task that keeps the registry in step with Redis. Without
+`[fleet] redis_url` there is no link, and the rate limiter counts in this process.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import structlog
 from proxy.config import Settings
 from proxy.fleet.documents import FleetKeys
 from proxy.fleet.limits import Limits, RateLimiter, RedisCounters
+from proxy.fleet.link import FleetLink
 from proxy.fleet.state import FleetState, connect
 from proxy.fleet.sync import FleetSync
 from proxy.health import HealthMonitor
@@ -43,37 +45,51 @@ def tenant_limits(settings: Settings) -> dict[str, Limits]:
 
 
 @asynccontextmanager
+async def fleet_link(settings: Settings, *, clock: Callable[[], datetime]) -> AsyncIterator[FleetLink | None]:
+    """The Redis client and this proxy's link through it, in fleet mode; None for a single proxy."""
+    config = settings.fleet
+    if config.redis_url is None:
+        yield None
+        return
+    state = FleetState(connect(config.redis_url, timeout_s=config.timeout_s), FleetKeys(config.key_prefix))
+    link = FleetLink(state, proxy_id=f"proxy-{uuid.uuid4().hex[:12]}", clock=clock)
+    try:
+        yield link
+    finally:
+        await link.drain()
+        await state.close()
+
+
+@asynccontextmanager
 async def fleet_for(
     settings: Settings,
+    link: FleetLink | None,
     registry: Registry,
     health: HealthMonitor,
     metrics: ProxyMetrics,
     *,
     clock: Callable[[], datetime],
 ) -> AsyncIterator[Fleet]:
-    config = settings.fleet
-    if config.redis_url is None:
+    """The rate limiter, and with a link the sync task that keeps `registry` in step with the fleet."""
+    if link is None:
         yield Fleet(RateLimiter(tenant_limits(settings), None, clock=clock), None)
         return
-    keys = FleetKeys(config.key_prefix)
-    client = connect(config.redis_url, timeout_s=config.timeout_s)
+    config = settings.fleet
     sync = FleetSync(
-        FleetState(client, keys),
+        link,
         registry,
         health,
         metrics,
-        proxy_id=f"proxy-{uuid.uuid4().hex[:12]}",
         interval_s=config.sync_interval_s,
         max_stale_s=config.max_stale_s,
         clock=clock,
     )
     limiter = RateLimiter(
         tenant_limits(settings),
-        RedisCounters(client, keys),
+        RedisCounters(link.state.client, link.state.keys),
         clock=clock,
         shared_ok=lambda: not sync.status().stale,
     )
-    registry.counter, health.board = sync, sync
     if not await sync.round():
         log.error(
             "fleet_state_unreachable_at_start", hint="serving configured replicas only until Redis answers"
@@ -85,7 +101,4 @@ async def fleet_for(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        registry.counter, health.board = None, None
-        await sync.drain()
         await limiter.drain()
-        await client.aclose()

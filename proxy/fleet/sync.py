@@ -8,8 +8,8 @@ counts; then it updates the local `Registry`, which the router reads without eve
   replica here too, and a quarantine found here is published there. No proxy or sidecar lifts one: an operator
   does (`stackpin fleet lift`), and a quarantine this proxy has seen in Redis that is gone from it is lifted here;
 - outstanding counts are the other proxies' published counts plus this proxy's own, exact ones. Requests move
-  the shared counters fire-and-forget (`moved`), so routing never waits on Redis; every round rewrites this
-  proxy's absolute counts, which heals a lost increment, and a crashed proxy's counts expire with it.
+  the shared counters fire-and-forget (`FleetLink.moved`), so routing never waits on Redis; every round rewrites
+  this proxy's absolute counts, which heals a lost increment, and a crashed proxy's counts expire with it.
 
 When Redis cannot be reached the proxy keeps its last view for `max_stale_s`, reports itself stale
 (`stackpin_fleet_state_stale`, `/readyz`), then takes the leased replicas out of rotation: it refuses rather than
@@ -27,8 +27,9 @@ from datetime import datetime
 import structlog
 from pydantic import ValidationError
 
-from proxy.fleet.documents import Lease, Quarantine
-from proxy.fleet.state import FleetState, FleetUnavailable, FleetView
+from proxy.fleet.documents import Lease
+from proxy.fleet.link import FleetLink
+from proxy.fleet.state import FleetUnavailable, FleetView
 from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
 from proxy.registry import Observation, Registry, Replica
@@ -57,77 +58,45 @@ def staleness(
 class FleetSync:
     def __init__(
         self,
-        state: FleetState,
+        link: FleetLink,
         registry: Registry,
         health: HealthMonitor,
         metrics: ProxyMetrics,
         *,
-        proxy_id: str,
         interval_s: float,
         max_stale_s: float,
         clock: Callable[[], datetime],
     ) -> None:
-        self.state = state
+        self.link = link
+        self.state = link.state
+        self.proxy_id = link.proxy_id
         self.registry = registry
         self.health = health
         self.metrics = metrics
-        self.proxy_id = proxy_id
         self.interval_s = interval_s
         self.max_stale_s = max_stale_s
         self.clock = clock
         self.last_ok: datetime | None = None
         self.stale_since: datetime | None = None
         self.last_error: str | None = None
-        self.inflight: dict[str, int] = {}
-        self._unshared: dict[str, Quarantine] = {}  # quarantines found while Redis was away
         # Quarantines seen in Redis: only these are lifted here when they leave it. One this proxy has just
         # published but not yet read back is not, whatever a view read before the publish says.
         self._seen_in_fleet: set[str] = set()
-        self._sends: set[asyncio.Task[None]] = set()
 
     def status(self) -> Staleness:
         return staleness(self.last_ok, self.stale_since, self.clock(), self.max_stale_s)
-
-    # The registry's OutstandingCounter: called on the hot path, so it only schedules.
-
-    def moved(self, name: str, delta: int) -> None:
-        self.inflight[name] = self.inflight.get(name, 0) + delta
-        task = asyncio.get_running_loop().create_task(self.state.move_outstanding(self.proxy_id, name, delta))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
-
-    # The health monitor's QuarantineBoard.
-
-    async def publish(self, replica: Replica, reason: str, observed: str | None, since: datetime) -> bool:
-        """Shares a quarantine this proxy found; True when this proxy is the one to mark the records."""
-        note = Quarantine(
-            reason=reason,
-            registered=replica.fingerprint,
-            observed=observed,
-            last_good_check=since,
-            at=self.clock(),
-            by=self.proxy_id,
-        )
-        try:
-            await self.state.quarantine(replica.name, note)
-            return await self.state.claim_flagging(replica.name, self.proxy_id)
-        except FleetUnavailable as e:
-            # Marking twice is harmless, never marking is not: mark here, publish when Redis is back.
-            log.warning("quarantine_not_shared_yet", replica=replica.name, error=str(e)[:300])
-            self._unshared[replica.name] = note
-            return True
 
     async def round(self) -> bool:
         """One sync; False when Redis could not be reached (the last view stays, within the bound)."""
         now = self.clock()
         ttl_s = max(5.0, 5 * self.interval_s)
         try:
-            own = {name: count for name, count in self.inflight.items() if count > 0}
+            own = {name: count for name, count in self.link.inflight.items() if count > 0}
             await self.state.publish_outstanding(
                 self.proxy_id, own, expires_at=now.timestamp() + ttl_s, ttl_s=ttl_s
             )
             view = await self.state.read(self.proxy_id, now.timestamp())
-            await self._share_local_quarantines(view)
+            await self.link.share_unshared(view)
         except FleetUnavailable as e:
             self._went_stale(now, str(e))
             return False
@@ -150,13 +119,6 @@ class FleetSync:
                     log.error("fleet_view_expired", replica=replica.name)
                     self.registry.unreachable(replica.name)
 
-    async def _share_local_quarantines(self, view: FleetView) -> None:
-        for name, note in list(self._unshared.items()):
-            if name not in view.quarantines:
-                await self.state.quarantine(name, note)
-                await self.state.claim_flagging(name, self.proxy_id)  # this proxy marked them already
-            del self._unshared[name]
-
     async def apply(self, view: FleetView) -> None:
         leased = {r.name for r in self.registry.all() if r.leased}
         for name in sorted(view.names | leased):
@@ -169,14 +131,14 @@ class FleetSync:
                 self.registry.add(replica)
                 log.info("replica_leased", replica=name, url=lease.url, fingerprint=lease.fingerprint)
             elif lease is not None and not replica.leased and not replica.declared:
-                replica.leased = True  # its sidecar now speaks for it; the health monitor stops polling it
+                self.registry.lease(name, lease.url)  # its sidecar now speaks for it
             if note is not None:
                 self._seen_in_fleet.add(name)
                 if replica.quarantined is None:
                     await self.health.quarantine(
                         replica, note.reason, claimed=note.observed, since=note.last_good_check
                     )
-            elif name in self._seen_in_fleet and name not in self._unshared:
+            elif name in self._seen_in_fleet and name not in self.link.unshared:
                 self._seen_in_fleet.discard(name)
                 if replica.quarantined is not None:
                     log.warning("quarantine_lifted", replica=name, reason=replica.quarantined)
@@ -184,9 +146,8 @@ class FleetSync:
             if replica.leased:
                 await self._apply_lease(replica, lease)
         for replica in self.registry.all():
-            replica.outstanding = view.outstanding.get(replica.name, 0) + max(
-                0, self.inflight.get(replica.name, 0)
-            )
+            own = max(0, self.link.inflight.get(replica.name, 0))
+            self.registry.count_outstanding(replica.name, view.outstanding.get(replica.name, 0) + own)
 
     async def _apply_lease(self, replica: Replica, lease: Lease | None) -> None:
         if lease is None:
@@ -194,7 +155,7 @@ class FleetSync:
                 log.warning("lease_expired", replica=replica.name)
             self.registry.unreachable(replica.name)
             return
-        replica.url = lease.url
+        self.registry.lease(replica.name, lease.url)
         try:
             stack = Stack.model_validate(lease.stack)
         except ValidationError:
@@ -214,8 +175,3 @@ class FleetSync:
                 await self.round()
             except Exception:  # one bad round must not end the sync
                 log.exception("fleet_round_failed")
-
-    async def drain(self) -> None:
-        """Waits for the fire-and-forget sends still in flight (at shutdown)."""
-        if self._sends:
-            await asyncio.gather(*self._sends, return_exceptions=True)

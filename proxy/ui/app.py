@@ -2,7 +2,7 @@
 
 Middlewares, outermost first: `pages` (errors as HTML pages, security headers on everything), then `guard`
 (proxy/ui/security.py: the session cookie, Host, CSRF, who is looking). The pages read the
-proxy's own state (`PROXY`, `ROUTES`, `PROMPTS`) through the parent application; they hold none of their own.
+proxy's own state (its keys, proxy/app_keys.py) through the parent application; they hold none of their own.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from aiohttp import web
 
 from proxy.audit import StoreUnavailable
 from proxy.config import Secrets, Settings
-from proxy.errors import StackpinError
-from proxy.forward import ReplicaRejected
+from proxy.errors import ReplicaRejected, StackpinError
 from proxy.ui import probe_page, records_page, stacks_page
 from proxy.ui.render import STATIC, TEMPLATES, environment, render
 from proxy.ui.security import COOKIES, CSRF_FIELD, GUARD, VIEWER, Guard, Handler, guard, harden, safe_next
@@ -59,15 +58,15 @@ async def pages(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         response = _error_page(request, e.status, e.text if e.text and e.text != e.reason else e.reason)
         response.cookies.update(e.cookies)  # a session the guard saved on the way out
+    except ReplicaRejected as e:
+        error = e.replica_body.get("error")
+        message = error.get("message") if isinstance(error, dict) else None
+        response = _error_page(request, e.status, f"the replica refused: {message or e.status}")
     except StackpinError as e:
         response = _error_page(request, e.status, e.message, e.extra.get("live_stacks"))
     except StoreUnavailable:
         response = _error_page(request, 503, "the audit store is unavailable; retry shortly")
         response.headers["Retry-After"] = "1"
-    except ReplicaRejected as e:
-        error = e.body.get("error") if isinstance(e.body, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-        response = _error_page(request, e.status, f"the replica refused: {message or e.status}")
     except Exception:
         log.exception("ui_error", path=request.path)
         response = _error_page(request, 500, "the page failed unexpectedly; the error is in the proxy's log")

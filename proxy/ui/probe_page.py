@@ -15,10 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.app_keys import PROXY, ROUTES
+from proxy.app_keys import REGISTRY, ROUTES
 from proxy.client_request import CHAT
 from proxy.errors import StackpinError
-from proxy.forward import ReplicaRejected
 from proxy.handlers import serve_completion
 from proxy.probe import ProbeResult, Reply, probe_body, run_probe
 from proxy.router import live_stacks
@@ -101,8 +100,6 @@ async def probe(request: web.Request) -> web.Response:
             response = await serve_completion(config, tenant, CHAT, body, wanted.pin, None)
         except StackpinError as e:
             return e.status, {}, e.body()
-        except ReplicaRejected as e:
-            return e.status, {}, e.body
         assert isinstance(response, web.Response) and isinstance(response.body, bytes)  # never a stream
         return response.status, response.headers, json.loads(response.body)
 
@@ -140,5 +137,5 @@ def _first_of_each_completion(result: ProbeResult | None) -> dict[int, int]:
 
 
 def _models(request: web.Request) -> list[str]:
-    live = {s["stack"]["model"] for s in live_stacks(request.config_dict[PROXY].registry.all())}
+    live = {s["stack"]["model"] for s in live_stacks(request.config_dict[REGISTRY].all())}
     return sorted(live) + sorted(set(request.config_dict[ROUTES]) - live)

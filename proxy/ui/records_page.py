@@ -13,7 +13,7 @@ from urllib.parse import urlencode
 from aiohttp import web
 
 from proxy.answers import Tokens, tokens_of
-from proxy.app_keys import PROXY
+from proxy.app_keys import PROXY, REGISTRY, STORE
 from proxy.audit import AuditRecord, RecordSummary
 from proxy.errors import BadRequest, NotFound
 from proxy.handlers import counted_replay
@@ -31,7 +31,7 @@ REPLAYS_SHOWN = 20
 
 
 async def records(request: web.Request) -> web.Response:
-    store = request.config_dict[PROXY].store
+    store = request.config_dict[STORE]
     viewer = request[VIEWER]
     wanted = listing(request.query, viewer)
     try:
@@ -42,7 +42,7 @@ async def records(request: web.Request) -> web.Response:
         raise BadRequest(str(e)) from e
     older, newer, rows = _page(rows, wanted.limit, before=wanted.before, after=wanted.after)
     counts = await store.count_records(wanted.selected)
-    live = live_stacks(request.config_dict[PROXY].registry.all())
+    live = live_stacks(request.config_dict[REGISTRY].all())
     return render(
         request,
         "records.html",
@@ -72,13 +72,13 @@ def _page_query(form: dict[str, str]) -> str:
 
 
 async def record(request: web.Request) -> web.Response:
-    proxy = request.config_dict[PROXY]
+    store = request.config_dict[STORE]
     viewer = request[VIEWER]
     found = await _record(request, request.match_info["record_id"])
-    live = live_stacks(proxy.registry.all())
+    live = live_stacks(request.config_dict[REGISTRY].all())
     others = [s["stack"] for s in live if s["fingerprint"] != found.fingerprint]
-    replays = await proxy.store.list_records(replay_of=found.id, tenant=viewer.scope, limit=REPLAYS_SHOWN)
-    checks, checkpoint = await proxy.store.check_record(found.id)
+    replays = await store.list_records(replay_of=found.id, tenant=viewer.scope, limit=REPLAYS_SHOWN)
+    checks, checkpoint = await store.check_record(found.id)
     statuses = {entry.seq: entry.status for entry in [*found.entries, *found.flags]}
     return render(
         request,
@@ -96,22 +96,22 @@ async def record(request: web.Request) -> web.Response:
 
 
 async def _replay_outcome(request: web.Request, summary: RecordSummary) -> dict[str, Any]:
-    found = await request.config_dict[PROXY].store.get_record(summary.id, request[VIEWER].scope)
+    found = await request.config_dict[STORE].get_record(summary.id, request[VIEWER].scope)
     view = record_view(found) if found is not None else None
     replay = (view.replay or {}) if view is not None else {}
     return {"summary": summary, "outcome": replay.get("outcome"), "comparison": replay.get("comparison", {})}
 
 
 async def replay_record(request: web.Request) -> web.StreamResponse:
-    proxy = request.config_dict[PROXY]
     found = await _record(request, request.match_info["record_id"])
     form = await request.post()
     on = form.get("on")
     pin = Pin(stack=on) if isinstance(on, str) and on and on != found.fingerprint else None
-    if pin is not None and not any(s["fingerprint"] == on for s in live_stacks(proxy.registry.all())):
+    live = live_stacks(request.config_dict[REGISTRY].all())
+    if pin is not None and not any(s["fingerprint"] == on for s in live):
         raise BadRequest("the stack chosen to replay on is not live any more; choose one from the list")
     # The replay belongs to the record's tenant, beside its original, whoever asked for it.
-    replay_id, _, _ = await counted_replay(proxy, found, found.tenant, pin)
+    replay_id, _, _ = await counted_replay(request.config_dict[PROXY], found, found.tenant, pin)
     raise web.HTTPSeeOther(f"/ui/records/{replay_id}/diff")
 
 
@@ -141,7 +141,7 @@ def _side(found: AuditRecord) -> Side:
 
 
 async def _record(request: web.Request, record_id: str) -> AuditRecord:
-    found = await request.config_dict[PROXY].store.get_record(record_id, request[VIEWER].scope)
+    found = await request.config_dict[STORE].get_record(record_id, request[VIEWER].scope)
     if found is None:
         raise NotFound(f"no record {record_id!r} that you may read")
     return found

@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.app_keys import PROXY
+from proxy.app_keys import REGISTRY, STORE
 from proxy.audit import RecordFilter
 from proxy.registry import Replica
 from proxy.router import live_stacks
@@ -68,7 +68,7 @@ def replica_row(replica: Replica) -> ReplicaRow:
 
 
 async def stacks(request: web.Request) -> web.Response:
-    registry = request.config_dict[PROXY].registry
+    registry = request.config_dict[REGISTRY]
     live = live_stacks(registry.all())
     chosen = {side: request.query.get(side, "").strip().lower() for side in ("a", "b")}
     if not chosen["a"] and len(live) >= 2:
@@ -99,7 +99,7 @@ async def _document(
     if len(matching) > 1:
         problems.append(f"{wanted} is the prefix of {len(matching)} live stacks; give more of it")
         return None
-    store = request.config_dict[PROXY].store
+    store = request.config_dict[STORE]
     viewer = request[VIEWER]
     if len(wanted) == 64:
         served = await store.count_records(RecordFilter(tenant=viewer.scope, fingerprint=wanted))

@@ -93,9 +93,9 @@ class Fleet:
     beats: dict[str, Heartbeat] = field(default_factory=dict)
 
     def sync(self, index: int) -> FleetSync:
-        fleet = self.proxies[index].proxy.fleet
-        assert fleet is not None and fleet.sync is not None
-        return fleet.sync
+        sync = self.proxies[index].fleet.sync
+        assert sync is not None
+        return sync
 
     async def beat(self, *names: str) -> None:
         for name in names or tuple(self.beats):

@@ -17,8 +17,9 @@ import aiohttp
 from aiohttp import web
 
 from proxy.app import create_app
-from proxy.app_keys import PROXY
+from proxy.app_keys import FLEET, PROXY
 from proxy.config import Secrets, Settings, resolve_secrets
+from proxy.fleet.resource import Fleet
 from proxy.listener import bind, serving
 from proxy.serving import Proxy
 from tests.support.audit_databases import LOG_KEY_ENV, LOG_SIGNER, audit_database
@@ -34,7 +35,12 @@ class Harness:
 
     @property
     def proxy(self) -> Proxy:
+        """The serving path, and through it the store, registry and health monitor it serves with."""
         return self.app[PROXY]
+
+    @property
+    def fleet(self) -> Fleet:
+        return self.app[FLEET]
 
     @property
     def v1(self) -> str:
