@@ -19,7 +19,8 @@
       AtCapacity (503)             the proxy holds `server.max_connections` connections; only probes are answered
 
 The replica's errors are raised by the transport (proxy/forward.py) and by dispatch (proxy/dispatch.py); those
-that dispatch does not retry reach the middleware like any other. A `retry_after_s` becomes a `Retry-After` header; `close_connection` closes the connection after the answer.
+that dispatch does not retry reach the middleware like any other. A `retry_after_s` becomes a `Retry-After`
+header; `close_connection` closes the connection after the answer.
 
 The OpenAI SDKs map these statuses to BadRequestError, AuthenticationError, NotFoundError,
 ConflictError and InternalServerError.
@@ -147,7 +148,8 @@ class ReplicaUnavailable(ReplicaFailed):
 
 
 class ReplicaGarbage(ReplicaFailed):
-    """The replica answered something that is not an OpenAI response; `problem` says what is wrong with it."""
+    """The replica answered something that is not an OpenAI response. `problem` (and `str()`) says what is wrong
+    with it, as a stream's record and the logs say it; the client's `message` says whose fault it is too."""
 
     def __init__(self, problem: str) -> None:
         super().__init__(problem)
