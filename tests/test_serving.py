@@ -125,7 +125,8 @@ async def test_a_streams_record_is_opened_before_its_first_byte_and_closed_befor
     async with running_proxy([replica], tmp_path) as harness, aiohttp.ClientSession() as session:
         async with session.post(f"{harness.v1}/chat/completions", json={**CHAT, "stream": True}) as response:
             record_id = response.headers["Stackpin-Record"]
-            assert [e.part for e in (await record_of(harness, record_id)).entries] == ["opened"]
+            # Already committed when the headers arrive; the stream may since have ended, and its record closed.
+            assert (await record_of(harness, record_id)).entries[0].part == "opened"
             received = []
             async for line in response.content:
                 if line.strip() == b"data: [DONE]":
