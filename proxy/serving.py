@@ -25,7 +25,7 @@ import structlog
 from aiohttp import web
 from pydantic import ValidationError
 
-from proxy.audit import AuditError, AuditRecord, AuditStore, NewEntry
+from proxy.audit import AuditError, AuditRecord, AuditStore, InvalidEntry, SealedEntry
 from proxy.client_request import ClientRequest
 from proxy.compare import Comparison
 from proxy.config import Secrets, Settings
@@ -341,7 +341,7 @@ class Proxy:
         error: str | None,
         client_left: bool,
         replaying: Replaying | None,
-    ) -> tuple[NewEntry, str | None]:
+    ) -> tuple[SealedEntry, str | None]:
         """The `closed` entry, and the event to send once it is committed."""
         answer, replica_answer = relay.answer(), relay.replica_answer()
         replay = None
@@ -362,9 +362,9 @@ class Proxy:
                 replay=replay,
             )
             return entry, terminal
-        except ValidationError as e:
+        except (ValidationError, InvalidEntry) as e:
             # The stream's end must be recorded whatever the replica sent: its events always can be, as text.
-            reason = f"the answer cannot be recorded: {e.errors()[0]['msg']}"
+            reason = f"the answer cannot be recorded: {_why(e)}"
             terminal = relay.terminal(reason, client_left=client_left)
             entry = closed_entry(
                 served,
@@ -396,13 +396,13 @@ class Proxy:
             raise ReplicaFailed(f"the replica answered something that is not an OpenAI response: {e}") from e
 
     @staticmethod
-    def _entry(build: Callable[..., NewEntry], *args: Any, **kwargs: Any) -> NewEntry:
+    def _entry(build: Callable[..., SealedEntry], *args: Any, **kwargs: Any) -> SealedEntry:
         """Builds an entry; an answer the audit log cannot hold is the replica's fault, and is not served."""
         try:
             return build(*args, **kwargs)
-        except ValidationError as e:
+        except (ValidationError, InvalidEntry) as e:
             raise ReplicaFailed(
-                f"the replica's answer cannot be recorded, so it is not served: {e.errors()[0]['msg']}"
+                f"the replica's answer cannot be recorded, so it is not served: {_why(e)}"
             ) from e
 
     def _served(
@@ -457,6 +457,11 @@ class Proxy:
         return web.json_response(
             body, headers={RECORD_HEADER: served.record_id, STACK_HEADER: served.fingerprint}
         )
+
+
+def _why(error: ValidationError | InvalidEntry) -> str:
+    """What an entry that could not be built says is wrong with it."""
+    return str(error.errors()[0]["msg"]) if isinstance(error, ValidationError) else str(error)
 
 
 def _body_fingerprint(body: dict[str, Any]) -> str | None:

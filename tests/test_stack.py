@@ -13,8 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from proxy.canonical import canonical_json
 from proxy.forward import describe
-from proxy.stack import Stack, canonical_json, fingerprint, fingerprinted
+from proxy.stack import Stack, fingerprint, fingerprinted
 from tests.support.fake_replica import FakeReplica, fingerprint_of, tiny_stack
 
 json_values = st.recursive(

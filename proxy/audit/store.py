@@ -51,6 +51,7 @@ from proxy.audit.values import (
     RecordCounts,
     RecordProof,
     RecordSummary,
+    SealedEntry,
     SignedCheckpoint,
     StoredEntry,
     StreamCounts,
@@ -151,9 +152,9 @@ class AuditStore:
             integrator.start()
         return cls(reader, writers, committer, integrator)
 
-    async def append(self, entry: NewEntry) -> StoredEntry:
+    async def append(self, entry: NewEntry | SealedEntry) -> StoredEntry:
         """Appends `entry` to the log; returns only once it is committed (durably), before it is in the tree."""
-        return await self._committer.submit(entry)
+        return await self._committer.submit(entry if isinstance(entry, SealedEntry) else entry.sealed())
 
     async def integrate(self) -> SignedCheckpoint | None:
         """Puts every committed entry in the tree now and signs the checkpoint (None: another proxy is at it)."""
