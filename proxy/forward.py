@@ -9,7 +9,6 @@ nothing of pins, records or the client.
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import aiohttp
 from pydantic import SecretStr, ValidationError
 
 from proxy.endpoints import TERMINAL_EVENTS
+from proxy.json_reader import read_json
 from proxy.stack import Stack, fingerprint, fingerprinted
 
 STACK_HEADER = "Stackpin-Stack"
@@ -201,7 +201,7 @@ def _raise_for_status(status: int, raw: bytes) -> None:
         )
     if status >= 400:
         try:
-            body = json.loads(raw)
+            body = read_json(raw)
         except ValueError:
             body = None
         if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
@@ -213,7 +213,7 @@ def _raise_for_status(status: int, raw: bytes) -> None:
 
 def _parse_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = read_json(raw)
     except ValueError as e:
         raise ReplicaGarbage(f"answer is not JSON: {excerpt(raw, 80)!r}") from e
     if not isinstance(body, dict):

@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 import aiohttp
+import orjson
 import structlog
 from aiohttp import web
 from pydantic import ValidationError
@@ -454,8 +455,13 @@ class Proxy:
 
     @staticmethod
     def answer_response(served: Served, body: dict[str, Any]) -> web.Response:
-        return web.json_response(
-            body, headers={RECORD_HEADER: served.record_id, STACK_HEADER: served.fingerprint}
+        # orjson writes what json.dumps would mean: the body was recorded, so it has a canonical form (no NaN, no
+        # integer past 2**53, string keys), which orjson writes as JSON of the same value.
+        return web.Response(
+            body=orjson.dumps(body),
+            content_type="application/json",
+            charset="utf-8",
+            headers={RECORD_HEADER: served.record_id, STACK_HEADER: served.fingerprint},
         )
 
 
