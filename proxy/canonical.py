@@ -13,8 +13,9 @@ is provably the same. For the values records hold the two agree on everything bu
   `0.0000015`; orjson writes NaN and infinities as `null`, which JCS refuses.
 
 So one walk over the value checks what orjson would not: exact JSON types (no subclasses, tuples or other objects
-that orjson would serialise its own way), finite floats, and keys in the range where the orders differ; floats that
-orjson formats differently are written here (`_ecmascript_number`) and handed to orjson as ready fragments. Whatever
+that orjson would serialise its own way) and finite floats; floats that orjson formats differently are written
+here (`_ecmascript_number`) and handed to orjson as ready fragments. Keys are looked at only when the output holds
+a character at or above U+E000 at all (orjson itself refuses keys that are not exactly `str`). Whatever
 the walk is unsure of goes to `rfc8785` whole, so the result and the errors are the reference's. A property test
 (tests/test_canonical.py) holds the two equal over record-like values. This module knows nothing of records.
 """
@@ -22,6 +23,7 @@ the walk is unsure of goes to `rfc8785` whole, so the result and the errors are 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +31,10 @@ import orjson
 import rfc8785
 
 _OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
-# The first character at which UTF-16 and code point order part ways (see the module docstring).
+# The first character at which UTF-16 and code point order part ways (see the module docstring), and the UTF-8
+# lead bytes of it and every character after it.
 _FIRST_MISORDERED = "\ue000"
+_HIGH_LEAD_BYTE = re.compile(rb"[\xee-\xf4]")
 
 
 class NotCanonicalizable(ValueError):
@@ -44,9 +48,14 @@ class _Unsure(Exception):
 def canonical_json(value: Any) -> bytes:
     """RFC 8785 (JCS) bytes of a JSON value; raises NotCanonicalizable with the reason."""
     try:
-        return orjson.dumps(_fast_form(value), option=_OPTIONS)
+        encoded = orjson.dumps(_fast_form(value), option=_OPTIONS)
+        # A key at or above U+E000 leaves one of these lead bytes in the output; without any, no key can.
+        if _HIGH_LEAD_BYTE.search(encoded) is not None:
+            _check_key_order(value)
+        return encoded
     except (_Unsure, orjson.JSONEncodeError):
-        # Lone surrogates and integers beyond 2**53 reach here through orjson's refusal.
+        # Lone surrogates, integers beyond 2**53 and keys that are not exactly str reach here through orjson's
+        # refusal.
         return _reference(value)
 
 
@@ -89,8 +98,6 @@ def _fast_form(value: Any) -> Any:
 def _object(value: dict[Any, Any]) -> dict[str, Any]:
     copy: dict[str, Any] | None = None
     for key, item in value.items():
-        if type(key) is not str or (not key.isascii() and max(key) >= _FIRST_MISORDERED):
-            raise _Unsure
         kind = type(item)
         if kind is str or kind is int or kind is bool or item is None:
             continue
@@ -128,6 +135,19 @@ def _array(value: list[Any]) -> list[Any]:
                 copy = list(value)
             copy[index] = written
     return value if copy is None else copy
+
+
+def _check_key_order(value: Any) -> None:
+    """Raises _Unsure if any key of `value` holds a character whose UTF-16 order is not its code point order."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if type(item) is dict:
+            if any(not key.isascii() and max(key) >= _FIRST_MISORDERED for key in item):
+                raise _Unsure
+            pending.extend(item.values())
+        elif type(item) is list:
+            pending.extend(item)
 
 
 def _number(value: float) -> float | orjson.Fragment:

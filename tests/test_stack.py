@@ -93,3 +93,10 @@ async def test_the_proxy_keeps_a_replicas_stack_without_its_serving_features(rep
     assert described.honest
     assert described.document == plain, "what is kept and stored hashes to the fingerprint"
     assert described.stack.fingerprint == described.fingerprint == fingerprint_of(plain)
+
+
+def test_a_stack_is_canonicalised_once_into_the_document_its_fingerprint_addresses() -> None:
+    stack = Stack.model_validate(tiny_stack())
+    assert stack.canonical.json.encode() == canonical_json(stack.document())
+    assert stack.canonical.sha256 == stack.fingerprint
+    assert stack.canonical is stack.canonical, "made once per stack, not once per entry"
