@@ -154,6 +154,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(measure(args.worker, args.entries)))
         return
+    load_at_start = os.getloadavg()[0]
     trees = {"this tree": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     results: dict[tuple[str, str], list[float]] = {}
     for round_ in range(args.rounds):
