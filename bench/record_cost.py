@@ -180,9 +180,8 @@ def main() -> None:
     print(table)
     if args.output:
         command = "python -m bench.record_cost " + " ".join(sys.argv[1:])
-        machine = (
-            f"{platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end"
-        )
+        load = f"load average {load_at_start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
+        machine = f"{platform.machine()}, {os.cpu_count()} cores shared with other work, {load}"
         args.output.write_text(
             "# Record cost: building, canonicalising and hashing one audit entry\n\n"
             f"- command: `{command}`\n- commit: {_commit(ROOT)} (baseline {_commit(trees.get('baseline', ROOT))})\n"
