@@ -18,6 +18,7 @@ from proxy.audit.entries import (
     NotCanonicalizable,
     StoredFields,
     chain_hash,
+    entry_bytes,
     entry_text,
     envelope_text,
     format_timestamp,
@@ -205,3 +206,9 @@ def test_every_field_is_covered_by_the_bytes(base: EntryFields, name: str, posit
 )
 def test_parse_content_tells_canonical_from_not(text: str, expected: tuple[Any, bool]) -> None:
     assert parse_content(text) == expected
+
+
+@settings(max_examples=60)
+@given(fields_strategy)
+def test_an_entry_spliced_from_its_contents_bytes_is_its_text_in_utf8(fields: EntryFields) -> None:
+    assert entry_bytes(fields, fields.content_json.encode()) == entry_text(fields).encode()

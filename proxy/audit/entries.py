@@ -94,6 +94,12 @@ def entry_text(fields: EntryFields) -> str:
     return '{"content":' + fields.content_json + "," + _text(fields.header())[1:]
 
 
+def entry_bytes(fields: EntryFields, content: bytes) -> bytes:
+    """`entry_text(fields)` in UTF-8, spliced from `content`, the canonical bytes `fields.content_json` was decoded
+    from: a long stream's content is not encoded a second time."""
+    return b'{"content":' + content + b"," + canonical_json(fields.header())[1:]
+
+
 def envelope_text(position: int, prev_sha256: str, fields: EntryFields) -> str:
     """A chained entry's bytes: JCS({"position": p, "prev": prev, "entry": {...header, "content": ...}}).
 

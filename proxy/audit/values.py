@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from proxy.audit.checks import LogProblem
-from proxy.audit.entries import EntryFields, entry_text, prompt_sha256, sha256_hex
+from proxy.audit.entries import EntryFields, entry_bytes, entry_text, prompt_sha256, sha256_hex
 from proxy.audit.merkle import leaf_hash
 from proxy.canonical import CanonicalDocument, NotCanonicalizable, canonical_json
 
@@ -138,7 +138,7 @@ class NewEntry(BaseModel):
         return leaf_hash(self.text.encode("utf-8"))
 
     def sealed(self) -> SealedEntry:
-        return _sealed(self.fields(), self.stack_json, self.prompt_text)
+        return _sealed(self.fields(), self.content_json.encode("utf-8"), self.stack_json, self.prompt_text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +181,10 @@ class SealedEntry:
         )
 
 
-def _sealed(fields: EntryFields, stack_json: str | None, prompt_text: str | None) -> SealedEntry:
-    encoded = entry_text(fields).encode("utf-8")
+def _sealed(
+    fields: EntryFields, content: bytes, stack_json: str | None, prompt_text: str | None
+) -> SealedEntry:
+    encoded = entry_bytes(fields, content)
     return SealedEntry(
         record_id=fields.record_id,
         part=fields.part,  # type: ignore[arg-type]  (checked by the door that made the fields)
@@ -259,7 +261,7 @@ def seal(
                 f"hashes to {stack.sha256}"
             )
     try:
-        content_json = canonical_json(content).decode("utf-8")
+        content_bytes = canonical_json(content)
     except ValueError as exc:
         raise InvalidEntry(f"content: {exc}") from exc
     fields = EntryFields(
@@ -273,11 +275,11 @@ def seal(
         prompt_sha256=prompt_sha256,
         replay_of=replay_of,
         status=status,
-        content_json=content_json,
+        content_json=content_bytes.decode("utf-8"),
         stack_declared=stack_declared if fingerprint is not None else None,
     )
     try:
-        return _sealed(fields, None if stack is None else stack.json, prompt_text)
+        return _sealed(fields, content_bytes, None if stack is None else stack.json, prompt_text)
     except NotCanonicalizable as exc:  # a lone surrogate in a name: it has no UTF-8, so no entry bytes
         raise InvalidEntry(f"the entry's fields: {exc}") from exc
 
