@@ -26,6 +26,7 @@ from proxy.audit.listing import RecordFilter
 from proxy.audit.merkle import ProofError
 from proxy.audit.note import NoteError, Signer, Verifier
 from proxy.audit.schema import HEAD_REVISION, schema_revision, upgrade_database
+from proxy.audit.sealed import InvalidEntry, SealedEntry, seal
 from proxy.audit.store import AuditStore
 from proxy.audit.values import (
     AuditRecord,
@@ -33,18 +34,15 @@ from proxy.audit.values import (
     EntryCheck,
     EntryProof,
     EntryView,
-    InvalidEntry,
     NewEntry,
     OpenStream,
     RecordCounts,
     RecordProof,
     RecordSummary,
-    SealedEntry,
     SignedCheckpoint,
     StoredEntry,
     StreamCounts,
     VerifyReport,
-    seal,
 )
 from proxy.audit.verify import Witnessed
 from proxy.canonical import canonical_json

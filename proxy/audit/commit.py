@@ -34,7 +34,8 @@ from proxy.audit.errors import (
     failure_reason,
 )
 from proxy.audit.models import SEQUENCE_BLOCK, Entry, LogQueue, Prompt, Stack
-from proxy.audit.values import SealedEntry, StoredEntry
+from proxy.audit.sealed import SealedEntry
+from proxy.audit.values import StoredEntry
 from proxy.audit.writer import TransactionRunner
 
 log = structlog.get_logger(__name__)

@@ -20,11 +20,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from proxy.canonical import NotCanonicalizable, canonical_json
 
 GENESIS_SHA256 = "0" * 64
+Part = Literal["answer", "opened", "closed", "flag"]
 
 
 def sha256_hex(text: str) -> str:

@@ -38,6 +38,7 @@ from proxy.audit.listing import RecordFilter
 from proxy.audit.models import Entry, LogLeaf, Prompt, Stack
 from proxy.audit.note import Signer, Verifier
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
+from proxy.audit.sealed import SealedEntry
 from proxy.audit.tree import (
     checkpoint_of_size,
 )
@@ -51,7 +52,6 @@ from proxy.audit.values import (
     RecordCounts,
     RecordProof,
     RecordSummary,
-    SealedEntry,
     SignedCheckpoint,
     StoredEntry,
     StreamCounts,
