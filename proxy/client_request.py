@@ -8,13 +8,13 @@ by a pin that names a model or a stack, unless the configuration names a default
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, check_request
 from proxy.errors import BadRequest
+from proxy.json_reader import read_json
 from proxy.pins import Pin, resolve_request_pin
 from proxy.prompts import PromptBook, PromptVersion, inject
 from proxy.recordable import MAX_DEPTH, Unrecordable, check_recordable
@@ -45,7 +45,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body = read_json(raw, parse_constant=_refuse_constant)
     except RecursionError:
         raise BadRequest(
             f"the request body is nested too deeply; the proxy reads at most {MAX_DEPTH} levels"

@@ -9,7 +9,6 @@ part of the proxy's one error tree (proxy/errors.py). This module knows nothing 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from pydantic import SecretStr, ValidationError
 
 from proxy.endpoints import TERMINAL_EVENTS
 from proxy.errors import ReplicaGarbage, ReplicaRejected, ReplicaUnavailable
+from proxy.json_reader import read_json
 from proxy.stack import Stack, fingerprint, fingerprinted
 
 STACK_HEADER = "Stackpin-Stack"
@@ -203,7 +203,7 @@ def _raise_for_status(status: int, raw: bytes) -> None:
         )
     if status >= 400:
         try:
-            body = json.loads(raw)
+            body = read_json(raw)
         except ValueError:
             body = None
         if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
@@ -215,7 +215,7 @@ def _raise_for_status(status: int, raw: bytes) -> None:
 
 def _parse_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = read_json(raw)
     except ValueError as e:
         raise ReplicaGarbage(f"answer is not JSON: {excerpt(raw, 80)!r}") from e
     if not isinstance(body, dict):

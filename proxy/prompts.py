@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from proxy.errors import BadRequest
@@ -25,7 +26,7 @@ class PromptVersion:
     def ref(self) -> str:
         return f"{self.name}@{self.version}"
 
-    @property
+    @cached_property
     def sha256(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
 

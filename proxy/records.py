@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from proxy.audit import NewEntry, OpenStream
+from proxy.audit import OpenStream, SealedEntry, seal
 from proxy.pins import Pin
 from proxy.prompts import PromptVersion
 from proxy.registry import ReplicaSnapshot
@@ -66,9 +66,10 @@ def decoding_settings(body: dict[str, Any]) -> dict[str, Any]:
     return {key: body[key] for key in DECODING_KEYS if key in body}
 
 
-def _base(served: Served, part: str, status: str, now: datetime, content: dict[str, Any]) -> NewEntry:
+def _base(served: Served, part: str, status: str, now: datetime, content: dict[str, Any]) -> SealedEntry:
     replica = served.replica
-    return NewEntry(
+    prompt = served.prompt
+    return seal(
         record_id=served.record_id,
         part=part,  # type: ignore[arg-type]
         tenant=served.tenant,
@@ -76,9 +77,10 @@ def _base(served: Served, part: str, status: str, now: datetime, content: dict[s
         replica=replica.name,
         model=replica.stack.model,
         fingerprint=served.fingerprint,
-        stack=replica.stack.document(),
+        stack=replica.stack.canonical,
         stack_declared=replica.declared,
-        prompt_text=served.prompt.text if served.prompt else None,
+        prompt_text=prompt.text if prompt else None,
+        prompt_sha256=prompt.sha256 if prompt else None,
         replay_of=served.replay_of,
         status=status,
         content=content,
@@ -117,7 +119,7 @@ def answer_entry(
     replica_response: dict[str, Any] | None = None,
     upstream: dict[str, Any] | None = None,
     replay: dict[str, Any] | None = None,
-) -> NewEntry:
+) -> SealedEntry:
     """`response` is the body the client got; `replica_response` the replica's own when it was translated;
     `upstream` what the proxy replaced in the replica's body (its own `system_fingerprint`, a response id)."""
     # The tokens are in the response (its `stackpin` extension); they are not stored twice.
@@ -137,7 +139,7 @@ def answer_entry(
     return _base(served, "answer", "complete", now, content)
 
 
-def opened_entry(served: Served, now: datetime) -> NewEntry:
+def opened_entry(served: Served, now: datetime) -> SealedEntry:
     content = {**_request_content(served), "stream": True, "opened_at": now.isoformat()}
     return _base(served, "opened", "streaming", now, content)
 
@@ -154,7 +156,7 @@ def closed_entry(
     upstream_fingerprint: str | None,
     error: str | None,
     replay: dict[str, Any] | None = None,
-) -> NewEntry:
+) -> SealedEntry:
     """`events` are the exact bytes of every event the client was sent before this entry, in order; `terminal`
     the one sent after it commits; `answer` what they assemble into (None when it cannot be recorded)."""
     content: dict[str, Any] = {
@@ -174,7 +176,7 @@ def closed_entry(
     return _base(served, "closed", status, now, content)
 
 
-def interrupted_at_start_entry(stream: OpenStream, now: datetime) -> NewEntry:
+def interrupted_at_start_entry(stream: OpenStream, now: datetime) -> SealedEntry:
     """The end of a stream that a proxy opened and never closed (it stopped: a crash, kill -9, a lost machine)."""
     # What the client was sent before the proxy stopped is not known: no events, no answer.
     content = {
@@ -188,7 +190,7 @@ def interrupted_at_start_entry(stream: OpenStream, now: datetime) -> NewEntry:
         "marked_at_start": True,
         "closed_at": now.isoformat(),
     }
-    return NewEntry(
+    return seal(
         record_id=stream.record_id,
         part="closed",
         tenant=stream.tenant,
@@ -203,8 +205,8 @@ def interrupted_at_start_entry(stream: OpenStream, now: datetime) -> NewEntry:
 
 def flag_entry(
     record_id: str, tenant: str, now: datetime, *, reason: str, replica: str, detail: dict[str, Any]
-) -> NewEntry:
-    return NewEntry(
+) -> SealedEntry:
+    return seal(
         record_id=record_id,
         part="flag",
         tenant=tenant,
@@ -212,7 +214,6 @@ def flag_entry(
         replica=replica,
         model=None,
         fingerprint=None,
-        stack=None,
         status=reason,
         content={"reason": reason, **detail},
     )

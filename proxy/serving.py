@@ -21,11 +21,12 @@ from datetime import datetime
 from typing import Any
 
 import aiohttp
+import orjson
 import structlog
 from aiohttp import web
 from pydantic import SecretStr, ValidationError
 
-from proxy.audit import AuditError, AuditRecord, AuditStore, NewEntry
+from proxy.audit import AuditError, AuditRecord, AuditStore, InvalidEntry, SealedEntry
 from proxy.client_request import ClientRequest
 from proxy.compare import Comparison
 from proxy.config import ServerSettings
@@ -337,7 +338,7 @@ class Proxy:
         error: str | None,
         client_left: bool,
         replaying: Replaying | None,
-    ) -> tuple[NewEntry, str | None]:
+    ) -> tuple[SealedEntry, str | None]:
         """The `closed` entry, and the event to send once it is committed."""
         answer, replica_answer = relay.answer(), relay.replica_answer()
         replay = None
@@ -358,9 +359,9 @@ class Proxy:
                 replay=replay,
             )
             return entry, terminal
-        except ValidationError as e:
+        except (ValidationError, InvalidEntry) as e:
             # The stream's end must be recorded whatever the replica sent: its events always can be, as text.
-            reason = f"the answer cannot be recorded: {e.errors()[0]['msg']}"
+            reason = f"the answer cannot be recorded: {_why(e)}"
             terminal = relay.terminal(reason, client_left=client_left)
             entry = closed_entry(
                 served,
@@ -389,13 +390,13 @@ class Proxy:
         )
 
     @staticmethod
-    def _entry(build: Callable[..., NewEntry], *args: Any, **kwargs: Any) -> NewEntry:
+    def _entry(build: Callable[..., SealedEntry], *args: Any, **kwargs: Any) -> SealedEntry:
         """Builds an entry; an answer the audit log cannot hold is the replica's fault, and is not served."""
         try:
             return build(*args, **kwargs)
-        except ValidationError as e:
+        except (ValidationError, InvalidEntry) as e:
             raise ReplicaFailed(
-                f"the replica's answer cannot be recorded, so it is not served: {e.errors()[0]['msg']}"
+                f"the replica's answer cannot be recorded, so it is not served: {_why(e)}"
             ) from e
 
     def _served(
@@ -446,9 +447,19 @@ class Proxy:
 
     @staticmethod
     def answer_response(served: Served, body: dict[str, Any]) -> web.Response:
-        return web.json_response(
-            body, headers={RECORD_HEADER: served.record_id, STACK_HEADER: served.fingerprint}
+        # orjson writes what json.dumps would mean: the body was recorded, so it has a canonical form (no NaN, no
+        # integer past 2**53, string keys), which orjson writes as JSON of the same value.
+        return web.Response(
+            body=orjson.dumps(body),
+            content_type="application/json",
+            charset="utf-8",
+            headers={RECORD_HEADER: served.record_id, STACK_HEADER: served.fingerprint},
         )
+
+
+def _why(error: ValidationError | InvalidEntry) -> str:
+    """What an entry that could not be built says is wrong with it."""
+    return str(error.errors()[0]["msg"]) if isinstance(error, ValidationError) else str(error)
 
 
 def _body_fingerprint(body: dict[str, Any]) -> str | None:

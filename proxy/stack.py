@@ -9,10 +9,12 @@ This module knows nothing of replicas, pins or HTTP.
 from __future__ import annotations
 
 import hashlib
+from functools import cached_property
 from typing import Any
 
-import rfc8785
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from proxy.canonical import CanonicalDocument, canonical_json
 
 SCHEMA_VERSION = 1  # what a declared stack is unless it says otherwise: its fingerprint stays what it was
 SOFTWARE_KEYS = ("backend", "torch", "cuda", "triton", "driver")
@@ -60,10 +62,10 @@ class Stack(BaseModel):
     def fingerprint(self) -> str:
         return fingerprint(self.document())
 
-
-def canonical_json(document: dict[str, Any]) -> bytes:
-    """RFC 8785 canonical form: the same bytes whatever the key order or the process."""
-    return rfc8785.dumps(document)
+    @cached_property
+    def canonical(self) -> CanonicalDocument:
+        """The document as records store it, canonicalised once for every entry that names this stack."""
+        return CanonicalDocument.of(self.document())
 
 
 def fingerprint(document: dict[str, Any]) -> str:

@@ -17,8 +17,8 @@ from proxy.audit.entries import (
     EntryFields,
     NotCanonicalizable,
     StoredFields,
-    canonical_json,
     chain_hash,
+    entry_bytes,
     entry_text,
     envelope_text,
     format_timestamp,
@@ -27,6 +27,12 @@ from proxy.audit.entries import (
     prompt_sha256,
     stack_fingerprint,
 )
+from proxy.canonical import canonical_json
+
+
+def canonical_text(value: Any) -> str:
+    return canonical_json(value).decode("utf-8")
+
 
 T0 = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
 SAFE_INT = 2**53 - 1
@@ -57,7 +63,7 @@ fields_strategy = st.builds(
     prompt_sha256=st.none() | st.text("0123456789abcdef", min_size=64, max_size=64),
     replay_of=st.none() | st.text(min_size=1, max_size=8),
     status=st.text(min_size=1, max_size=8),
-    content_json=json_objects.map(canonical_json),
+    content_json=json_objects.map(canonical_text),
     stack_declared=st.none() | st.booleans(),
 )
 
@@ -77,7 +83,7 @@ def fields(record_id: str = "r1", **overrides: Any) -> EntryFields:
         "content": {"token_ids": [1, 2], "token_logprobs": [-0.5, -1.25]},
     }
     values.update(overrides)
-    values["content_json"] = canonical_json(values.pop("content"))
+    values["content_json"] = canonical_text(values.pop("content"))
     return EntryFields(**values)
 
 
@@ -123,24 +129,24 @@ def test_the_bytes_are_the_canonical_json_of_the_documented_objects(
 ) -> None:
     """The stored content text is spliced into an entry's bytes; that must equal canonicalizing it all."""
     content = load_canonical(fields.content_json)
-    assert entry_text(fields) == canonical_json({**fields.header(), "content": content})
+    assert entry_text(fields) == canonical_text({**fields.header(), "content": content})
     whole = {"position": position, "prev": prev, "entry": {**fields.header(chained=True), "content": content}}
-    assert envelope_text(position, prev, fields) == canonical_json(whole)
+    assert envelope_text(position, prev, fields) == canonical_text(whole)
 
 
 @given(json_objects)
 def test_canonical_json_ignores_key_order_and_round_trips(value: dict[str, Any]) -> None:
     reordered = dict(reversed(list(value.items())))
-    text = canonical_json(value)
-    assert canonical_json(reordered) == text
-    assert canonical_json(load_canonical(text)) == text, (
+    text = canonical_text(value)
+    assert canonical_text(reordered) == text
+    assert canonical_text(load_canonical(text)) == text, (
         "stored content must hash the same after reading it back"
     )
     assert parse_content(text) == (load_canonical(text), True)
 
 
 def test_an_integral_float_beyond_2_to_the_53_reads_back_as_a_float() -> None:
-    text = canonical_json({"x": 2.0**60, "n": 7})
+    text = canonical_text({"x": 2.0**60, "n": 7})
     assert text == '{"n":7,"x":1152921504606847000}'
     assert load_canonical(text) == {"n": 7, "x": 2.0**60}
     assert parse_content(text)[1], "JCS output must count as canonical when read back"
@@ -169,7 +175,7 @@ def test_every_field_is_covered_by_the_bytes(base: EntryFields, name: str, posit
     text = entry_text(base)
     changed: dict[str, Any] = {
         "created_at": base.created_at + timedelta(microseconds=1),
-        "content_json": canonical_json(
+        "content_json": canonical_text(
             {**load_canonical(base.content_json), "\x00longer-than-any-key": True}
         ),
     }
@@ -200,3 +206,9 @@ def test_every_field_is_covered_by_the_bytes(base: EntryFields, name: str, posit
 )
 def test_parse_content_tells_canonical_from_not(text: str, expected: tuple[Any, bool]) -> None:
     assert parse_content(text) == expected
+
+
+@settings(max_examples=60)
+@given(fields_strategy)
+def test_an_entry_spliced_from_its_contents_bytes_is_its_text_in_utf8(fields: EntryFields) -> None:
+    assert entry_bytes(fields, fields.content_json.encode()) == entry_text(fields).encode()

@@ -10,8 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.audit import EntryCheck, NewEntry, stack_fingerprint
-from proxy.audit.entries import canonical_json, entry_text, prompt_sha256, sha256_hex
+from proxy.audit.entries import entry_text, prompt_sha256, sha256_hex
 from proxy.audit.merkle import leaf_hash
+from proxy.canonical import canonical_json
 
 STACK = {"schema": 1, "model": "tiny", "kernel_mode": "batch_invariant"}
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -34,7 +35,7 @@ def new(**overrides: Any) -> NewEntry:
 def test_the_fingerprint_is_filled_in_from_the_stack() -> None:
     made = new()
     assert made.fingerprint == stack_fingerprint(STACK)
-    assert made.stack_json == canonical_json(STACK)
+    assert made.stack_json == canonical_json(STACK).decode()
     assert made.content_json == '{"a":[0.5],"b":1}'
 
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from proxy.audit import NewEntry
+from proxy.audit.entries import load_canonical
 from proxy.cli import main as stackpin
 from proxy.pins import Pin
 from proxy.records import Served, closed_entry, opened_entry
@@ -270,8 +271,25 @@ async def test_a_stream_recorded_before_records_kept_events_still_replays(
                               replica_answer=None, upstream_fingerprint=None, error=None)  # fmt: skip
         tokens = {"text": text, "finish_reason": "length", "token_ids": ids, "token_logprobs": logprobs,
                   "prompt_token_ids": [1, 2, 3], "batch": None, "seed": None}  # fmt: skip
-        content = {k: v for k, v in legacy.content.items() if k not in ("events", "terminal", "answer")}
-        old = NewEntry.model_validate({**legacy.model_dump(), "content": {**content, "tokens": tokens}})
+        content = {
+            k: v
+            for k, v in load_canonical(legacy.content_json).items()
+            if k not in ("events", "terminal", "answer")
+        }
+        kept = (
+            "record_id",
+            "part",
+            "tenant",
+            "created_at",
+            "replica",
+            "model",
+            "fingerprint",
+            "stack_declared",
+            "status",
+        )
+        old = NewEntry.model_validate(
+            {**{k: getattr(legacy, k) for k in kept}, "content": {**content, "tokens": tokens}}
+        )
         await harness.proxy.store.append(old)
         status, result, _ = await harness.post(f"/v1/records/{served.record_id}/replay", {})
         assert status == 200 and result["outcome"] == "reproduced", result

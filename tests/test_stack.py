@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from proxy.stack import Stack, canonical_json, fingerprint, fingerprinted
+from proxy.canonical import canonical_json
+from proxy.stack import Stack, fingerprint, fingerprinted
 from tests.support.fake_replica import fingerprint_of, tiny_stack
 
 json_values = st.recursive(
@@ -80,3 +81,10 @@ def test_the_serving_features_of_the_batching_policy_are_left_out_of_the_fingerp
     assert fingerprinted(served) == plain
     assert fingerprint(served) == fingerprint(plain) == hashlib.sha256(canonical_json(plain)).hexdigest()
     assert fingerprint(tiny_stack(batching={**plain["batching"], "max_batch_size": 9})) != fingerprint(plain)
+
+
+def test_a_stack_is_canonicalised_once_into_the_document_its_fingerprint_addresses() -> None:
+    stack = Stack.model_validate(tiny_stack())
+    assert stack.canonical.json.encode() == canonical_json(stack.document())
+    assert stack.canonical.sha256 == stack.fingerprint
+    assert stack.canonical is stack.canonical, "made once per stack, not once per entry"

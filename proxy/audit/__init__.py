@@ -1,13 +1,14 @@
 """The audit store: an append-only transparency log of every answer, on SQLite or PostgreSQL.
 
-The proxy builds each record's content and hands it over as a `NewEntry`; this package commits it (group
+The proxy builds each record's content and hands it over as a `SealedEntry` (made by `seal` on the request path,
+or from a validated `NewEntry`); this package commits it (group
 commit), puts it in a Merkle tree and signs checkpoints over it, reads records and proofs back, and verifies
 the log. See docs/audit.md.
 """
 
 from proxy.audit.checks import LogProblem
 from proxy.audit.commit import CommitObserver
-from proxy.audit.entries import canonical_json, prompt_sha256, stack_fingerprint
+from proxy.audit.entries import prompt_sha256, stack_fingerprint
 from proxy.audit.errors import (
     AuditError,
     DatabaseUrlError,
@@ -25,6 +26,7 @@ from proxy.audit.listing import RecordFilter
 from proxy.audit.merkle import ProofError
 from proxy.audit.note import NoteError, Signer, Verifier
 from proxy.audit.schema import HEAD_REVISION, schema_revision, upgrade_database
+from proxy.audit.sealed import InvalidEntry, SealedEntry, seal
 from proxy.audit.store import AuditStore
 from proxy.audit.values import (
     AuditRecord,
@@ -43,6 +45,7 @@ from proxy.audit.values import (
     VerifyReport,
 )
 from proxy.audit.verify import Witnessed
+from proxy.canonical import canonical_json
 
 __all__ = [
     "HEAD_REVISION",
@@ -56,6 +59,7 @@ __all__ = [
     "EntryCheck",
     "EntryProof",
     "EntryView",
+    "InvalidEntry",
     "LogDiverged",
     "LogProblem",
     "NewEntry",
@@ -70,6 +74,7 @@ __all__ = [
     "SchemaError",
     "SchemaOutdated",
     "SchemaTooNew",
+    "SealedEntry",
     "SignedCheckpoint",
     "Signer",
     "StoreClosed",
@@ -83,6 +88,7 @@ __all__ = [
     "canonical_json",
     "prompt_sha256",
     "schema_revision",
+    "seal",
     "stack_fingerprint",
     "upgrade_database",
 ]

@@ -34,7 +34,8 @@ from proxy.audit.errors import (
     failure_reason,
 )
 from proxy.audit.models import SEQUENCE_BLOCK, Entry, LogQueue, Prompt, Stack
-from proxy.audit.values import NewEntry, StoredEntry
+from proxy.audit.sealed import SealedEntry
+from proxy.audit.values import StoredEntry
 from proxy.audit.writer import TransactionRunner
 
 log = structlog.get_logger(__name__)
@@ -64,7 +65,7 @@ class _Written:
 
 @dataclass
 class _Pending:
-    entry: NewEntry
+    entry: SealedEntry
     future: asyncio.Future[StoredEntry] = field(repr=False)
 
     def resolve(self, stored: StoredEntry) -> None:
@@ -104,7 +105,7 @@ class GroupCommitter:
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    async def submit(self, entry: NewEntry) -> StoredEntry:
+    async def submit(self, entry: SealedEntry) -> StoredEntry:
         if self._closing or not self.alive:
             raise StoreClosed("the audit store is closed; no entry can be appended")
         pending = _Pending(entry, asyncio.get_running_loop().create_future())
@@ -229,9 +230,7 @@ class GroupCommitter:
 
     async def _transaction(self, batch: list[_Pending]) -> list[tuple[_Pending, StoredEntry]]:
         """Commits what it can of `batch` in one transaction; entries it refuses are failed, not returned."""
-        entries = [p.entry for p in batch]
-        for entry in entries:
-            entry.leaf_hash  # noqa: B018  (its bytes, made and cached here, outside the transaction)
+        entries = [p.entry for p in batch]  # sealed: their bytes and hashes were made outside the transaction
         written = await self._writer.run(lambda connection: self._write(connection, entries))
         self._remember(self._known_stacks, written.found_stacks | written.new_stacks)
         self._remember(self._known_prompts, written.new_prompts)
@@ -261,7 +260,7 @@ class GroupCommitter:
             for p, seq in zip(kept, written.seqs, strict=True)
         ]
 
-    def _write(self, connection: Connection, entries: list[NewEntry]) -> _Written:
+    def _write(self, connection: Connection, entries: list[SealedEntry]) -> _Written:
         """The transaction's body, synchronous so that it runs wherever the writer runs it (writer.py).
 
         It reads the caches but never changes them, and settles no future: both belong to the event loop.
@@ -287,7 +286,7 @@ class GroupCommitter:
         return _Written(seqs, missing, found, new_stacks, new_prompts)
 
     def _check_named_stacks(
-        self, connection: Connection, entries: list[NewEntry]
+        self, connection: Connection, entries: list[SealedEntry]
     ) -> tuple[set[str], set[str]]:
         """(stacks found stored, stacks named without being given nor stored)."""
         given = {e.fingerprint for e in entries if e.stack_json is not None}
@@ -304,13 +303,13 @@ class GroupCommitter:
         return found, unsure - found
 
     def _store_stacks_and_prompts(
-        self, connection: Connection, entries: list[NewEntry]
+        self, connection: Connection, entries: list[SealedEntry]
     ) -> tuple[set[str], set[str]]:
         stacks: dict[str, dict[str, Any]] = {}
         prompts: dict[str, dict[str, Any]] = {}
         for entry in entries:
             if entry.stack_json is not None and entry.fingerprint not in self._known_stacks:
-                assert entry.fingerprint is not None  # NewEntry fills it from the stack
+                assert entry.fingerprint is not None  # SealedEntry fills it from the stack
                 stacks.setdefault(
                     entry.fingerprint,
                     {
@@ -354,7 +353,7 @@ def sequence_block(connection: Connection, count: int) -> int:
     return int(connection.execute(select(func.coalesce(func.max(Entry.seq), 0) + 1)).scalar_one())
 
 
-def entry_row(entry: NewEntry, seq: int) -> dict[str, Any]:
+def entry_row(entry: SealedEntry, seq: int) -> dict[str, Any]:
     return {
         "seq": seq,
         "record_id": entry.record_id,
@@ -367,7 +366,7 @@ def entry_row(entry: NewEntry, seq: int) -> dict[str, Any]:
         "prompt_sha256": entry.prompt_sha256,
         "replay_of": entry.replay_of,
         "status": entry.status,
-        "stack_declared": entry.fields().stack_declared,
+        "stack_declared": entry.stack_declared,
         "content": entry.content_json,
         "sha256": entry.sha256,
         "prev_sha256": None,
@@ -382,13 +381,13 @@ def _fail_each(batch: list[_Pending], exc: Exception) -> None:
         pending.fail(StoreUnavailable(f"the audit store could not commit ({reason})"))
 
 
-def _duplicate(entry: NewEntry) -> DuplicateEntry:
+def _duplicate(entry: SealedEntry) -> DuplicateEntry:
     return DuplicateEntry(
         f"record {entry.record_id} already has an {entry.part!r} entry; records are append-only"
     )
 
 
-def _explain_integrity_error(entry: NewEntry, exc: IntegrityError) -> AuditError:
+def _explain_integrity_error(entry: SealedEntry, exc: IntegrityError) -> AuditError:
     text = str(exc.orig).lower()
     if "uq_entries_record_part" in text or "unique" in text:
         return _duplicate(entry)

@@ -20,23 +20,12 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
-import rfc8785
+from proxy.canonical import NotCanonicalizable, canonical_json
 
 GENESIS_SHA256 = "0" * 64
-
-
-class NotCanonicalizable(ValueError):
-    """A value has no RFC 8785 form: NaN or infinite floats, integers beyond 2**53, non-string keys."""
-
-
-def canonical_json(value: Any) -> str:
-    """RFC 8785 (JCS) text of a JSON value; raises NotCanonicalizable with the reason."""
-    try:
-        return rfc8785.dumps(value).decode("utf-8")
-    except (rfc8785.CanonicalizationError, TypeError) as exc:
-        raise NotCanonicalizable(f"value cannot be written as canonical JSON (RFC 8785): {exc}") from exc
+Part = Literal["answer", "opened", "closed", "flag"]
 
 
 def sha256_hex(text: str) -> str:
@@ -45,7 +34,7 @@ def sha256_hex(text: str) -> str:
 
 def stack_fingerprint(stack: Mapping[str, Any]) -> str:
     """The stack fingerprint of docs/protocol.md: SHA-256 of the stack's canonical JSON."""
-    return sha256_hex(canonical_json(dict(stack)))
+    return hashlib.sha256(canonical_json(dict(stack))).hexdigest()
 
 
 def prompt_sha256(text: str) -> str:
@@ -103,7 +92,13 @@ class EntryFields:
 
 def entry_text(fields: EntryFields) -> str:
     """JCS of the entry object, built around the content: "content" sorts before every other key."""
-    return '{"content":' + fields.content_json + "," + _header_text(fields.header())[1:]
+    return '{"content":' + fields.content_json + "," + _text(fields.header())[1:]
+
+
+def entry_bytes(fields: EntryFields, content: bytes) -> bytes:
+    """`entry_text(fields)` in UTF-8, spliced from `content`, the canonical bytes `fields.content_json` was decoded
+    from: a long stream's content is not encoded a second time."""
+    return b'{"content":' + content + b"," + canonical_json(fields.header())[1:]
 
 
 def envelope_text(position: int, prev_sha256: str, fields: EntryFields) -> str:
@@ -113,26 +108,14 @@ def envelope_text(position: int, prev_sha256: str, fields: EntryFields) -> str:
     canonical text is the content member followed by the header's members; a test holds this equal to
     canonicalizing the whole object.
     """
-    header = _header_text(fields.header(chained=True))
+    header = _text(fields.header(chained=True))
     entry = '{"content":' + fields.content_json + "," + header[1:]
-    tail = ',"position":' + canonical_json(position) + ',"prev":' + canonical_json(prev_sha256) + "}"
+    tail = ',"position":' + _text(position) + ',"prev":' + _text(prev_sha256) + "}"
     return '{"entry":' + entry + tail
 
 
-# For an object of strings, booleans and nulls under ASCII keys, the standard library's compact key-sorted output
-# is exactly JCS (the same escapes), at C speed; verification writes one header per entry.
-_HEADER_ENCODER = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-
-
-def _header_text(header: dict[str, Any]) -> str:
-    if all(value is None or type(value) in (str, bool) for value in header.values()):
-        text = _HEADER_ENCODER.encode(header)
-        try:
-            text.encode("utf-8")  # a lone surrogate has no JCS form; let canonical_json say so
-        except UnicodeEncodeError:
-            return canonical_json(header)
-        return text
-    return canonical_json(header)
+def _text(value: Any) -> str:
+    return canonical_json(value).decode("utf-8")
 
 
 def chain_hash(position: int, prev_sha256: str, fields: EntryFields) -> str:
@@ -178,7 +161,7 @@ def parse_content(text: str) -> tuple[dict[str, Any] | None, bool]:
     if not isinstance(value, dict):
         return None, False
     try:
-        return value, canonical_json(value) == text
+        return value, _text(value) == text
     except NotCanonicalizable:
         return value, False
 

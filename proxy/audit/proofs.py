@@ -101,7 +101,9 @@ def check_record(
         )
         included: bool | None = None
         if index is not None:
-            included = checkpoint is not None and index < checkpoint.size
+            # An index past the checkpoint read is an entry integrated since (each statement here sees commits as
+            # they land): not in that checkpoint's tree yet, so unproven rather than disproved.
+            included = None if checkpoint is not None and index >= checkpoint.size else checkpoint is not None
             if included:
                 assert checkpoint is not None
                 try:

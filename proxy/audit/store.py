@@ -38,6 +38,7 @@ from proxy.audit.listing import RecordFilter
 from proxy.audit.models import Entry, LogLeaf, Prompt, Stack
 from proxy.audit.note import Signer, Verifier
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
+from proxy.audit.sealed import SealedEntry
 from proxy.audit.tree import (
     checkpoint_of_size,
 )
@@ -151,9 +152,9 @@ class AuditStore:
             integrator.start()
         return cls(reader, writers, committer, integrator)
 
-    async def append(self, entry: NewEntry) -> StoredEntry:
+    async def append(self, entry: NewEntry | SealedEntry) -> StoredEntry:
         """Appends `entry` to the log; returns only once it is committed (durably), before it is in the tree."""
-        return await self._committer.submit(entry)
+        return await self._committer.submit(entry if isinstance(entry, SealedEntry) else entry.sealed())
 
     async def integrate(self) -> SignedCheckpoint | None:
         """Puts every committed entry in the tree now and signs the checkpoint (None: another proxy is at it)."""

@@ -1,14 +1,15 @@
 """The values that cross the audit store's interface: what the proxy hands in and what it reads back.
 
-Validation happens here, when a `NewEntry` is built, so that one bad entry fails its own caller with a message
-saying what to fix, before it can reach a group commit shared with others. The store (`store.py`) trusts a
-`NewEntry` once it exists.
+`NewEntry` validates whatever it is given (pydantic), when it is built, so that one bad entry fails its own caller
+with a message saying what to fix, before it can reach a group commit shared with others. It is the door for
+callers outside the proxy's request path, whose own door is `sealed.seal`; both end in a `SealedEntry`, which
+the store (`store.py`, `commit.py`) trusts.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
     AwareDatetime,
@@ -22,10 +23,11 @@ from pydantic import (
 )
 
 from proxy.audit.checks import LogProblem
-from proxy.audit.entries import EntryFields, canonical_json, entry_text, prompt_sha256, sha256_hex
+from proxy.audit.entries import EntryFields, Part, entry_text, prompt_sha256, sha256_hex
 from proxy.audit.merkle import leaf_hash
+from proxy.audit.sealed import SealedEntry, sealed_from
+from proxy.canonical import canonical_json
 
-Part = Literal["answer", "opened", "closed", "flag"]
 HEX64 = r"^[0-9a-f]{64}$"
 
 
@@ -69,12 +71,12 @@ class NewEntry(BaseModel):
     @model_validator(mode="after")
     def _canonical_forms(self) -> NewEntry:
         try:
-            self._content_json = canonical_json(self.content)
+            self._content_json = canonical_json(self.content).decode("utf-8")
         except ValueError as exc:
             raise ValueError(f"content: {exc}") from exc
         if self.stack is not None:
             try:
-                self._stack_json = canonical_json(self.stack)
+                self._stack_json = canonical_json(self.stack).decode("utf-8")
             except ValueError as exc:
                 raise ValueError(f"stack: {exc}") from exc
             computed = sha256_hex(self._stack_json)
@@ -129,6 +131,11 @@ class NewEntry(BaseModel):
     @property
     def leaf_hash(self) -> bytes:
         return leaf_hash(self.text.encode("utf-8"))
+
+    def sealed(self) -> SealedEntry:
+        return sealed_from(
+            self.fields(), self.content_json.encode("utf-8"), self.stack_json, self.prompt_text
+        )
 
 
 class StoredEntry(BaseModel):
@@ -258,7 +265,9 @@ class EntryCheck(BaseModel):
     part: Part
     sha256: str
     recomputes: bool = Field(description="its bytes hash to its sha256 and to the leaf the tree holds")
-    included: bool | None = Field(description="its inclusion proof verifies; None while it is not integrated")
+    included: bool | None = Field(
+        description="its inclusion proof verifies; None while it is not in the checkpoint's tree"
+    )
 
     @property
     def ok(self) -> bool:

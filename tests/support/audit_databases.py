@@ -80,7 +80,7 @@ class AuditDatabase:
         engine = create_async_engine(self.url, poolclass=NullPool, connect_args=args)
         try:
             async with engine.begin() as connection:
-                await connection.execute(insert(Entry), [entry_row(new, seq)])
+                await connection.execute(insert(Entry), [entry_row(new.sealed(), seq)])
         finally:
             await engine.dispose()
 
