@@ -22,7 +22,9 @@ async def ready(_: web.Request) -> web.Response:
 
 def relay(upstream: str) -> web.Application:
     async def session(app: web.Application) -> AsyncIterator[None]:
-        app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300))
+        app[SESSION] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), cookie_jar=aiohttp.DummyCookieJar()
+        )
         yield
         await app[SESSION].close()
 

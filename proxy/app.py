@@ -156,8 +156,14 @@ async def audit_store(
 
 
 async def client_session(app: web.Application) -> AsyncIterator[None]:
-    """The HTTP client for replicas: every request, stream and stack check."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)) as session:
+    """The HTTP client for replicas: every request, stream and stack check.
+
+    It keeps no cookies: every tenant's requests share this one client, so a cookie one answer set would go out
+    with the next tenant's request and let an upstream tie the two together.
+    """
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300), cookie_jar=aiohttp.DummyCookieJar()
+    ) as session:
         app[CLIENT_SESSION] = session
         yield
 

@@ -291,6 +291,27 @@ async def test_prompt_versions_inject_the_exact_text_and_record_its_hash(
         assert status == 400 and "support@3" in body["error"]["message"]
 
 
+async def test_a_cookie_one_answer_sets_is_never_sent_on_another_request(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    # Requests of every tenant share the proxy's one HTTP client: a cookie kept from one answer would go out with
+    # the next tenant's request, and an upstream could tie the two together.
+    replica.set_cookie = "affinity=tenant-a; Path=/"
+    replica.url = replica.url.replace(
+        "127.0.0.1", "localhost"
+    )  # a client keeps no cookie of a bare IP address
+    tenants = [{"name": "a", "api_key_env": "A_KEY"}, {"name": "b", "api_key_env": "B_KEY"}]
+    environ = {"A_KEY": "sk-a", "B_KEY": "sk-b"}
+    async with running_proxy([replica], tmp_path, tenants=tenants, environ=environ) as harness:
+        for key in ("sk-a", "sk-b", "sk-a"):
+            status, _, _ = await harness.post(
+                "/v1/chat/completions", CHAT, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert status == 200
+    assert len(replica.headers_seen) == 3
+    assert all("Cookie" not in headers for headers in replica.headers_seen), replica.headers_seen
+
+
 async def test_secrets_never_reach_a_record(replica: FakeReplica, tmp_path: Path) -> None:
     upstream = {**replica.stack}
     replicas = [{"name": "upstream", "url": replica.url, "api_key_env": "UPSTREAM_KEY", "stack": upstream}]

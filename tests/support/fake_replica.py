@@ -91,6 +91,7 @@ class FakeReplica:
     alter: str | None = None  # one of ALTERATIONS: the one thing the next answers change
     diverge_from: int | None = None  # every token from this position on is another one, as on another stack
     words: list[str] = field(default_factory=lambda: list(WORDS))  # what its completions are made of
+    set_cookie: str | None = None  # a Set-Cookie header on every answer, as a load balancer's affinity cookie
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     url: str = ""
@@ -222,7 +223,10 @@ class FakeReplica:
             "usage": usage,
             "stackpin": extension,
         }
-        return web.json_response(answer, headers={"Stackpin-Stack": fingerprint})
+        headers = {"Stackpin-Stack": fingerprint}
+        if self.set_cookie is not None:
+            headers["Set-Cookie"] = self.set_cookie
+        return web.json_response(answer, headers=headers)
 
     def _choices(
         self, body: dict[str, Any], chat: bool, ids: list[int], logprobs: list[float], text: str
