@@ -228,6 +228,10 @@ def step_profile(model: Transformer, cache: PagedKVCache) -> dict[str, Any]:
 
 
 _FAMILIES = {
+    # First, since "_expert_matmul_kernel" holds "_matmul_kernel": a mixture-of-experts layer's grouped expert matmul
+    # and sum by rank (expert_matmul.py); torch's grouped GEMM in default mode is CUTLASS, counted with cuBLAS.
+    "experts (Triton grouped matmul)": ("_expert_matmul_kernel",),
+    "experts' sum by rank": ("_combine_kernel",),
     # The `tl.dot` kernels and the Gluon ones (matmul_gluon.py, matmul_gluon_swapped.py: "_specialized_kernel" names
     # "_swapped_specialized_kernel" too).
     "matmul (Triton)": (
@@ -243,6 +247,17 @@ _FAMILIES = {
     "q/k norm, RoPE and cache write": ("_qkv_rope_cache",),
     "SiLU times up": ("_silu_mul",),
     "log_softmax": ("_log_softmax",),
+    # Last, so that the names above win: a mixture-of-experts layer's routing (torch's ops in capacity routing).
+    "routing and dispatch": (
+        "_route_kernel",
+        "_dispatch_kernel",
+        "softmax",
+        "sort",
+        "radix",
+        "scan",
+        "search",
+        "scatter",
+    ),
 }
 
 
@@ -318,7 +333,11 @@ ARRIVALS_MAX = 6
 QUEUE_MAX = 32
 
 
-def _engine(model: Transformer, kernels: Kernels, num_blocks: int, on_step: Any = None) -> Engine:
+def _engine(
+    model: Transformer, kernels: Kernels, num_blocks: int, on_step: Any = None, graphs: bool | None = None
+) -> Engine:
+    """`graphs`: replay steps from CUDA graphs (None: in batch_invariant mode only, the dense experiment's choice)."""
+    graphed = kernels.mode == "batch_invariant" if graphs is None else graphs
     cache = PagedKVCache(model.config, num_blocks, PAGE, torch.device(DEVICE), torch.bfloat16)
     config = EngineConfig(
         max_model_len=MAX_NOISE_PROMPT + 64,
@@ -327,16 +346,17 @@ def _engine(model: Transformer, kernels: Kernels, num_blocks: int, on_step: Any 
         max_batch_size=64,
         max_step_tokens=STEP_TOKENS,
         max_queue=100000,
-        step_graphs=DEFAULT_MAX_GRAPHS if kernels.mode == "batch_invariant" else 0,
+        step_graphs=DEFAULT_MAX_GRAPHS if graphed else 0,
     )
     allocator = BlockAllocator(num_blocks)
     return Engine(model, cache, allocator, kernels, config, lambda ids: "", device=DEVICE, on_step=on_step)
 
 
 def divergence(
-    model: Transformer, kernels: Kernels, trials: int, seed: int, budget_s: float
+    model: Transformer, kernels: Kernels, trials: int, seed: int, budget_s: float, graphs: bool | None = None
 ) -> dict[str, Any]:
-    """The same greedy request `trials` times amid random concurrent requests, through the engine."""
+    """The same greedy request `trials` times amid random concurrent requests, through the engine (`graphs` as
+    `_engine` takes it)."""
     rng = random.Random(seed)
     vocab = model.config.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(32)]
@@ -359,7 +379,7 @@ def divergence(
 
         return sink
 
-    alone = _engine(model, kernels, num_blocks=8)
+    alone = _engine(model, kernels, num_blocks=8, graphs=graphs)
     alone.submit("alone", prompt, greedy, sink_for("alone"))
     while alone.has_work():
         alone.step()
@@ -381,6 +401,7 @@ def divergence(
             step_tokens.append(st.prefill_tokens + st.decode_tokens),
             step_seconds.append(st.seconds),
         ),
+        graphs=graphs,
     )
     started, steps = time.perf_counter(), 0
     while jobs or engine.has_work():

@@ -1,10 +1,16 @@
 """A mixture-of-experts MLP layer: the router, then each token's k experts, their outputs weighted and summed.
 
-Which experts a token gets is routing.py's decision; this module runs them. Tokens are gathered per expert and each
-expert's two GEMMs go through the kernels' `matmul`, so their reduction order is the kernels' business: in
-`batch_invariant` mode it depends only on the expert's weight shape, never on how many tokens the expert got in
-this step (on the CPU, GEMMs of a fixed number of rows; kernels/cpu_invariant.py). How a token's k outputs are combined is
-decided here:
+Which experts a token gets is routing.py's decision; this module runs them, in one of two ways:
+- kernels with grouped expert families (`ExpertKernels`: the GPU's, kernels/triton/) route a dropless step in one
+  launch (`route`, what routing.py's dropless `route` computes) and take the whole step's experts at once
+  (`expert_mlp`): every expert's rows in one launch per GEMM and a sum of each token's k outputs by rank, with
+  nothing read back to the host, so a step of it is captured in a CUDA graph like a dense one. In `batch_invariant`
+  mode the grouped GEMM's reduction order depends only on the expert's weight shape; in `default` it is a
+  conventional grouped GEMM (torch's);
+- the others (the CPU's) gather each expert's tokens on the host and run its two GEMMs through the kernels'
+  `matmul`, so their reduction order is the kernels' business: in `batch_invariant` mode it depends only on the
+  expert's weight shape, never on how many tokens the expert got in this step (GEMMs of a fixed number of rows;
+  kernels/cpu_invariant.py). How a token's k outputs are combined is then decided here:
 - `batch_invariant`: each output lands in the token's slot for that rank, and the k weighted outputs are added in
   rank order, so a token's sum has one order whatever experts its neighbours chose;
 - `default`: the conventional grouped loop (Hugging Face's): experts in index order, each adding its weighted
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -30,6 +37,26 @@ class ExpertWeights:
     router: torch.Tensor  # [experts, hidden]
     gate_up: torch.Tensor  # [experts, 2 * moe_intermediate, hidden]
     down: torch.Tensor  # [experts, hidden, moe_intermediate]
+
+
+@runtime_checkable
+class ExpertKernels(Protocol):
+    """Kernels that run a step's experts in grouped launches, and route dropless steps in one launch."""
+
+    def route(
+        self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+    ) -> tuple[
+        torch.Tensor, torch.Tensor
+    ]: ...  # dropless routing.route: experts [T, k], weights [T, k] float32
+
+    def expert_mlp(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        gate_up: torch.Tensor,  # [experts, 2 * moe_intermediate, hidden]
+        down: torch.Tensor,  # [experts, hidden, moe_intermediate]
+        experts: torch.Tensor,  # [T, k] int64 by rank, DROPPED where refused
+        weights: torch.Tensor,  # [T, k] float32
+    ) -> torch.Tensor: ...  # [T, hidden]: each token's k outputs, scaled and added by rank
 
 
 def take_experts(prefix: str, moe: MoeConfig, take: Callable[[str], torch.Tensor]) -> ExpertWeights:
@@ -50,6 +77,12 @@ def moe_mlp(
     routing: ExpertRouting,
 ) -> torch.Tensor:  # [T, hidden]
     logits = kernels.matmul(h, weights.router)
+    if isinstance(kernels, ExpertKernels):
+        if routing.capacity_factor is None:
+            experts, probs = kernels.route(logits, moe.num_experts_per_tok, moe.norm_topk_prob)
+        else:
+            experts, probs = route(logits, moe.num_experts_per_tok, moe.norm_topk_prob, routing)
+        return kernels.expert_mlp(h, weights.gate_up, weights.down, experts, probs)
     experts, probs = route(logits, moe.num_experts_per_tok, moe.norm_topk_prob, routing)
     # As Hugging Face does: the weights rounded to the activations' dtype before they scale an expert's output.
     scales = probs.to(h.dtype)

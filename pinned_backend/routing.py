@@ -73,18 +73,37 @@ def route(
     probs = torch.softmax(logits.float(), dim=-1)
     ranked_probs, ranked = torch.sort(probs, dim=-1, descending=True, stable=True)
     if routing.capacity_factor is None:
-        ranks = torch.arange(top_k).expand(probs.shape[0], top_k)
+        experts, weights = ranked[:, :top_k], ranked_probs[:, :top_k]
     else:
         capacity = expert_capacity(probs.shape[0], top_k, probs.shape[1], routing.capacity_factor)
-        ranks = torch.tensor(_grant(ranked.tolist(), top_k, capacity, routing.overflow), dtype=torch.long)
-        ranks = ranks.reshape(probs.shape[0], top_k)
-    kept = ranks >= 0
-    safe = ranks.clamp(min=0)
-    experts = torch.where(kept, ranked.gather(1, safe), DROPPED)
-    weights = torch.where(kept, ranked_probs.gather(1, safe), 0.0)
+        if routing.overflow == "pass_through":
+            ranks = _pass_through_ranks(ranked[:, :top_k], capacity)
+        else:
+            granted = _grant(ranked.tolist(), top_k, capacity, routing.overflow)
+            ranks = torch.tensor(granted, dtype=torch.long, device=logits.device).reshape(-1, top_k)
+        kept = ranks >= 0
+        safe = ranks.clamp(min=0)
+        experts = torch.where(kept, ranked.gather(1, safe), DROPPED)
+        weights = torch.where(kept, ranked_probs.gather(1, safe), 0.0)
     if norm_topk_prob:
         weights = weights / sum_by_rank(ranked_probs[:, :top_k])[:, None]
     return experts, weights
+
+
+def _pass_through_ranks(chosen: torch.Tensor, capacity: int) -> torch.Tensor:
+    """chosen [T, k] (each token's experts by rank) -> [T, k]: the rank where the assignment was granted, -1 where
+    refused. What `_grant` decides for pass_through, in tensor ops on the step's device (no read back to the host):
+    granting rank by rank in row order, an assignment is refused exactly when its expert already took `capacity`
+    assignments before it in that order, since under pass_through every earlier one was granted while there was
+    room."""
+    tokens, top_k = chosen.shape
+    in_turn = chosen.t().reshape(-1)  # every token's first choice, then every token's second, ...
+    sorted_experts, order = torch.sort(in_turn, stable=True)
+    run_start = torch.searchsorted(sorted_experts, sorted_experts)
+    position = torch.arange(in_turn.shape[0], device=chosen.device) - run_start
+    granted = torch.empty_like(position, dtype=torch.bool).scatter_(0, order, position < capacity)
+    ranks = torch.arange(top_k, device=chosen.device).expand(tokens, top_k)
+    return torch.where(granted.view(top_k, tokens).t(), ranks, -1)
 
 
 def sum_by_rank(values: torch.Tensor) -> torch.Tensor:

@@ -165,9 +165,12 @@ def load_runtime(
     )
     cache = PagedKVCache(config, num_blocks, settings.block_size, device, dtype)
     # Both modes replay their steps as CUDA graphs on a GPU (under default kernels the padding may move bits, which
-    # that mode never promised, and it runs default at its fastest); a mixture-of-experts step reads on the host
-    # which experts its tokens chose, which a graph cannot replay.
-    graphed = device.type == "cuda" and config.moe is None
+    # that mode never promised, and it runs default at its fastest). A mixture-of-experts step with dropless routing
+    # too (its dispatch never leaves the GPU); with a capacity factor a padded step would count its padding tokens
+    # against the experts' capacity, so such steps run as they come, eagerly.
+    graphed = device.type == "cuda" and (
+        config.moe is None or settings.expert_routing.capacity_factor is None
+    )
     engine_config = EngineConfig(
         max_model_len=config.max_position_embeddings,
         num_blocks=num_blocks,

@@ -84,14 +84,14 @@ def crowded_schedule(rng: random.Random, target: Arrival, most: int = 16) -> lis
 
 
 def compare_alone_and_crowded(
-    checkpoint: Path, mode: KernelMode, seed: int, routing: ExpertRouting = DROPLESS
+    checkpoint: Path, mode: KernelMode, seed: int, routing: ExpertRouting = DROPLESS, **device: Any
 ) -> tuple[bool, bool, int]:
-    """Serve one random request alone and amid others: (same bits?, same tokens?, largest batch it shared)."""
+    """Serve one random request alone and amid others: (same bits?, same tokens?, largest batch it shared).
+    `device`: make_engine's settings for another device (sizes, dtype, step graphs)."""
     rng = random.Random(seed)
     target = random_request(rng, "target", 0)
-    engine = make_engine(
-        checkpoint, mode, num_blocks=96, max_batch_size=8, max_step_tokens=24, max_queue=32, routing=routing
-    )
+    sizes = {"num_blocks": 96, "max_batch_size": 8, "max_step_tokens": 24, "max_queue": 32, **device}
+    engine = make_engine(checkpoint, mode, routing=routing, **sizes)
     alone = run_schedule(engine, [target])["target"]
     crowded = run_schedule(engine, crowded_schedule(rng, target))["target"]
     assert len(alone) == target.params.max_tokens
@@ -386,3 +386,59 @@ def test_on_a_gpu_default_mode_hits_and_verify_passes_are_reported(
         f"default mode on {torch.cuda.get_device_name(0)}: a prefix-cache hit changed the answer's bits in "
         f"{hit_rate} of {GPU_CASES} cases, speculation in {verify_rate} of {GPU_CASES}"
     )
+
+
+# The MoE model on a GPU: its experts in grouped launches (kernels/triton/expert_matmul.py), dropless steps replayed
+# from CUDA graphs; up to 16 requests share a step.
+MOE_GPU_CASES = 8
+MOE_GPU_SIZES: dict[str, Any] = {
+    "num_blocks": 256,
+    "block_size": 16,
+    "kv_split_size": 64,
+    "max_batch_size": 16,
+    "max_step_tokens": 64,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("seed", range(MOE_GPU_CASES))
+def test_on_a_gpu_dropless_mixture_of_experts_answers_do_not_depend_on_the_batch(
+    moe_checkpoint: Path, seed: int
+) -> None:
+    same, _, shared = compare_alone_and_crowded(
+        moe_checkpoint, "batch_invariant", seed, **MOE_GPU_SIZES, **on_gpu()
+    )
+    assert same, (
+        f"case {seed}: the MoE model's answer changed amid others on the GPU (largest batch {shared})"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_mixture_of_experts_default_and_capacity_are_reported(
+    moe_checkpoint: Path, record_property: pytest.RecordProperty
+) -> None:
+    device = {**MOE_GPU_SIZES, **on_gpu()}
+    runs = {
+        "default": [
+            compare_alone_and_crowded(moe_checkpoint, "default", s, **device) for s in range(MOE_GPU_CASES)
+        ],
+        # Capacity-limited steps run eagerly, as the backend serves them.
+        "capacity_pass_through": [
+            compare_alone_and_crowded(
+                moe_checkpoint,
+                "batch_invariant",
+                s,
+                ExpertRouting(CAPACITY_FACTOR),
+                **{**device, "step_graphs": 0},
+            )
+            for s in range(MOE_GPU_CASES)
+        ],
+    }
+    for name, results in runs.items():
+        bits = sum(1 for same, _, _ in results if not same)
+        record_property(f"gpu_moe_{name}_differing_logprob_bits", f"{bits}/{MOE_GPU_CASES}")
+        print(
+            f"MoE model, {name} on {torch.cuda.get_device_name(0)}: {bits} of {MOE_GPU_CASES} answers changed bits"
+        )

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pinned_backend.routing import DROPPED, ExpertRouting, expert_capacity, route, sum_by_rank
+from pinned_backend.routing import (
+    DROPPED,
+    ExpertRouting,
+    _grant,
+    _pass_through_ranks,
+    expert_capacity,
+    route,
+    sum_by_rank,
+)
 
 
 def test_ties_go_to_the_lower_expert_index() -> None:
@@ -106,3 +114,14 @@ def test_a_capacity_factor_must_be_a_positive_number(factor: float) -> None:
 def test_an_unknown_overflow_policy_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="choose one of pass_through, next_expert"):
         ExpertRouting(capacity_factor=1.0, overflow="drop")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.5])
+def test_pass_through_in_tensor_ops_grants_what_the_turn_by_turn_grant_does(factor: float) -> None:
+    generator = torch.Generator().manual_seed(int(factor * 10))
+    for tokens in (1, 7, 40):
+        logits = torch.randn(tokens, 6, generator=generator)
+        ranked = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True, stable=True)[1]
+        capacity = expert_capacity(tokens, 3, 6, factor)
+        turn_by_turn = _grant(ranked.tolist(), 3, capacity, "pass_through")
+        assert _pass_through_ranks(ranked[:, :3], capacity).reshape(-1).tolist() == turn_by_turn

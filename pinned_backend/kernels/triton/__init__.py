@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from .. import DEFAULT_KV_SPLIT_SIZE, KernelMode
 from .add_rms_norm import add_rms_norm
 from .attention import KV_TILE, paged_attention
+from .expert_matmul import ExpertDispatch, combine_by_rank, dispatch, grouped_matmul
+from .expert_routing import route_top_k
 from .launches import Launches
 from .matmul import capability, matmul
 from .plan_files import MatmulPlans
@@ -51,6 +53,33 @@ class TritonKernels:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps, dependent=self.launches.dependent_launch)
+
+    def route(
+        self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dropless routing (moe.py's `ExpertKernels`) in one launch: each row's choice is its own logits' alone."""
+        return route_top_k(logits, top_k, norm_topk_prob)
+
+    def expert_mlp(
+        self,
+        h: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """A mixture-of-experts step's experts (moe.py's `ExpertKernels`): the grouped gate/up GEMM over the tokens
+        gathered in expert order, SiLU times up, the grouped down GEMM, each token's k outputs summed by rank."""
+        plan = dispatch(experts, gate_up.shape[0])
+        activated = self.silu_mul(self.expert_matmul(h, gate_up, plan, gather=True))
+        return combine_by_rank(self.expert_matmul(activated, down, plan), plan, experts, weights)
+
+    def expert_matmul(
+        self, x: torch.Tensor, w: torch.Tensor, plan: ExpertDispatch, *, gather: bool = False
+    ) -> torch.Tensor:
+        """Sorted row i of the step times its expert's weight; `gather`: x holds the step's tokens, not its sorted
+        rows. One tile for every M (expert_matmul.py), so a row's bits never depend on the routing."""
+        return grouped_matmul(x, w, plan, plan.token if gather else None)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return log_softmax(x, dependent=self.launches.dependent_launch)
@@ -98,13 +127,21 @@ class TritonKernels:
 
 
 class CublasKernels(TritonKernels):
-    """`default` mode on CUDA: cuBLAS matmuls, whose kernel and split of K follow M; everything else as above (its
-    plans serve nothing)."""
+    """`default` mode on CUDA: cuBLAS matmuls, whose kernel and split of K follow M, and torch's grouped GEMM for a
+    mixture-of-experts layer's experts; everything else as above (its plans serve nothing)."""
 
     mode: KernelMode = "default"
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w)
+
+    def expert_matmul(
+        self, x: torch.Tensor, w: torch.Tensor, plan: ExpertDispatch, *, gather: bool = False
+    ) -> torch.Tensor:
+        """torch's grouped GEMM (CUTLASS on sm90), whose tiles follow each expert's row count; refused rows (after
+        every expert's run) are left as it leaves them."""
+        rows = x[plan.token] if gather else x
+        return torch._grouped_mm(rows, w.transpose(1, 2), offs=plan.offsets[1:])
 
 
 __all__ = ["DEFAULT_KV_SPLIT_SIZE", "CublasKernels", "Launches", "MatmulPlans", "TritonKernels"]
