@@ -7,7 +7,8 @@ the numbers are about speed and bit-reproducibility, never about answer quality.
 `Transformer` (and, for the divergence experiment, its `Engine`), in two kernel modes sharing one set of weights:
 
 - `batch_invariant`: `TritonKernels`, the experts in the grouped Triton matmul whose tile is one shape for every
-  step (pinned_backend/kernels/triton/expert_matmul.py);
+  step (pinned_backend/kernels/triton/expert_matmul.py), the dense matmuls on the plan file the backend would take
+  (`--matmul-plans`) or the rule;
 - `default`: `CublasKernels`, cuBLAS for the dense matmuls and torch's grouped GEMM (`torch._grouped_mm`) for the
   experts; routing, the sum by rank, attention and the fused kernels are the same in both, so the ratio prices the
   matmuls alone. Both replay every step from a CUDA graph.
@@ -19,7 +20,7 @@ step's kernels by family; the divergence experiment (bench/gpu_price.py's: one p
 temperature 0 amid random load) for dropless routing in both modes and for a capacity factor in batch_invariant
 mode (eager, as the backend serves capacity-limited steps).
 Usage: python -m bench.moe_price OUT.json [--parts speed,divergence] [--trials 1000] [--budget-s 150]
-       [--layers N] [--capacity-factor 1.0] [--batches 1,8,32,128]
+       [--layers N] [--capacity-factor 1.0] [--batches 1,8,32,128] [--matmul-plans auto|none|FILE]
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from bench.gpu_price import CONTEXT, DEVICE, PAGE, copy_bandwidth, decode_rate, 
 from pinned_backend.checkpoint import ModelConfig, expected_shapes, load_config
 from pinned_backend.kernels import Kernels, select_kernels
 from pinned_backend.kernels.triton import TritonKernels
+from pinned_backend.kernels.triton.plan_files import PlanFile, plan_file_for, running_on
 from pinned_backend.kernels.triton.tuner import compile_ahead, default_workers
 from pinned_backend.kvcache import PagedKVCache
-from pinned_backend.model import Transformer
+from pinned_backend.model import Transformer, matmul_shapes
 from pinned_backend.routing import DROPLESS, ExpertRouting
 
 MODEL = Path(__file__).parent / "models" / "qwen3-30b-a3b"
@@ -88,9 +90,10 @@ def token_bytes(config: ModelConfig) -> dict[str, int]:
     }
 
 
-def build(config: ModelConfig, embed_std: float) -> dict[str, Transformer]:
-    """One model per mode, sharing one set of weights (the modes differ only in the kernels they call)."""
-    invariant = select_kernels("batch_invariant", torch.device(DEVICE))
+def build(config: ModelConfig, embed_std: float, plan_file: PlanFile | None = None) -> dict[str, Transformer]:
+    """One model per mode, sharing one set of weights (the modes differ only in the kernels they call); the
+    invariant dense matmuls take `plan_file`'s plans where it holds their shapes."""
+    invariant = select_kernels("batch_invariant", torch.device(DEVICE), matmul_plans=plan_file)
     started = time.perf_counter()
     model = Transformer(
         config,
@@ -114,13 +117,8 @@ def build(config: ModelConfig, embed_std: float) -> dict[str, Transformer]:
 def compile_matmuls(kernels: Kernels, config: ModelConfig) -> None:
     """Every dense matmul tile the invariant model launches (attention, router, LM head), compiled at once."""
     assert isinstance(kernels, TritonKernels) and config.moe is not None
-    c, capability = config, torch.cuda.get_device_capability()
-    shapes = {
-        (c.q_size + 2 * c.kv_size, c.hidden_size),
-        (c.hidden_size, c.q_size),
-        (config.moe.num_experts, c.hidden_size),
-        (c.vocab_size, c.hidden_size),
-    }
+    capability = torch.cuda.get_device_capability()
+    shapes = set(matmul_shapes(config).values())
     plans = {shape: kernels.plans.plan(*shape, capability) for shape in shapes}
     jobs = {s: (p.split_k, list(dict.fromkeys(t for _, t in p.tiles))) for s, p in plans.items()}
     compile_ahead(jobs, default_workers(), deadline=time.monotonic() + 120)
@@ -160,6 +158,9 @@ def main() -> None:
     )
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="decode batch sizes")
     parser.add_argument(
+        "--matmul-plans", default="auto", help="the invariant dense matmuls' plan file: auto, none or a path"
+    )
+    parser.add_argument(
         "--routings",
         default="dropless_default,dropless_invariant,capacity_invariant",
         help="the divergence experiment's legs",
@@ -172,7 +173,9 @@ def main() -> None:
         assert config.moe is not None
         sparse = frozenset(i for i in config.moe.sparse_layers if i < args.layers)
         config = replace(config, num_hidden_layers=args.layers, moe=replace(config.moe, sparse_layers=sparse))
-    models = build(config, args.embed_std)
+    plans = args.matmul_plans if args.matmul_plans in ("auto", "none") else Path(args.matmul_plans)
+    plan_file = plan_file_for(running_on(torch.device(DEVICE)), set(matmul_shapes(config).values()), plans)
+    models = build(config, args.embed_std, plan_file)
     compile_matmuls(models["batch_invariant"].kernels, config)
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
@@ -181,6 +184,7 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "model": f"Qwen3-30B-A3B shape ({config.num_hidden_layers} layers), random seeded bf16 weights (seed 0)",
         "parameters": sum(math.prod(s) for s in expected_shapes(config).values()),
+        "matmul_plans": None if plan_file is None else plan_file.described(),
         "embed_std": args.embed_std,
         "context_tokens": CONTEXT,
     }

@@ -46,15 +46,18 @@ class _Layer:
 
 
 def matmul_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """The (N, K) of each weight the forward pass multiplies by, fused as this module fuses them."""
+    """The (N, K) of each weight the forward pass multiplies by through the dense matmul, fused as this module fuses
+    them: a mixture-of-experts model's router, and its dense MLP only where some layer has one (its experts go
+    through the grouped expert matmul, whose tile no plan decides)."""
     c = config
-    return {
-        "qkv": (c.q_size + 2 * c.kv_size, c.hidden_size),
-        "o_proj": (c.hidden_size, c.q_size),
-        "gate_up": (2 * c.intermediate_size, c.hidden_size),
-        "down": (c.hidden_size, c.intermediate_size),
-        "lm_head": (c.vocab_size, c.hidden_size),
-    }
+    shapes = {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o_proj": (c.hidden_size, c.q_size)}
+    if c.moe is None or len(c.moe.sparse_layers) < c.num_hidden_layers:
+        shapes["gate_up"] = (2 * c.intermediate_size, c.hidden_size)
+        shapes["down"] = (c.hidden_size, c.intermediate_size)
+    if c.moe is not None:
+        shapes["router"] = (c.moe.num_experts, c.hidden_size)
+    shapes["lm_head"] = (c.vocab_size, c.hidden_size)
+    return shapes
 
 
 def _check_dtype(dtype: torch.dtype) -> None:
