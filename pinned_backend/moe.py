@@ -45,9 +45,9 @@ class ExpertKernels(Protocol):
 
     def route(
         self, logits: torch.Tensor, top_k: int, norm_topk_prob: bool
-    ) -> tuple[
-        torch.Tensor, torch.Tensor
-    ]: ...  # dropless routing.route: experts [T, k], weights [T, k] float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What routing.route computes for dropless routing: experts [T, k] by rank, weights [T, k] float32."""
+        ...
 
     def expert_mlp(
         self,

@@ -128,7 +128,8 @@ class TritonKernels:
 
 class CublasKernels(TritonKernels):
     """`default` mode on CUDA: cuBLAS matmuls, whose kernel and split of K follow M, and torch's grouped GEMM for a
-    mixture-of-experts layer's experts; everything else as above (its plans serve nothing)."""
+    mixture-of-experts layer's experts; everything else as above (its plans serve nothing), a MoE layer's routing,
+    dispatch and sum by rank too, so that the two modes differ in their matmuls alone."""
 
     mode: KernelMode = "default"
 

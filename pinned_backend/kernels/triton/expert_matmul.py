@@ -1,10 +1,12 @@
-"""Grouped expert matmul on the GPU, and the sum of a token's k expert outputs by rank: a mixture-of-experts layer's
-two reductions over the experts, each one launch whose configuration never depends on the step's routing.
+"""A mixture-of-experts layer's experts on the GPU: the dispatch of a step's tokens to their experts, the grouped
+expert matmul, and the sum of a token's k expert outputs by rank; each one launch whose configuration never depends
+on the step's routing.
 
-**The dispatch** (`dispatch`): a step's T tokens each chose k experts, so it has A = T * k assignments. They are
-sorted by expert (stably, so within an expert by token and rank), and `offsets [E + 1]` marks where each expert's
-run of sorted rows begins and ends. Each run is cut into blocks of BLOCK_M rows. All of it is computed on the GPU,
-with no read back to the host, so a step of it can be captured in a CUDA graph and replayed whatever the tokens chose.
+**The dispatch** (`dispatch`): a step's T tokens each chose k experts, so it has A = T * k assignments. One program
+lays them out by expert with a counting sort (stable, so within an expert by token and rank), and `offsets [E + 1]`
+marks where each expert's run of sorted rows begins and ends; each run is cut into blocks of BLOCK_M rows. All of it
+is computed on the GPU, with no read back to the host, so a step of it can be captured in a CUDA graph and replayed
+whatever the tokens chose.
 
 **The matmul** (`grouped_matmul`): a grid of every block the step could have (a bound fixed by T, k and E) times the
 weight's column tiles. A program finds its block by a binary search over the blocks' running count, computes it
@@ -53,10 +55,6 @@ class ExpertDispatch:
     block_ends: torch.Tensor
     max_blocks: int
     top_k: int
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.block_ends.shape[0])
 
 
 def max_blocks(assignments: int, num_experts: int) -> int:
