@@ -1,0 +1,88 @@
+"""The group commit's SQL for the drivers' own APIs, compiled from the models once per dialect.
+
+The commit path runs on raw `sqlite3` and raw asyncpg, because going through SQLAlchemy's execution layer cost
+about twenty times the transaction's own work. The schema still has one owner: every statement here is a
+SQLAlchemy construct over the models (`models.py`), compiled by SQLAlchemy for the dialect, and every value goes
+through the column type's own bind processor, so a row written here is exactly the row SQLAlchemy would have
+written. A column added to a model appears in these statements without an edit here; a test compares them.
+This module knows nothing of batches, futures or connections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+from sqlalchemy import bindparam, func, insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
+from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
+from sqlalchemy.engine import Dialect
+from sqlalchemy.sql import ClauseElement
+
+from proxy.audit.models import ENTRY_SEQUENCE, Entry, LogQueue, Prompt, Stack
+
+DialectName = Literal["sqlite", "postgresql"]
+Processor = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One statement's text in the driver's parameter style, and how a row of named values becomes its
+    positional parameters."""
+
+    sql: str
+    columns: tuple[str, ...]
+    processors: tuple[Processor | None, ...]
+
+    def row(self, values: Mapping[str, Any]) -> tuple[Any, ...]:
+        return tuple(
+            value if process is None or value is None else process(value)
+            for process, value in zip(self.processors, (values[c] for c in self.columns), strict=True)
+        )
+
+
+@dataclass(frozen=True)
+class CommitStatements:
+    insert_entry: Prepared
+    insert_queue: Prepared
+    insert_stack: Prepared  # leaves an existing row alone: rows are content-addressed, so it is the same
+    insert_prompt: Prepared
+    stored_stack: Prepared  # one fingerprint, if stored
+    next_seq: Prepared  # the first number of a block (PostgreSQL) or after the largest (SQLite)
+
+
+def _dialect(name: DialectName) -> Dialect:
+    # numeric_dollar is asyncpg's own style ($1, $2 ...), the one SQLAlchemy's asyncpg dialect compiles to.
+    return (
+        PGDialect_asyncpg(paramstyle="numeric_dollar") if name == "postgresql" else SQLiteDialect_pysqlite()
+    )
+
+
+def _prepare(statement: ClauseElement, dialect: Dialect, *, literal: bool = False) -> Prepared:
+    compiled = statement.compile(dialect=dialect, compile_kwargs={"literal_binds": literal})
+    columns = tuple(compiled.positiontup or ())
+    processors = tuple(compiled.binds[name].type.bind_processor(dialect) for name in columns)
+    return Prepared(str(compiled), columns, processors)
+
+
+@cache
+def commit_statements(name: DialectName) -> CommitStatements:
+    dialect = _dialect(name)
+    upsert = postgresql.insert if name == "postgresql" else sqlite.insert
+    if name == "postgresql":
+        next_seq = select(ENTRY_SEQUENCE.next_value())
+    else:
+        next_seq = select(func.coalesce(func.max(Entry.seq), 0) + 1)
+    return CommitStatements(
+        insert_entry=_prepare(insert(Entry), dialect),
+        insert_queue=_prepare(insert(LogQueue), dialect),
+        insert_stack=_prepare(upsert(Stack).on_conflict_do_nothing(index_elements=["fingerprint"]), dialect),
+        insert_prompt=_prepare(upsert(Prompt).on_conflict_do_nothing(index_elements=["sha256"]), dialect),
+        stored_stack=_prepare(
+            select(Stack.fingerprint).where(Stack.fingerprint == bindparam("fingerprint")), dialect
+        ),
+        next_seq=_prepare(next_seq, dialect, literal=True),
+    )
