@@ -29,6 +29,15 @@ def test_every_insert_names_every_column_of_its_model_in_order(dialect: DialectN
         assert prepared.sql.startswith(f"INSERT INTO {table.name} ("), prepared.sql
 
 
+def test_postgresqls_one_statement_batch_takes_every_entry_column_and_the_queues() -> None:
+    batch = commit_statements("postgresql").insert_batch
+    assert batch is not None
+    entry_columns = tuple(c.name for c in Entry.__table__.columns if c.name != "seq")
+    assert batch.columns == (*entry_columns, "count", "leaf_hashes")
+    assert f"INSERT INTO entries ({', '.join(Entry.__table__.columns.keys())})" in batch.sql
+    assert f"INSERT INTO log_queue ({', '.join(LogQueue.__table__.columns.keys())})" in batch.sql
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_row_the_commit_writes_is_the_row_sqlalchemy_writes(kind: str, tmp_path: Path) -> None:
     async with audit_database(kind, tmp_path) as database:

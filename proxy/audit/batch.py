@@ -172,22 +172,34 @@ def write_sqlite(cursor: sqlite3.Cursor, batch: Batch) -> Written:
 
 
 async def write_postgres(connection: asyncpg.Connection, batch: Batch) -> Written:
-    """The body on asyncpg, inside a transaction. The block of numbers comes from a sequence stepping by
-    SEQUENCE_BLOCK, which never waits for another proxy's transaction; a block a failed batch leaves unused is
-    a gap, which only orders entries and needs no filling."""
+    """The body on asyncpg. The block of numbers comes from a sequence stepping by SEQUENCE_BLOCK, which never
+    waits for another proxy's transaction; a block a failed batch leaves unused is a gap, which only orders
+    entries and needs no filling. A batch that stores no stack or prompt and names none it is unsure of (the
+    usual one) is one statement and one round trip; otherwise a transaction wraps the few statements before it."""
     statements = commit_statements("postgresql")
     try:
-        found = {fp for fp in batch.unsure if await connection.fetchval(statements.stored_stack.sql, fp)}
-        rows = _rows(batch, statements, found)
-        if not rows.kept:
-            return rows.written(batch, 0, found)
-        if rows.stacks:
-            await connection.executemany(statements.insert_stack.sql, rows.stacks)
-        if rows.prompts:
-            await connection.executemany(statements.insert_prompt.sql, rows.prompts)
-        first = int(await connection.fetchval(statements.next_seq.sql))
-        await connection.executemany(statements.insert_entry.sql, rows.entries(statements, first))
-        await connection.execute(statements.insert_queue.sql, *rows.queue(statements, first))
+        if not (batch.unsure or batch.stacks or batch.prompts):
+            rows = _rows(batch, statements, set())
+            return rows.written(batch, await _insert_batch(connection, statements, rows), set())
+        async with connection.transaction():
+            found = {fp for fp in batch.unsure if await connection.fetchval(statements.stored_stack.sql, fp)}
+            rows = _rows(batch, statements, found)
+            if not rows.kept:
+                return rows.written(batch, 0, found)
+            if rows.stacks:
+                await connection.executemany(statements.insert_stack.sql, rows.stacks)
+            if rows.prompts:
+                await connection.executemany(statements.insert_prompt.sql, rows.prompts)
+            return rows.written(batch, await _insert_batch(connection, statements, rows), found)
     except asyncpg.IntegrityConstraintViolationError as exc:
         raise EntryRefused(str(exc)) from exc
-    return rows.written(batch, first, found)
+
+
+async def _insert_batch(connection: asyncpg.Connection, statements: CommitStatements, rows: _Rows) -> int:
+    """Inserts and queues `rows.kept`; the first number of their block."""
+    insert = statements.insert_batch
+    assert insert is not None  # compiled for PostgreSQL
+    values: dict[str, Any] = {name: [e.row[name] for e in rows.kept] for name in rows.kept[0].row}
+    values["count"] = len(rows.kept)
+    values["leaf_hashes"] = "".join(e.leaf_hash for e in rows.kept)
+    return int(await connection.fetchval(insert.sql, *insert.row(values)))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from sqlalchemy import bindparam, func, insert, select
+from sqlalchemy import bindparam, func, insert, literal_column, select, true
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
@@ -52,6 +52,9 @@ class CommitStatements:
     insert_prompt: Prepared
     stored_stack: Prepared  # one fingerprint, if stored
     next_seq: Prepared  # the first number of a block (PostgreSQL) or after the largest (SQLite)
+    # PostgreSQL: a whole batch in one statement, so in one round trip (see _batch_insert); None on SQLite, where
+    # statements cost no round trip.
+    insert_batch: Prepared | None
 
 
 def _dialect(name: DialectName) -> Dialect:
@@ -66,6 +69,39 @@ def _prepare(statement: ClauseElement, dialect: Dialect, *, literal: bool = Fals
     columns = tuple(compiled.positiontup or ())
     processors = tuple(compiled.binds[name].type.bind_processor(dialect) for name in columns)
     return Prepared(str(compiled), columns, processors)
+
+
+def _batch_insert() -> ClauseElement:
+    """One statement that takes a block of numbers, inserts every entry of a batch at its place in the block and
+    queues the batch: the entries' columns come as one array each (parameters named after the columns), plus
+    `count` and `leaf_hashes` for the queue. It returns the block's first number. A single statement runs in a
+    transaction of its own, so it needs no BEGIN and COMMIT round trips either; it is also valid inside one."""
+    entries = Entry.__table__
+    columns = [column for column in entries.columns if column.name != "seq"]
+    block = select(ENTRY_SEQUENCE.next_value().label("first_seq")).cte("block")
+    rows = (
+        func.unnest(*(bindparam(c.name, type_=postgresql.ARRAY(c.type)) for c in columns))
+        .table_valued(*(c.name for c in columns), with_ordinality="ordinal")
+        .render_derived(name="new_rows")
+    )
+    placed = select(
+        block.c.first_seq + rows.c.ordinal - literal_column("1"), *(rows.c[c.name] for c in columns)
+    ).select_from(block.join(rows, true()))
+    inserted = insert(Entry).from_select(["seq", *(c.name for c in columns)], placed).cte("inserted")
+    queue = LogQueue.__table__
+    queued = (
+        insert(LogQueue)
+        .from_select(
+            ["first_seq", "count", "leaf_hashes"],
+            select(
+                block.c.first_seq,
+                bindparam("count", type_=queue.c["count"].type),
+                bindparam("leaf_hashes", type_=queue.c.leaf_hashes.type),
+            ),
+        )
+        .cte("queued")
+    )
+    return select(block.c.first_seq).add_cte(inserted).add_cte(queued)
 
 
 @cache
@@ -85,4 +121,5 @@ def commit_statements(name: DialectName) -> CommitStatements:
             select(Stack.fingerprint).where(Stack.fingerprint == bindparam("fingerprint")), dialect
         ),
         next_seq=_prepare(next_seq, dialect, literal=True),
+        insert_batch=_prepare(_batch_insert(), dialect) if name == "postgresql" else None,
     )

@@ -149,8 +149,7 @@ class PostgresWriter:
         async with self._lock:
             connection = await self._connected()
             try:
-                async with connection.transaction():
-                    return await write_postgres(connection, batch)
+                return await write_postgres(connection, batch)
             except BaseException as exc:
                 if not isinstance(exc, asyncpg.PostgresError) or connection.is_closed():
                     self._drop()
