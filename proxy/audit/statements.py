@@ -1,7 +1,9 @@
-"""The group commit's SQL for the drivers' own APIs, compiled from the models once per dialect.
+"""The log's bulk writes for the drivers' own APIs, compiled from the models once per dialect: the group commit's
+statements, and the integrator's rows of leaves and nodes.
 
 The commit path runs on raw `sqlite3` and raw asyncpg, because going through SQLAlchemy's execution layer cost
-about twenty times the transaction's own work. The schema still has one owner: every statement here is a
+about twenty times the transaction's own work; the integrator inserts thousands of rows a round, where
+SQLAlchemy's per-row parameter handling was most of the round's CPU. The schema still has one owner: every statement here is a
 SQLAlchemy construct over the models (`models.py`), compiled by SQLAlchemy for the dialect, and every value goes
 through the column type's own bind processor, so a row written here is exactly the row SQLAlchemy would have
 written. A column added to a model appears in these statements without an edit here; a test compares them.
@@ -22,7 +24,7 @@ from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 
-from proxy.audit.models import ENTRY_SEQUENCE, Entry, LogQueue, Prompt, Stack
+from proxy.audit.models import ENTRY_SEQUENCE, Entry, LogLeaf, LogQueue, Prompt, Stack, TreeNode
 
 DialectName = Literal["sqlite", "postgresql"]
 Processor = Callable[[Any], Any]
@@ -122,4 +124,18 @@ def commit_statements(name: DialectName) -> CommitStatements:
         ),
         next_seq=_prepare(next_seq, dialect, literal=True),
         insert_batch=_prepare(_batch_insert(), dialect) if name == "postgresql" else None,
+    )
+
+
+@dataclass(frozen=True)
+class IntegrationStatements:
+    insert_leaf: Prepared
+    insert_node: Prepared
+
+
+@cache
+def integration_statements(name: DialectName) -> IntegrationStatements:
+    dialect = _dialect(name)
+    return IntegrationStatements(
+        insert_leaf=_prepare(insert(LogLeaf), dialect), insert_node=_prepare(insert(TreeNode), dialect)
     )
