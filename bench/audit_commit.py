@@ -102,6 +102,7 @@ async def measure(url: str, schema: str | None, durability: str, appends: int, c
         url,
         schema=schema,
         observer=observed,
+        batch_wait_ms=0.0,  # the proxy's setting: the queue fills while a commit runs
         durability=durability,  # type: ignore[arg-type]
         signer=generate_signer("bench.local/log"),
         checkpoint_interval_s=3600,  # integrated once, after the timed part, and measured apart
