@@ -11,8 +11,12 @@ request waits before the proxy may answer); the mean batch; and the integrator's
 runs in that tree's process and this one's in turn, for `--rounds` interleaved rounds, and the table gives both
 medians and the median of the per-round ratios: on a machine that others load, the ratios are the figure.
 
+`--integrating` integrates during the appends instead, every 0.5 s as the proxy does: its cost then shows in the
+appends' CPU and in their p99.
+
 Usage: python -m bench.audit_commit [--appends N] [--concurrency 1,64] [--rounds 3] [--baseline DIR]
-                                    [--postgres-url URL | --no-postgres] [--output bench/results/audit_commit.md]
+                                    [--integrating] [--postgres-url URL | --no-postgres]
+                                    [--output bench/results/audit_commit.md]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ STACK = {"schema": 1, "model": "bench", "kernel_mode": "batch_invariant", "hardw
 DEFAULT_POSTGRES = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
 DURABILITIES = ("disk", "process")
 WORKER_TIMEOUT_S = 600  # only a hang reaches it
+PROXY_CHECKPOINT_INTERVAL_S = 0.5  # the proxy's default `log.checkpoint_interval_s`
 
 
 @dataclass
@@ -92,7 +97,9 @@ def make_entry(i: int) -> Any:
     )
 
 
-async def measure(url: str, schema: str | None, durability: str, appends: int, clients: int) -> Measured:
+async def measure(
+    url: str, schema: str | None, durability: str, appends: int, clients: int, integrating: bool
+) -> Measured:
     """One configuration, in this process, with the tree on its path."""
     from proxy.audit import AuditStore
     from proxy.audit.note import generate_signer
@@ -105,7 +112,8 @@ async def measure(url: str, schema: str | None, durability: str, appends: int, c
         batch_wait_ms=0.0,  # the proxy's setting: the queue fills while a commit runs
         durability=durability,  # type: ignore[arg-type]
         signer=generate_signer("bench.local/log"),
-        checkpoint_interval_s=3600,  # integrated once, after the timed part, and measured apart
+        # Integrated as in the proxy, or once after the timed part and measured apart.
+        checkpoint_interval_s=PROXY_CHECKPOINT_INTERVAL_S if integrating else 3600,
     )
     latencies: list[float] = []
     entries = [make_entry(i) for i in range(appends)]
@@ -183,6 +191,7 @@ async def run_in_tree(tree: Path, config: Config, args: argparse.Namespace, fold
         "durability": config.durability,
         "appends": args.appends,
         "clients": config.clients,
+        "integrating": args.integrating,
     }
     try:
         process = await asyncio.create_subprocess_exec(
@@ -278,7 +287,12 @@ def render(results: dict[Config, dict[str, list[Measured]]], args: argparse.Name
         f"SQLite {__import__('sqlite3').sqlite_version}; measured {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; "
         f"load average when done {os.getloadavg()[0]:.1f}.  ",
         f"{args.rounds} interleaved rounds, a fresh process and database per run, {args.appends} appends each; "
-        "medians over rounds. CPU is the appending process's (every thread), not the PostgreSQL server's. "
+        + (
+            "integration runs during the appends, as in the proxy (its CPU is in the appends' figures); "
+            if args.integrating
+            else "integration runs after the appends, measured apart; "
+        )
+        + "medians over rounds. CPU is the appending process's (every thread), not the PostgreSQL server's. "
         "Other work on the machine inflates the absolute figures; the ratios, taken within each round, are "
         "what to read.",
         "",
@@ -288,6 +302,7 @@ def render(results: dict[Config, dict[str, list[Measured]]], args: argparse.Name
         ("wall/txn ms", "wall_per_txn_ms"),
         ("CPU/append ms", "cpu_per_append_ms"),
         ("append p50 ms", "p50_ms"),
+        ("append p99 ms", "p99_ms"),
         ("appends/s", "appends_per_s"),
         ("integrate CPU/entry ms", "integrate_cpu_per_entry_ms"),
     ]
@@ -328,6 +343,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", help="another source tree, measured in turn with this one")
     parser.add_argument("--baseline-label", help="what to call the baseline in the results (e.g. its commit)")
+    parser.add_argument(
+        "--integrating",
+        action="store_true",
+        help="integrate during the appends as the proxy does (every 0.5 s), not once after them",
+    )
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--output", type=Path, default=Path("bench/results/audit_commit.md"))

@@ -60,21 +60,22 @@ class Written:
 
 
 def entry_row(entry: NewEntry, seq: int) -> dict[str, Any]:
-    """The `entries` row of `entry` at `seq`, by column name."""
+    """The `entries` row of `entry` at `seq`, by column name: the fields its bytes hold, and their hash."""
+    fields = entry.fields()
     return {
         "seq": seq,
-        "record_id": entry.record_id,
-        "part": entry.part,
-        "tenant": entry.tenant,
-        "created_at": entry.created_at,
-        "replica": entry.replica,
-        "model": entry.model,
-        "fingerprint": entry.fingerprint,
-        "prompt_sha256": entry.prompt_sha256,
-        "replay_of": entry.replay_of,
-        "status": entry.status,
-        "stack_declared": entry.fields().stack_declared,
-        "content": entry.content_json,
+        "record_id": fields.record_id,
+        "part": fields.part,
+        "tenant": fields.tenant,
+        "created_at": fields.created_at,
+        "replica": fields.replica,
+        "model": fields.model,
+        "fingerprint": fields.fingerprint,
+        "prompt_sha256": fields.prompt_sha256,
+        "replay_of": fields.replay_of,
+        "status": fields.status,
+        "stack_declared": fields.stack_declared,
+        "content": fields.content_json,
         "sha256": entry.sha256,
         "prev_sha256": None,
     }
@@ -82,7 +83,7 @@ def entry_row(entry: NewEntry, seq: int) -> dict[str, Any]:
 
 def plan_batch(entries: Iterable[NewEntry], known_stacks: set[str], known_prompts: set[str]) -> Batch:
     """The batch for `entries`, skipping stacks and prompts already known to be stored. Hashing happens here, on
-    the caller's side of the transaction: an entry's bytes depend on no other entry."""
+    the caller's side of the transaction (an entry's bytes depend on no other entry), and once per entry."""
     planned: list[BatchEntry] = []
     stacks: dict[str, dict[str, Any]] = {}
     prompts: dict[str, dict[str, Any]] = {}
@@ -91,18 +92,16 @@ def plan_batch(entries: Iterable[NewEntry], known_stacks: set[str], known_prompt
         del row["seq"]
         fingerprint, prompt_sha = row["fingerprint"], row["prompt_sha256"]
         planned.append(BatchEntry(fingerprint, prompt_sha, row, entry.leaf_hash.hex()))
-        if entry.stack_json is not None and fingerprint not in known_stacks:
-            assert fingerprint is not None  # NewEntry fills it from the stack
-            stacks.setdefault(
-                fingerprint,
-                {
+        if fingerprint is not None and fingerprint not in known_stacks and fingerprint not in stacks:
+            stack_json = entry.stack_json
+            if stack_json is not None:
+                stacks[fingerprint] = {
                     "fingerprint": fingerprint,
-                    "canonical_json": entry.stack_json,
-                    "first_seen": entry.created_at,
-                },
-            )
-        if prompt_sha is not None and prompt_sha not in known_prompts:
-            prompts.setdefault(prompt_sha, {"sha256": prompt_sha, "text": entry.prompt_text})
+                    "canonical_json": stack_json,
+                    "first_seen": row["created_at"],
+                }
+        if prompt_sha is not None and prompt_sha not in known_prompts and prompt_sha not in prompts:
+            prompts[prompt_sha] = {"sha256": prompt_sha, "text": entry.prompt_text}
     unsure = {e.fingerprint for e in planned if e.fingerprint is not None} - stacks.keys() - known_stacks
     return Batch(planned, frozenset(unsure), stacks, prompts)
 

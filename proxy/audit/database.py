@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from proxy.audit.errors import DatabaseUrlError
-from proxy.audit.writer import AsyncRunner, BatchWriter, PostgresWriter, SqliteWriter, TransactionRunner
+from proxy.audit.writer import BatchWriter, LoopThreadRunner, PostgresWriter, SqliteWriter, TransactionRunner
 
 SUPPORTED = "sqlite+aiosqlite:///path/to/audit.db or postgresql+asyncpg://user@host:5432/database"
 DRIVERS = {
@@ -167,7 +167,8 @@ def make_integration_runner(
     url: URL, writer: BatchWriter, *, schema: str | None, durability: Durability
 ) -> TransactionRunner:
     """Where the integrator's rounds run: SQLite admits one writer at a time, so they share the committer's
-    thread and connection; on PostgreSQL an engine of their own, so that the committer never waits for them."""
+    thread and connection; on PostgreSQL an engine of their own, so that the committer never waits for them, on
+    a thread and event loop of their own (writer.py)."""
     if isinstance(writer, SqliteWriter):
         return writer
     engine = make_engine(url, schema=schema, writer=True)
@@ -179,4 +180,4 @@ def make_integration_runner(
             cursor.execute("SET synchronous_commit = off")
             cursor.close()
 
-    return AsyncRunner(engine)
+    return LoopThreadRunner(engine)

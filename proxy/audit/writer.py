@@ -7,13 +7,15 @@ on the raw drivers (`batch.py`, with statements compiled from the models). On SQ
 connection in one dedicated thread, crossed once per batch; the integrator's rounds run on that same thread and
 connection through SQLAlchemy (SQLite admits one writer at a time anyway, and they are off the request path).
 On PostgreSQL it is one asyncpg connection of the writer's own, opened again after the server went away; the
-integrator has an engine of its own, so that a commit never waits for a round.
+integrator has an engine of its own, so that a commit never waits for a round, on an event loop in a thread of
+its own, so that a round never holds the proxy's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
@@ -51,16 +53,32 @@ class BatchWriter(Protocol):
     async def dispose(self) -> None: ...
 
 
-class AsyncRunner:
+class LoopThreadRunner:
+    """An async engine's transactions on an event loop of its own, in a thread of its own: an integration round
+    (thousands of rows, their hashes, a signature) then holds the proxy's event loop no longer than the
+    interpreter's switch interval, instead of for the whole round. The engine is only ever used on that loop."""
+
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
+        self._loop = asyncio.new_event_loop()
+        # A daemon: a store never closed must not keep the process alive.
+        self._thread = threading.Thread(target=self._loop.run_forever, name="audit-integration", daemon=True)
+        self._thread.start()
 
     async def run(self, work: Callable[[Connection], T]) -> T:
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._in_transaction(work), self._loop)
+        )
+
+    async def _in_transaction(self, work: Callable[[Connection], T]) -> T:
         async with self._engine.begin() as connection:
             return await connection.run_sync(work)
 
     async def dispose(self) -> None:
-        await self._engine.dispose()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._engine.dispose(), self._loop))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        await asyncio.to_thread(self._thread.join)
+        self._loop.close()
 
 
 class SqliteWriter:

@@ -1,6 +1,6 @@
 """One process appending to an audit store, for tests of several processes on one database.
 
-    python -m tests.support.appending_process URL NAME COUNT TASKS GO_FILE
+    python -m tests.support.appending_process URL SCHEMA NAME COUNT TASKS GO_FILE     (SCHEMA "-": none)
 
 It opens the store (signing with the test log key, integrating often, so that the processes' integrators race
 too), says `ready`, waits for GO_FILE to exist so that every process starts at once, appends COUNT entries named
@@ -18,10 +18,12 @@ from pathlib import Path
 from tests.support.audit_databases import LOG_SIGNER, entry
 
 
-async def main(url: str, name: str, count: int, tasks: int, go_file: Path) -> None:
+async def main(url: str, schema: str | None, name: str, count: int, tasks: int, go_file: Path) -> None:
     from proxy.audit import AuditStore
 
-    store = await AuditStore.open(url, signer=LOG_SIGNER, batch_wait_ms=0.0, checkpoint_interval_s=0.02)
+    store = await AuditStore.open(
+        url, schema=schema, signer=LOG_SIGNER, batch_wait_ms=0.0, checkpoint_interval_s=0.02
+    )
     seqs: dict[str, int] = {}
     try:
         print("ready", flush=True)
@@ -40,5 +42,5 @@ async def main(url: str, name: str, count: int, tasks: int, go_file: Path) -> No
 
 
 if __name__ == "__main__":
-    url, name, count, tasks, go_file = sys.argv[1:]
-    asyncio.run(main(url, name, int(count), int(tasks), Path(go_file)))
+    url, schema, name, count, tasks, go_file = sys.argv[1:]
+    asyncio.run(main(url, None if schema == "-" else schema, name, int(count), int(tasks), Path(go_file)))
