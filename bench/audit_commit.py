@@ -6,7 +6,9 @@ a file in a temporary folder; PostgreSQL in a fresh schema, dropped after), appe
 given number of concurrent tasks, then integrates them, checks that the log verifies, and reports: appends per
 second; per transaction, the process's CPU time (every thread: the writer's thread and the event loop, not the
 PostgreSQL server's) and wall time; per append, the CPU and the p50/p99 latency (queue wait included: what a
-request waits before the proxy may answer); the mean batch; and the integrator's CPU per entry. With
+request waits before the proxy may answer); the mean batch; and the integrator's CPU per entry. Beside each
+one-appender row, the driver floor: the p50 of one-row transactions straight on `sqlite3` or asyncpg with the
+same sync setting, measured in the same round (on a loaded disk, mostly its fsync). With
 `--baseline DIR` (another source tree, e.g. `git archive` of an earlier commit unpacked), every configuration
 runs in that tree's process and this one's in turn, for `--rounds` interleaved rounds, and the table gives both
 medians and the median of the per-round ratios: on a machine that others load, the ratios are the figure.
@@ -26,6 +28,7 @@ import asyncio
 import json
 import os
 import platform
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -182,6 +185,47 @@ async def drop_schema(postgres_url: str, schema: str) -> None:
         await connection.close()
 
 
+FLOOR_TRANSACTIONS = 300
+
+
+async def driver_floor(config: Config, folder: Path, postgres_url: str) -> float:
+    """The p50 in ms of one-row transactions straight on the driver, with the store's sync setting: the least an
+    append alone can wait, whatever the store does (on a loaded disk, mostly its fsync)."""
+    body = "x" * 700  # about an entry's content
+    latencies: list[float] = []
+    if config.database == "SQLite":
+        connection = sqlite3.connect(folder / f"floor-{uuid.uuid4().hex[:12]}.db", isolation_level=None)
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute(f"PRAGMA synchronous={'FULL' if config.durability == 'disk' else 'NORMAL'}")
+            connection.execute("CREATE TABLE floor (seq INTEGER PRIMARY KEY, body TEXT)")
+            for seq in range(1, FLOOR_TRANSACTIONS + 1):
+                started = time.perf_counter()
+                connection.execute("BEGIN IMMEDIATE")
+                connection.execute("INSERT INTO floor VALUES (?, ?)", (seq, body))
+                connection.execute("COMMIT")
+                latencies.append(time.perf_counter() - started)
+        finally:
+            connection.close()
+    else:
+        import asyncpg
+
+        settings = {"synchronous_commit": "on" if config.durability == "disk" else "off"}
+        dsn = postgres_url.replace("postgresql+asyncpg://", "postgresql://", 1)
+        pg = await asyncpg.connect(dsn, server_settings=settings)
+        table = f"floor_{uuid.uuid4().hex[:12]}"
+        try:
+            await pg.execute(f"CREATE TABLE {table} (seq BIGINT PRIMARY KEY, body TEXT)")
+            for seq in range(1, FLOOR_TRANSACTIONS + 1):
+                started = time.perf_counter()
+                await pg.execute(f"INSERT INTO {table} VALUES ($1, $2)", seq, body)  # its own transaction
+                latencies.append(time.perf_counter() - started)
+        finally:
+            await pg.execute(f"DROP TABLE IF EXISTS {table}")
+            await pg.close()
+    return 1000 * statistics.median(latencies)
+
+
 async def run_in_tree(tree: Path, config: Config, args: argparse.Namespace, folder: Path) -> Measured:
     """One configuration measured in a fresh process whose `proxy` package is `tree`'s."""
     url, schema = await prepared_database(config, folder, args.postgres_url)
@@ -222,12 +266,19 @@ def configs(args: argparse.Namespace) -> list[Config]:
     ]
 
 
-async def run_all(args: argparse.Namespace) -> dict[Config, dict[str, list[Measured]]]:
+async def run_all(
+    args: argparse.Namespace,
+) -> tuple[dict[Config, dict[str, list[Measured]]], dict[Config, list[float]]]:
     trees = {"after": ROOT, **({"before": Path(args.baseline).resolve()} if args.baseline else {})}
     results: dict[Config, dict[str, list[Measured]]] = {}
+    floors: dict[Config, list[float]] = {}
     with tempfile.TemporaryDirectory() as folder:
         for round_index in range(args.rounds):
             for config in configs(args):
+                if config.clients == 1:
+                    floors.setdefault(config, []).append(
+                        await driver_floor(config, Path(folder), args.postgres_url)
+                    )
                 # Alternate which tree goes first, so that neither always runs on a warmer machine.
                 order = list(trees.items())
                 if round_index % 2:
@@ -236,7 +287,7 @@ async def run_all(args: argparse.Namespace) -> dict[Config, dict[str, list[Measu
                     measured = await run_in_tree(tree, config, args, Path(folder))
                     results.setdefault(config, {}).setdefault(name, []).append(measured)
                     print(f"round {round_index + 1} {config} {name}: {measured}", file=sys.stderr)
-    return results
+    return results, floors
 
 
 def _commit(tree: Path) -> str:
@@ -270,7 +321,12 @@ def _ratio(runs: dict[str, list[Measured]], name: str) -> str:
     return f"{statistics.median(getattr(a, name) / getattr(b, name) for a, b in pairs):.2f}x"
 
 
-def render(results: dict[Config, dict[str, list[Measured]]], args: argparse.Namespace, command: str) -> str:
+def render(
+    results: dict[Config, dict[str, list[Measured]]],
+    floors: dict[Config, list[float]],
+    args: argparse.Namespace,
+    command: str,
+) -> str:
     compared = args.baseline is not None
     lines = [
         "# Audit store: what a durable commit costs, per transaction and per append",
@@ -284,7 +340,7 @@ def render(results: dict[Config, dict[str, list[Measured]]], args: argparse.Name
         )
         + "  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"SQLite {__import__('sqlite3').sqlite_version}; measured {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; "
+        f"SQLite {sqlite3.sqlite_version}; measured {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; "
         f"load average when done {os.getloadavg()[0]:.1f}.  ",
         f"{args.rounds} interleaved rounds, a fresh process and database per run, {args.appends} appends each; "
         + (
@@ -306,14 +362,18 @@ def render(results: dict[Config, dict[str, list[Measured]]], args: argparse.Name
         ("appends/s", "appends_per_s"),
         ("integrate CPU/entry ms", "integrate_cpu_per_entry_ms"),
     ]
-    header = "| database | durability | clients | mean batch |"
-    rule = "| --- | --- | ---: | ---: |"
+    header = "| database | durability | clients | mean batch | driver floor p50 ms |"
+    rule = "| --- | --- | ---: | ---: | ---: |"
     for title, _ in columns:
         header += f" {title} |" + (" after/before |" if compared else "")
         rule += " ---: |" + (" ---: |" if compared else "")
     lines += [header, rule]
     for config, runs in results.items():
-        row = f"| {config.database} | {config.durability} | {config.clients} | {_median(runs['after'], 'mean_batch'):.1f} |"
+        floor = f"{statistics.median(floors[config]):.3g}" if config in floors else ""
+        row = (
+            f"| {config.database} | {config.durability} | {config.clients} "
+            f"| {_median(runs['after'], 'mean_batch'):.1f} | {floor} |"
+        )
         for _, name in columns:
             after = _median(runs["after"], name)
             if compared:
@@ -328,7 +388,12 @@ def render(results: dict[Config, dict[str, list[Measured]]], args: argparse.Name
 def worker(request: dict[str, Any]) -> None:
     measured = asyncio.run(
         measure(
-            request["url"], request["schema"], request["durability"], request["appends"], request["clients"]
+            request["url"],
+            request["schema"],
+            request["durability"],
+            request["appends"],
+            request["clients"],
+            request["integrating"],
         )
     )
     print(json.dumps(asdict(measured)))
@@ -356,9 +421,9 @@ def main() -> None:
     if args.worker is not None:
         worker(json.loads(args.worker))
         return
-    results = asyncio.run(run_all(args))
+    results, floors = asyncio.run(run_all(args))
     command = "python -m bench.audit_commit " + " ".join(sys.argv[1:])
-    text = render(results, args, command.strip())
+    text = render(results, floors, args, command.strip())
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
