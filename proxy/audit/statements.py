@@ -69,7 +69,12 @@ def _dialect(name: DialectName) -> Dialect:
 def _prepare(statement: ClauseElement, dialect: Dialect, *, literal: bool = False) -> Prepared:
     compiled = statement.compile(dialect=dialect, compile_kwargs={"literal_binds": literal})
     columns = tuple(compiled.positiontup or ())
-    processors = tuple(compiled.binds[name].type.bind_processor(dialect) for name in columns)
+    # The dialect's own implementation of each type: on SQLite a timestamp becomes SQLAlchemy's text form (always
+    # with microseconds), where the generic type would leave it to sqlite3's adapter, which drops ".000000" and
+    # so breaks the text comparisons SQLite does on timestamps.
+    processors = tuple(
+        compiled.binds[name].type.dialect_impl(dialect).bind_processor(dialect) for name in columns
+    )
     return Prepared(str(compiled), columns, processors)
 
 
