@@ -1,13 +1,23 @@
-"""What a durable audit commit costs, and what group commit buys back, measured side by side in one run.
+"""What a durable audit commit costs: CPU and wall time per transaction, alone (one appender, batches of one) and
+under group commit (64 appenders, batches of about 64), on SQLite and PostgreSQL at both durabilities.
 
-For SQLite (WAL, synchronous=FULL, a file in a temporary folder) and PostgreSQL (a fresh schema, dropped after),
-`--appends` entries are appended by each number of concurrent tasks in `--concurrency`, first with
-`batch_max=1` (one transaction and one fsync per entry), then with the store's defaults (group commit), then
-with `durability="process"` (group commit without the sync at each commit, to show what the sync costs). Printed and written as Markdown:
-appends per second, the ratio between the two, the mean and largest group commit, and the p50/p99 latency of
-one append (queue wait included), which is what a request waits before the proxy may answer.
+Each measurement is a fresh process (`--worker`) that opens the store on a migrated database (SQLite in WAL mode,
+a file in a temporary folder; PostgreSQL in a fresh schema, dropped after), appends `--appends` entries from the
+given number of concurrent tasks, then integrates them, checks that the log verifies, and reports: appends per
+second; per transaction, the process's CPU time (every thread: the writer's thread and the event loop, not the
+PostgreSQL server's) and wall time; per append, the CPU and the p50/p99 latency (queue wait included: what a
+request waits before the proxy may answer); the mean batch; and the integrator's CPU per entry. Beside each
+one-appender row, the driver floor: the p50 of one-row transactions straight on `sqlite3` or asyncpg with the
+same sync setting, measured in the same round (on a loaded disk, mostly its fsync). With
+`--baseline DIR` (another source tree, e.g. `git archive` of an earlier commit unpacked), every configuration
+runs in that tree's process and this one's in turn, for `--rounds` interleaved rounds, and the table gives both
+medians and the median of the per-round ratios: on a machine that others load, the ratios are the figure.
 
-Usage: python -m bench.audit_commit [--appends N] [--concurrency 1,64] [--postgres-url URL | --no-postgres]
+`--integrating` integrates during the appends instead, every 0.5 s as the proxy does: its cost then shows in the
+appends' CPU and in their p99.
+
+Usage: python -m bench.audit_commit [--appends N] [--concurrency 1,64] [--rounds 3] [--baseline DIR]
+                                    [--integrating] [--postgres-url URL | --no-postgres]
                                     [--output bench/results/audit_commit.md]
 """
 
@@ -15,26 +25,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
+import sqlite3
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-from bench.services import postgres_schema
-from proxy.audit import AuditStore, NewEntry
-from proxy.audit.database import Durability
-from proxy.audit.note import generate_signer
-from proxy.audit.schema import upgrade_database_async
-
+ROOT = Path(__file__).resolve().parent.parent
 STACK = {"schema": 1, "model": "bench", "kernel_mode": "batch_invariant", "hardware": "cpu-x86_64-avx512"}
 DEFAULT_POSTGRES = "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
-# (batch_max, durability): one commit per entry, group commit, group commit without the sync at each commit.
-CONFIGS: list[tuple[int, Durability]] = [(1, "disk"), (256, "disk"), (256, "process")]
+DURABILITIES = ("disk", "process")
+WORKER_TIMEOUT_S = 600  # only a hang reaches it
+PROXY_CHECKPOINT_INTERVAL_S = 0.5  # the proxy's default `log.checkpoint_interval_s`
 
 
 @dataclass
@@ -48,22 +59,29 @@ class Observed:
         pass
 
 
-@dataclass
-class Result:
-    database: str
-    clients: int
-    batch_max: int
+@dataclass(frozen=True)
+class Config:
+    database: str  # "SQLite" or "PostgreSQL"
     durability: str
+    clients: int
+
+
+@dataclass(frozen=True)
+class Measured:
     appends_per_s: float
+    cpu_per_txn_ms: float
+    wall_per_txn_ms: float
+    cpu_per_append_ms: float
     mean_batch: float
-    max_batch: int
     p50_ms: float
     p99_ms: float
-    verify_per_s: float
+    integrate_cpu_per_entry_ms: float
 
 
-def make_entry(i: int) -> NewEntry:
+def make_entry(i: int) -> Any:
     """About the size of a short chat record: a request, 32 tokens with their logprobs, timings."""
+    from proxy.audit import NewEntry  # the measured tree's, imported in the worker
+
     return NewEntry(
         record_id=f"bench-{i}",
         part="answer",
@@ -82,24 +100,23 @@ def make_entry(i: int) -> NewEntry:
     )
 
 
-async def run_one(
-    database: str,
-    url: str,
-    schema: str | None,
-    config: tuple[int, Durability],
-    appends: int,
-    concurrency: int,
-) -> Result:
+async def measure(
+    url: str, schema: str | None, durability: str, appends: int, clients: int, integrating: bool
+) -> Measured:
+    """One configuration, in this process, with the tree on its path."""
+    from proxy.audit import AuditStore
+    from proxy.audit.note import generate_signer
+
     observed = Observed()
-    batch_max, durability = config
     store = await AuditStore.open(
         url,
         schema=schema,
-        batch_max=batch_max,
         observer=observed,
-        durability=durability,
+        batch_wait_ms=0.0,  # the proxy's setting: the queue fills while a commit runs
+        durability=durability,  # type: ignore[arg-type]
         signer=generate_signer("bench.local/log"),
-        checkpoint_interval_s=3600,  # integrated once, after the timed part
+        # Integrated as in the proxy, or once after the timed part and measured apart.
+        checkpoint_interval_s=PROXY_CHECKPOINT_INTERVAL_S if integrating else 3600,
     )
     latencies: list[float] = []
     entries = [make_entry(i) for i in range(appends)]
@@ -114,110 +131,303 @@ async def run_one(
     try:
         await store.append(make_entry(-1))  # stores the stack and prompt outside the timed part
         observed.sizes.clear()
-        started = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
+        cpu, wall = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        integrate_cpu = time.process_time()
         await store.integrate()
-        verify_started = time.perf_counter()
+        integrate_cpu = time.process_time() - integrate_cpu
         report = await store.verify()
-        verify_elapsed = time.perf_counter() - verify_started
         assert report.ok and report.tree_size == appends + 1, report
     finally:
         await store.close()
     latencies.sort()
-    return Result(
-        database=database,
-        clients=concurrency,
-        batch_max=batch_max,
-        durability=durability,
-        appends_per_s=appends / elapsed,
+    commits = len(observed.sizes)
+    return Measured(
+        appends_per_s=appends / wall,
+        cpu_per_txn_ms=1000 * cpu / commits,
+        wall_per_txn_ms=1000 * wall / commits,
+        cpu_per_append_ms=1000 * cpu / appends,
         mean_batch=statistics.fmean(observed.sizes),
-        max_batch=max(observed.sizes),
         p50_ms=1000 * latencies[len(latencies) // 2],
         p99_ms=1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
-        verify_per_s=report.entries_checked / verify_elapsed,
+        integrate_cpu_per_entry_ms=1000 * integrate_cpu / (appends + 1),
     )
 
 
-async def bench_sqlite(appends: int, concurrency: int) -> list[Result]:
-    results = []
+async def prepared_database(config: Config, folder: Path, postgres_url: str) -> tuple[str, str | None]:
+    """A migrated, empty database for one run: (url, schema)."""
+    from proxy.audit.schema import upgrade_database_async
+
+    if config.database == "SQLite":
+        url = f"sqlite+aiosqlite:///{folder / f'audit-{uuid.uuid4().hex[:12]}.db'}"
+        await upgrade_database_async(url)
+        return url, None
+    import asyncpg
+
+    schema = f"audit_bench_{uuid.uuid4().hex[:12]}"
+    connection = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg://", "postgresql://", 1))
+    try:
+        await connection.execute(f'CREATE SCHEMA "{schema}"')
+    finally:
+        await connection.close()
+    await upgrade_database_async(postgres_url, schema=schema)
+    return postgres_url, schema
+
+
+async def drop_schema(postgres_url: str, schema: str) -> None:
+    import asyncpg
+
+    connection = await asyncpg.connect(postgres_url.replace("postgresql+asyncpg://", "postgresql://", 1))
+    try:
+        await connection.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await connection.close()
+
+
+FLOOR_TRANSACTIONS = 300
+
+
+async def driver_floor(config: Config, folder: Path, postgres_url: str) -> float:
+    """The p50 in ms of one-row transactions straight on the driver, with the store's sync setting: the least an
+    append alone can wait, whatever the store does (on a loaded disk, mostly its fsync)."""
+    body = "x" * 700  # about an entry's content
+    latencies: list[float] = []
+    if config.database == "SQLite":
+        connection = sqlite3.connect(folder / f"floor-{uuid.uuid4().hex[:12]}.db", isolation_level=None)
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute(f"PRAGMA synchronous={'FULL' if config.durability == 'disk' else 'NORMAL'}")
+            connection.execute("CREATE TABLE floor (seq INTEGER PRIMARY KEY, body TEXT)")
+            for seq in range(1, FLOOR_TRANSACTIONS + 1):
+                started = time.perf_counter()
+                connection.execute("BEGIN IMMEDIATE")
+                connection.execute("INSERT INTO floor VALUES (?, ?)", (seq, body))
+                connection.execute("COMMIT")
+                latencies.append(time.perf_counter() - started)
+        finally:
+            connection.close()
+    else:
+        import asyncpg
+
+        settings = {"synchronous_commit": "on" if config.durability == "disk" else "off"}
+        dsn = postgres_url.replace("postgresql+asyncpg://", "postgresql://", 1)
+        pg = await asyncpg.connect(dsn, server_settings=settings)
+        table = f"floor_{uuid.uuid4().hex[:12]}"
+        try:
+            await pg.execute(f"CREATE TABLE {table} (seq BIGINT PRIMARY KEY, body TEXT)")
+            for seq in range(1, FLOOR_TRANSACTIONS + 1):
+                started = time.perf_counter()
+                await pg.execute(f"INSERT INTO {table} VALUES ($1, $2)", seq, body)  # its own transaction
+                latencies.append(time.perf_counter() - started)
+        finally:
+            await pg.execute(f"DROP TABLE IF EXISTS {table}")
+            await pg.close()
+    return 1000 * statistics.median(latencies)
+
+
+async def run_in_tree(tree: Path, config: Config, args: argparse.Namespace, folder: Path) -> Measured:
+    """One configuration measured in a fresh process whose `proxy` package is `tree`'s."""
+    url, schema = await prepared_database(config, folder, args.postgres_url)
+    request = {
+        "url": url,
+        "schema": schema,
+        "durability": config.durability,
+        "appends": args.appends,
+        "clients": config.clients,
+        "integrating": args.integrating,
+    }
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            json.dumps(request),
+            env={**os.environ, "PYTHONPATH": str(tree)},
+            cwd=str(tree),
+            stdout=subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(process.communicate(), WORKER_TIMEOUT_S)
+        if process.returncode != 0:
+            raise RuntimeError(f"the worker for {config} in {tree} failed ({process.returncode})")
+        return Measured(**json.loads(out.decode().strip().splitlines()[-1]))
+    finally:
+        if schema is not None:
+            await drop_schema(args.postgres_url, schema)
+
+
+def configs(args: argparse.Namespace) -> list[Config]:
+    databases = ["SQLite"] + ([] if args.no_postgres else ["PostgreSQL"])
+    return [
+        Config(database, durability, int(clients))
+        for clients in args.concurrency.split(",")
+        for database in databases
+        for durability in DURABILITIES
+    ]
+
+
+async def run_all(
+    args: argparse.Namespace,
+) -> tuple[dict[Config, dict[str, list[Measured]]], dict[Config, list[float]]]:
+    trees = {"after": ROOT, **({"before": Path(args.baseline).resolve()} if args.baseline else {})}
+    results: dict[Config, dict[str, list[Measured]]] = {}
+    floors: dict[Config, list[float]] = {}
     with tempfile.TemporaryDirectory() as folder:
-        for config in CONFIGS:
-            url = f"sqlite+aiosqlite:///{Path(folder) / f'audit-{concurrency}-{config[0]}-{config[1]}.db'}"
-            await upgrade_database_async(url)
-            results.append(await run_one("SQLite", url, None, config, appends, concurrency))
-    return results
+        for round_index in range(args.rounds):
+            for config in configs(args):
+                if config.clients == 1:
+                    floors.setdefault(config, []).append(
+                        await driver_floor(config, Path(folder), args.postgres_url)
+                    )
+                # Alternate which tree goes first, so that neither always runs on a warmer machine.
+                order = list(trees.items())
+                if round_index % 2:
+                    order.reverse()
+                for name, tree in order:
+                    measured = await run_in_tree(tree, config, args, Path(folder))
+                    results.setdefault(config, {}).setdefault(name, []).append(measured)
+                    print(f"round {round_index + 1} {config} {name}: {measured}", file=sys.stderr)
+    return results, floors
 
 
-async def bench_postgres(url: str, appends: int, concurrency: int) -> list[Result]:
-    results = []
-    for config in CONFIGS:
-        async with postgres_schema("audit_bench", url) as schema:
-            await upgrade_database_async(url, schema=schema)
-            results.append(await run_one("PostgreSQL", url, schema, config, appends, concurrency))
-    return results
-
-
-def _commit() -> str:
-    """The checkout's commit, `+` marking uncommitted changes; "unknown" outside a git checkout."""
+def _commit(tree: Path) -> str:
+    """The checkout's commit, `+` marking uncommitted changes; "not a git checkout" otherwise."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+            ["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
         )
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return "not a git checkout"
     return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
-def render(results: list[Result], appends: int, concurrency: str) -> str:
+def _median(runs: list[Measured], name: str) -> float:
+    return statistics.median(getattr(run, name) for run in runs)
+
+
+def _ratio(runs: dict[str, list[Measured]], name: str) -> str:
+    """The median over rounds of after / before, each round's pair measured back to back."""
+    if "before" not in runs:
+        return ""
+    pairs = zip(runs["after"], runs["before"], strict=True)
+    return f"{statistics.median(getattr(a, name) / getattr(b, name) for a, b in pairs):.2f}x"
+
+
+def render(
+    results: dict[Config, dict[str, list[Measured]]],
+    floors: dict[Config, list[float]],
+    args: argparse.Namespace,
+    command: str,
+) -> str:
+    compared = args.baseline is not None
     lines = [
-        "# Audit store: cost of a durable commit, with and without group commit",
+        "# Audit store: what a durable commit costs, per transaction and per append",
         "",
-        f"Command: `python -m bench.audit_commit --appends {appends} --concurrency {concurrency}`  ",
-        f"Commit: `{_commit()}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-        f"measured {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}. "
-        "SQLite in WAL mode with synchronous=FULL; PostgreSQL with its defaults (fsync on commit). "
-        f"One record ~0.7 kB of content. Load average when done: {os.getloadavg()[0]:.1f} "
-        "(other work on the machine inflates the absolute figures, not the ratios between rows).",
-        "",
-        "| database | clients | batch_max | durability | appends/s | vs batch_max=1 | mean batch | max batch "
-        "| append p50 ms | append p99 ms | verify entries/s |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    single = {(r.database, r.clients): r.appends_per_s for r in results if r.batch_max == 1}
-    for r in results:
-        ratio = r.appends_per_s / single[(r.database, r.clients)]
-        lines.append(
-            f"| {r.database} | {r.clients} | {r.batch_max} | {r.durability} | {r.appends_per_s:,.0f} | {ratio:.1f}x "
-            f"| {r.mean_batch:.1f} | {r.max_batch} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.verify_per_s:,.0f} |"
+        f"Command: `{command}`  ",
+        f"Commit: `{_commit(ROOT)}`"
+        + (
+            f"; before: `{args.baseline}` (`{args.baseline_label or _commit(Path(args.baseline))}`)"
+            if compared
+            else ""
         )
+        + "  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"SQLite {sqlite3.sqlite_version}; measured {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; "
+        f"load average when done {os.getloadavg()[0]:.1f}.  ",
+        f"{args.rounds} interleaved rounds, a fresh process and database per run, {args.appends} appends each; "
+        + (
+            "integration runs during the appends, as in the proxy (its CPU is in the appends' figures); "
+            if args.integrating
+            else "integration runs after the appends, measured apart; "
+        )
+        + "medians over rounds. CPU is the appending process's (every thread), not the PostgreSQL server's. "
+        "Other work on the machine inflates the absolute figures; the ratios, taken within each round, are "
+        "what to read.",
+        "",
+    ]
+    columns = [
+        ("CPU/txn ms", "cpu_per_txn_ms"),
+        ("wall/txn ms", "wall_per_txn_ms"),
+        ("CPU/append ms", "cpu_per_append_ms"),
+        ("append p50 ms", "p50_ms"),
+        ("append p99 ms", "p99_ms"),
+        ("appends/s", "appends_per_s"),
+        ("integrate CPU/entry ms", "integrate_cpu_per_entry_ms"),
+    ]
+    header = "| database | durability | clients | mean batch | driver floor p50 ms |"
+    rule = "| --- | --- | ---: | ---: | ---: |"
+    for title, _ in columns:
+        header += f" {title} |" + (" after/before |" if compared else "")
+        rule += " ---: |" + (" ---: |" if compared else "")
+    lines += [header, rule]
+    for config, runs in results.items():
+        floor = f"{statistics.median(floors[config]):.3g}" if config in floors else ""
+        row = (
+            f"| {config.database} | {config.durability} | {config.clients} "
+            f"| {_median(runs['after'], 'mean_batch'):.1f} | {floor} |"
+        )
+        for _, name in columns:
+            after = _median(runs["after"], name)
+            if compared:
+                before = _median(runs["before"], name)
+                row += f" {before:,.3g} → {after:,.3g} | {_ratio(runs, name)} |"
+            else:
+                row += f" {after:,.3g} |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--appends", type=int, default=3000)
+def worker(request: dict[str, Any]) -> None:
+    measured = asyncio.run(
+        measure(
+            request["url"],
+            request["schema"],
+            request["durability"],
+            request["appends"],
+            request["clients"],
+            request["integrating"],
+        )
+    )
+    print(json.dumps(asdict(measured)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--appends", type=int, default=1500)
     parser.add_argument(
         "--concurrency", default="1,64", help="comma-separated numbers of concurrent appenders"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", help="another source tree, measured in turn with this one")
+    parser.add_argument("--baseline-label", help="what to call the baseline in the results (e.g. its commit)")
+    parser.add_argument(
+        "--integrating",
+        action="store_true",
+        help="integrate during the appends as the proxy does (every 0.5 s), not once after them",
     )
     parser.add_argument("--postgres-url", default=DEFAULT_POSTGRES)
     parser.add_argument("--no-postgres", action="store_true")
     parser.add_argument("--output", type=Path, default=Path("bench/results/audit_commit.md"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    results: list[Result] = []
-    for clients in (int(c) for c in args.concurrency.split(",")):
-        results += await bench_sqlite(args.appends, clients)
-        if not args.no_postgres:
-            results += await bench_postgres(args.postgres_url, args.appends, clients)
-    text = render(results, args.appends, args.concurrency)
+    if args.worker is not None:
+        worker(json.loads(args.worker))
+        return
+    results, floors = asyncio.run(run_all(args))
+    command = "python -m bench.audit_commit " + " ".join(sys.argv[1:])
+    text = render(results, floors, args, command.strip())
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    main()

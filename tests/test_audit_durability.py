@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
 
 from tests.support.audit_databases import KINDS, audit_database, entry
 
@@ -23,10 +22,8 @@ async def test_both_durabilities_append_one_intact_log(kind: str, durability: st
             await store.integrate()
             report = await store.verify()
             assert report.ok and report.entries_checked == 5 and report.pending == 0
-            setting = await store._committer._writer.run(  # the writer's own connection
-                lambda connection: connection.execute(
-                    text("PRAGMA synchronous" if kind == "sqlite" else "SHOW synchronous_commit")
-                ).scalar()
+            setting = await store._committer._writer.scalar(  # the writer's own connection
+                "PRAGMA synchronous" if kind == "sqlite" else "SHOW synchronous_commit"
             )
         finally:
             await store.close()

@@ -11,9 +11,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
-from proxy.audit import NewEntry, OpenStream
+from proxy.audit import InvalidEntry, OpenStream, SealedEntry
 from proxy.pins import Pin
 from proxy.prompts import PromptBook
 from proxy.records import (
@@ -26,7 +25,7 @@ from proxy.records import (
     interrupted_at_start_entry,
     opened_entry,
 )
-from proxy.registry import Registry, Replica
+from proxy.registry import Registry, Replica, ReplicaSnapshot
 from proxy.stack import Stack
 from tests.support.fake_replica import tiny_stack
 
@@ -54,13 +53,13 @@ RESPONSE = {
 EVENTS = ['data: {"choices": [{"index": 0, "delta": {"content": "the"}}]}\n\n']
 
 
-def replica(*, declared: bool = False) -> Replica:
+def replica(*, declared: bool = False) -> ReplicaSnapshot:
     """A replica in rotation with STACK, proved (or declared, as an upstream's configuration does)."""
     registry = Registry.of([Replica("replica-0", "http://127.0.0.1:9", declared)])
     registry.observe("replica-0", STACK, STACK.fingerprint, RECEIVED)
     served_by = registry.get("replica-0")
     assert served_by is not None
-    return served_by
+    return served_by.snapshot()
 
 
 def served(*, declared: bool = False, **overrides: Any) -> Served:
@@ -79,7 +78,7 @@ def served(*, declared: bool = False, **overrides: Any) -> Served:
     return Served(**{**fields, **overrides})
 
 
-def closed(**overrides: Any) -> NewEntry:
+def closed(**overrides: Any) -> SealedEntry:
     fields: dict[str, Any] = {
         "status": "complete",
         "events": EVENTS,
@@ -217,9 +216,9 @@ def test_a_translated_or_replayed_stream_keeps_the_replicas_own_answer_and_the_o
 def test_an_answer_the_log_cannot_hold_fails_as_its_entry_is_built() -> None:
     # No JSON reader carries this integer exactly, so canonical JSON refuses it; serving then serves nothing.
     unsafe = {**RESPONSE, "stackpin": {"seed": 2**63 - 1}}
-    with pytest.raises(ValidationError, match="content"):
+    with pytest.raises(InvalidEntry, match="content"):
         answer_entry(served(), unsafe, NOW)
-    with pytest.raises(ValidationError, match="content"):
+    with pytest.raises(InvalidEntry, match="content"):
         closed(answer=unsafe)
 
 

@@ -18,13 +18,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import structlog
-from sqlalchemy import Connection, func, insert, select, text
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
 
+from proxy.audit.batch import EntryRefused, plan_batch
 from proxy.audit.errors import (
     AuditError,
     DuplicateEntry,
@@ -33,10 +31,10 @@ from proxy.audit.errors import (
     UnknownStack,
     failure_reason,
 )
-from proxy.audit.models import SEQUENCE_BLOCK, Entry, LogQueue, Prompt, Stack
+from proxy.audit.models import SEQUENCE_BLOCK
 from proxy.audit.sealed import SealedEntry
 from proxy.audit.values import StoredEntry
-from proxy.audit.writer import TransactionRunner
+from proxy.audit.writer import BatchWriter
 
 log = structlog.get_logger(__name__)
 
@@ -50,17 +48,6 @@ class CommitObserver(Protocol):
     def committed(self, batch_size: int, seconds: float) -> None: ...
 
     def queue_depth(self, depth: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class _Written:
-    """What one transaction did: the sequence numbers of the entries it stored, and what it learnt on the way."""
-
-    seqs: list[int]
-    missing_stacks: set[str]
-    found_stacks: set[str]
-    new_stacks: set[str]
-    new_prompts: set[str]
 
 
 @dataclass
@@ -80,7 +67,7 @@ class _Pending:
 class GroupCommitter:
     def __init__(
         self,
-        writer: TransactionRunner,
+        writer: BatchWriter,
         *,
         batch_max: int,
         batch_wait_ms: float,
@@ -184,7 +171,7 @@ class GroupCommitter:
         started = time.perf_counter()
         try:
             committed = await self._transaction(batch)
-        except IntegrityError:
+        except EntryRefused:
             # Someone's entry collides with one already stored: commit the others one by one, so that only
             # the offender fails.
             await self._commit_each(batch)
@@ -200,8 +187,8 @@ class GroupCommitter:
             started = time.perf_counter()
             try:
                 committed = await self._transaction([pending])
-            except IntegrityError as exc:
-                pending.fail(_explain_integrity_error(pending.entry, exc))
+            except EntryRefused as exc:
+                pending.fail(_explain_refusal(pending.entry, exc))
                 continue
             except Exception as exc:
                 log.error("audit_batch_failed", batch_size=1, error=failure_reason(exc))
@@ -230,12 +217,12 @@ class GroupCommitter:
 
     async def _transaction(self, batch: list[_Pending]) -> list[tuple[_Pending, StoredEntry]]:
         """Commits what it can of `batch` in one transaction; entries it refuses are failed, not returned."""
-        entries = [p.entry for p in batch]  # sealed: their bytes and hashes were made outside the transaction
-        written = await self._writer.run(lambda connection: self._write(connection, entries))
+        planned = plan_batch((p.entry for p in batch), self._known_stacks, self._known_prompts)
+        written = await self._writer.write(planned)
         self._remember(self._known_stacks, written.found_stacks | written.new_stacks)
         self._remember(self._known_prompts, written.new_prompts)
-        kept = []
-        for pending in batch:
+        committed = []
+        for pending, planned_entry in zip(batch, planned.entries, strict=True):
             if pending.entry.fingerprint in written.missing_stacks:
                 pending.fail(
                     UnknownStack(
@@ -244,133 +231,27 @@ class GroupCommitter:
                     )
                 )
             else:
-                kept.append(pending)
+                committed.append((pending, planned_entry))
         return [
             (
-                p,
+                pending,
                 StoredEntry(
-                    record_id=p.entry.record_id,
-                    part=p.entry.part,
+                    record_id=pending.entry.record_id,
+                    part=pending.entry.part,
                     seq=seq,
-                    sha256=p.entry.sha256,
-                    leaf_hash=p.entry.leaf_hash.hex(),
-                    created_at=p.entry.created_at,
+                    sha256=planned_entry.row["sha256"],
+                    leaf_hash=planned_entry.leaf_hash,
+                    created_at=pending.entry.created_at,
                 ),
             )
-            for p, seq in zip(kept, written.seqs, strict=True)
+            for (pending, planned_entry), seq in zip(committed, written.seqs, strict=True)
         ]
-
-    def _write(self, connection: Connection, entries: list[SealedEntry]) -> _Written:
-        """The transaction's body, synchronous so that it runs wherever the writer runs it (writer.py).
-
-        It reads the caches but never changes them, and settles no future: both belong to the event loop.
-        """
-        found, missing = self._check_named_stacks(connection, entries)
-        entries = [e for e in entries if e.fingerprint not in missing]
-        if not entries:
-            return _Written([], missing, found, set(), set())
-        new_stacks, new_prompts = self._store_stacks_and_prompts(connection, entries)
-        first = sequence_block(connection, len(entries))
-        seqs = list(range(first, first + len(entries)))
-        connection.execute(insert(Entry), [entry_row(e, seq) for e, seq in zip(entries, seqs, strict=True)])
-        connection.execute(
-            insert(LogQueue),
-            [
-                {
-                    "first_seq": first,
-                    "count": len(entries),
-                    "leaf_hashes": "".join(e.leaf_hash.hex() for e in entries),
-                }
-            ],
-        )
-        return _Written(seqs, missing, found, new_stacks, new_prompts)
-
-    def _check_named_stacks(
-        self, connection: Connection, entries: list[SealedEntry]
-    ) -> tuple[set[str], set[str]]:
-        """(stacks found stored, stacks named without being given nor stored)."""
-        given = {e.fingerprint for e in entries if e.stack_json is not None}
-        unsure = {
-            e.fingerprint
-            for e in entries
-            if e.fingerprint is not None and e.stack_json is None and e.fingerprint not in given
-        } - self._known_stacks
-        if not unsure:
-            return set(), set()
-        found = set(
-            connection.execute(select(Stack.fingerprint).where(Stack.fingerprint.in_(unsure))).scalars()
-        )
-        return found, unsure - found
-
-    def _store_stacks_and_prompts(
-        self, connection: Connection, entries: list[SealedEntry]
-    ) -> tuple[set[str], set[str]]:
-        stacks: dict[str, dict[str, Any]] = {}
-        prompts: dict[str, dict[str, Any]] = {}
-        for entry in entries:
-            if entry.stack_json is not None and entry.fingerprint not in self._known_stacks:
-                assert entry.fingerprint is not None  # SealedEntry fills it from the stack
-                stacks.setdefault(
-                    entry.fingerprint,
-                    {
-                        "fingerprint": entry.fingerprint,
-                        "canonical_json": entry.stack_json,
-                        "first_seen": entry.created_at,
-                    },
-                )
-            sha = entry.prompt_sha256
-            if sha is not None and sha not in self._known_prompts:
-                prompts.setdefault(sha, {"sha256": sha, "text": entry.prompt_text})
-        dialect = connection.dialect.name
-        if stacks:
-            connection.execute(_insert_ignoring(dialect, Stack, "fingerprint"), list(stacks.values()))
-        if prompts:
-            connection.execute(_insert_ignoring(dialect, Prompt, "sha256"), list(prompts.values()))
-        return set(stacks), set(prompts)
 
     @staticmethod
     def _remember(cache: set[str], keys: set[str]) -> None:
         if len(cache) + len(keys) > CACHE_LIMIT:
             cache.clear()
         cache.update(keys)
-
-
-def _insert_ignoring(dialect: str, model: type[Stack] | type[Prompt], key: str) -> Any:
-    """INSERT that leaves an existing row alone: rows are content-addressed, so the old one is the same."""
-    module = postgresql if dialect == "postgresql" else sqlite
-    return module.insert(model).on_conflict_do_nothing(index_elements=[key])
-
-
-def sequence_block(connection: Connection, count: int) -> int:
-    """The first of `count` contiguous sequence numbers that no other transaction gets (count <= SEQUENCE_BLOCK).
-
-    PostgreSQL: one `nextval` of a sequence that steps by SEQUENCE_BLOCK; it never waits, and a block left unused
-    by a failed batch is a gap, which only orders entries and needs no filling. SQLite: the largest number plus
-    one, since its transactions write one at a time.
-    """
-    if connection.dialect.name == "postgresql":
-        return int(connection.execute(text("SELECT nextval('entries_seq')")).scalar_one())
-    return int(connection.execute(select(func.coalesce(func.max(Entry.seq), 0) + 1)).scalar_one())
-
-
-def entry_row(entry: SealedEntry, seq: int) -> dict[str, Any]:
-    return {
-        "seq": seq,
-        "record_id": entry.record_id,
-        "part": entry.part,
-        "tenant": entry.tenant,
-        "created_at": entry.created_at,
-        "replica": entry.replica,
-        "model": entry.model,
-        "fingerprint": entry.fingerprint,
-        "prompt_sha256": entry.prompt_sha256,
-        "replay_of": entry.replay_of,
-        "status": entry.status,
-        "stack_declared": entry.stack_declared,
-        "content": entry.content_json,
-        "sha256": entry.sha256,
-        "prev_sha256": None,
-    }
 
 
 def _fail_each(batch: list[_Pending], exc: Exception) -> None:
@@ -387,8 +268,8 @@ def _duplicate(entry: SealedEntry) -> DuplicateEntry:
     )
 
 
-def _explain_integrity_error(entry: SealedEntry, exc: IntegrityError) -> AuditError:
-    text = str(exc.orig).lower()
-    if "uq_entries_record_part" in text or "unique" in text:
+def _explain_refusal(entry: SealedEntry, exc: EntryRefused) -> AuditError:
+    reason = exc.reason.lower()
+    if "uq_entries_record_part" in reason or "unique" in reason:
         return _duplicate(entry)
-    return AuditError(f"the database refused entry {entry.part!r} of record {entry.record_id}: {exc.orig}")
+    return AuditError(f"the database refused entry {entry.part!r} of record {entry.record_id}: {exc.reason}")

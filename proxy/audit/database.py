@@ -5,18 +5,20 @@ Knows SQLite (aiosqlite, the embedded default) and PostgreSQL (asyncpg). Knows n
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 from sqlalchemy import event
+from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
 from proxy.audit.errors import DatabaseUrlError
-from proxy.audit.writer import AsyncRunner, ThreadRunner, TransactionRunner, sqlite_writer_engine
+from proxy.audit.writer import BatchWriter, LoopThreadRunner, PostgresWriter, SqliteWriter, TransactionRunner
 
 SUPPORTED = "sqlite+aiosqlite:///path/to/audit.db or postgresql+asyncpg://user@host:5432/database"
 DRIVERS = {
@@ -86,26 +88,35 @@ def _use_wal(cursor: Any) -> None:
             time.sleep(0.005 * (attempt + 1))
 
 
-def _sqlite_settings(engine: Engine, *, immediate: bool, durability: Durability = "disk") -> None:
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
-        # Take transaction control from the driver so that BEGIN is ours (see _on_begin).
-        dbapi_connection.isolation_level = None
-        cursor = dbapi_connection.cursor()
-        # WAL lets readers run beside the writer; FULL syncs the WAL on every commit, which is the durability
-        # the proxy promises before it answers. NORMAL ("process") syncs at checkpoints only: a commit survives
-        # the proxy's crash, not the machine's.
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
-        _use_wal(cursor)
-        cursor.execute(f"PRAGMA synchronous={'FULL' if durability == 'disk' else 'NORMAL'}")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.close()
+def configure_sqlite(dbapi_connection: Any, durability: Durability) -> None:
+    """The store's settings on a new sqlite3 connection."""
+    # Take transaction control from the driver so that BEGIN is ours (see _begin).
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    # WAL lets readers run beside the writer; FULL syncs the WAL on every commit, which is the durability
+    # the proxy promises before it answers. NORMAL ("process") syncs at checkpoints only: a commit survives
+    # the proxy's crash, not the machine's.
+    cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+    _use_wal(cursor)
+    cursor.execute(f"PRAGMA synchronous={'FULL' if durability == 'disk' else 'NORMAL'}")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
 
+
+def _begin(engine: Engine, *, immediate: bool) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         # The writer takes the write lock up front: a deferred transaction that reads the head and then
         # upgrades to a writer can fail with SQLITE_BUSY when another process writes in between.
         connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def _sqlite_settings(engine: Engine, *, immediate: bool, durability: Durability = "disk") -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        configure_sqlite(dbapi_connection, durability)
+
+    _begin(engine, immediate=immediate)
 
 
 def make_engine(url: URL, *, schema: str | None, writer: bool, pooled: bool = True) -> AsyncEngine:
@@ -124,19 +135,42 @@ def make_engine(url: URL, *, schema: str | None, writer: bool, pooled: bool = Tr
     return engine
 
 
-def make_writer(url: URL, *, schema: str | None, durability: Durability = "disk") -> TransactionRunner:
-    """Where group commits run: a sqlite3 connection on its own thread, or the asyncpg engine.
+def make_writer(url: URL, *, schema: str | None, durability: Durability = "disk") -> BatchWriter:
+    """Where group commits run: a sqlite3 connection on its own thread, or an asyncpg connection of its own.
 
     `durability` "disk" (the default) returns from a commit once it is on disk; "process" once it is committed,
     so that it survives the proxy's crash but the last moments of commits may be lost if the machine fails
     (SQLite synchronous=NORMAL in WAL mode; PostgreSQL synchronous_commit=off, still never inconsistent).
     """
     if url.get_backend_name() == "sqlite":
-        return ThreadRunner(
-            sqlite_writer_engine(
-                url, lambda engine: _sqlite_settings(engine, immediate=True, durability=durability)
-            )
-        )
+        return sqlite_writer(url, durability)
+    _args, kwargs = PGDialect_asyncpg().create_connect_args(url)  # what SQLAlchemy would connect with
+    settings = {**connect_args(url, schema).get("server_settings", {})}
+    if durability == "process":
+        settings["synchronous_commit"] = "off"
+    return PostgresWriter(kwargs, settings)
+
+
+def sqlite_writer(url: URL, durability: Durability) -> SqliteWriter:
+    database = url.database or ""
+
+    def connect() -> sqlite3.Connection:
+        # Opened on the writer's thread and used only there; closed from it too.
+        connection = sqlite3.connect(database, check_same_thread=False)
+        configure_sqlite(connection, durability)
+        return connection
+
+    return SqliteWriter(connect, lambda engine: _begin(engine, immediate=True))
+
+
+def make_integration_runner(
+    url: URL, writer: BatchWriter, *, schema: str | None, durability: Durability
+) -> TransactionRunner:
+    """Where the integrator's rounds run: SQLite admits one writer at a time, so they share the committer's
+    thread and connection; on PostgreSQL an engine of their own, so that the committer never waits for them, on
+    a thread and event loop of their own (writer.py)."""
+    if isinstance(writer, SqliteWriter):
+        return writer
     engine = make_engine(url, schema=schema, writer=True)
     if durability == "process":
 
@@ -146,4 +180,4 @@ def make_writer(url: URL, *, schema: str | None, durability: Durability = "disk"
             cursor.execute("SET synchronous_commit = off")
             cursor.close()
 
-    return AsyncRunner(engine)
+    return LoopThreadRunner(engine)

@@ -11,6 +11,7 @@ knows nothing of the database.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, get_args
@@ -42,6 +43,17 @@ class SealedEntry:
     encoded: bytes  # the entry's bytes (entries.py)
     sha256: str
     leaf_hash: bytes
+
+    @property
+    def content(self) -> dict[str, Any]:
+        """The content as a reader of the stored entry gets it back (never on the request path)."""
+        decoded: dict[str, Any] = json.loads(self.content_json)
+        return decoded
+
+    @property
+    def stack(self) -> dict[str, Any] | None:
+        """The stack document this entry carries to the store, if it carries one."""
+        return None if self.stack_json is None else json.loads(self.stack_json)
 
     def fields(self) -> EntryFields:
         return EntryFields(

@@ -23,7 +23,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from proxy.audit import listing, proofs
 from proxy.audit.commit import CommitObserver, GroupCommitter
-from proxy.audit.database import Durability, describe, make_engine, make_writer, parse_url
+from proxy.audit.database import (
+    Durability,
+    describe,
+    make_engine,
+    make_integration_runner,
+    make_writer,
+    parse_url,
+)
 from proxy.audit.entries import load_canonical
 from proxy.audit.errors import (
     AuditError,
@@ -58,7 +65,7 @@ from proxy.audit.values import (
     VerifyReport,
 )
 from proxy.audit.verify import PAGE_SIZE, Witnessed, verify_log
-from proxy.audit.writer import TransactionRunner
+from proxy.audit.writer import BatchWriter, TransactionRunner
 
 ENTRIES = Entry.__table__
 LEAVES = LogLeaf.__table__
@@ -87,12 +94,14 @@ class AuditStore:
     def __init__(
         self,
         reader: AsyncEngine,
-        writers: list[TransactionRunner],
+        writer: BatchWriter,
+        integration: TransactionRunner | None,
         committer: GroupCommitter,
         integrator: Integrator | None,
     ) -> None:
         self._reader = reader
-        self._writers = writers
+        self._writer = writer
+        self._integration = integration
         self._committer = committer
         self._integrator = integrator
 
@@ -140,17 +149,14 @@ class AuditStore:
         committer = GroupCommitter(
             writer, batch_max=batch_max, batch_wait_ms=batch_wait_ms, observer=observer
         )
-        writers, integrator = [writer], None
+        integration, integrator = None, None
         if signer is not None:
-            # SQLite admits one writer at a time: integration shares the committer's thread. PostgreSQL
-            # integrates on a connection of its own, so that the committer never waits for it.
-            if parsed.get_backend_name() != "sqlite":
-                writers.append(make_writer(parsed, schema=schema, durability=durability))
-            integrator = Integrator(writers[-1], signer, interval_s=checkpoint_interval_s)
+            integration = make_integration_runner(parsed, writer, schema=schema, durability=durability)
+            integrator = Integrator(integration, signer, interval_s=checkpoint_interval_s)
         committer.start()
         if integrator is not None:
             integrator.start()
-        return cls(reader, writers, committer, integrator)
+        return cls(reader, writer, integration, committer, integrator)
 
     async def append(self, entry: NewEntry | SealedEntry) -> StoredEntry:
         """Appends `entry` to the log; returns only once it is committed (durably), before it is in the tree."""
@@ -167,8 +173,9 @@ class AuditStore:
         await self._committer.close()
         if self._integrator is not None:
             await self._integrator.close()
-        for writer in self._writers:
-            await writer.dispose()
+        if self._integration is not None and self._integration is not self._writer:
+            await self._integration.dispose()
+        await self._writer.dispose()
         await self._reader.dispose()
 
     async def ping(self) -> None:

@@ -1,25 +1,36 @@
-"""Where a group commit's transaction runs: one synchronous function, two ways to run it.
+"""Where the store's transactions run: a group commit's batch on the driver's own API, and the integrator's rounds
+on a SQLAlchemy `Connection`.
 
-The transaction itself is written once, against a synchronous SQLAlchemy `Connection`. On PostgreSQL it runs on
-the asyncpg connection through `run_sync`, which costs nothing extra. On SQLite it runs on a plain `sqlite3`
-connection in one dedicated thread: aiosqlite hands every cursor call to its own thread and back, some thirty
-round trips per transaction, which made a single durable append cost about 10 ms where the work itself
-(statements and the WAL fsync) takes well under one. One hop per batch keeps what SQLite offers.
+A group commit is the request path: every answer waits for one. Through SQLAlchemy's execution layer a
+single-entry transaction cost about 2 ms of CPU, twenty times what `sqlite3` itself spends on it, so batches run
+on the raw drivers (`batch.py`, with statements compiled from the models). On SQLite that is one `sqlite3`
+connection in one dedicated thread, crossed once per batch; the integrator's rounds run on that same thread and
+connection through SQLAlchemy (SQLite admits one writer at a time anyway, and they are off the request path).
+On PostgreSQL it is one asyncpg connection of the writer's own, opened again after the server went away; the
+integrator has an engine of its own, so that a commit never waits for a round, on an event loop in a thread of
+its own, so that a round never holds the proxy's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
+import asyncpg
 from sqlalchemy import Connection, create_engine
-from sqlalchemy.engine import URL, Engine
+from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import StaticPool
 
+from proxy.audit.batch import Batch, Written, write_postgres, write_sqlite
+
 T = TypeVar("T")
+# A server that does not answer must fail its batch's callers in bounded time, not after asyncpg's default minute.
+POSTGRES_CONNECT_TIMEOUT_S = 10.0
 
 
 class TransactionRunner(Protocol):
@@ -30,24 +41,84 @@ class TransactionRunner(Protocol):
     async def dispose(self) -> None: ...
 
 
-class AsyncRunner:
+class BatchWriter(Protocol):
+    async def write(self, batch: Batch) -> Written:
+        """Writes `batch` in one transaction, committed (per the store's durability) when this returns."""
+        ...
+
+    async def scalar(self, sql: str) -> Any:
+        """One value read on the writer's own connection, outside any batch (its settings, for tests)."""
+        ...
+
+    async def dispose(self) -> None: ...
+
+
+class LoopThreadRunner:
+    """An async engine's transactions on an event loop of its own, in a thread of its own: an integration round
+    (thousands of rows, their hashes, a signature) then holds the proxy's event loop no longer than the
+    interpreter's switch interval, instead of for the whole round. The engine is only ever used on that loop."""
+
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
+        self._loop = asyncio.new_event_loop()
+        # A daemon: a store never closed must not keep the process alive.
+        self._thread = threading.Thread(target=self._loop.run_forever, name="audit-integration", daemon=True)
+        self._thread.start()
 
     async def run(self, work: Callable[[Connection], T]) -> T:
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self._in_transaction(work), self._loop)
+        )
+
+    async def _in_transaction(self, work: Callable[[Connection], T]) -> T:
         async with self._engine.begin() as connection:
             return await connection.run_sync(work)
 
     async def dispose(self) -> None:
-        await self._engine.dispose()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._engine.dispose(), self._loop))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        await asyncio.to_thread(self._thread.join)
+        self._loop.close()
 
 
-class ThreadRunner:
-    """One sqlite3 connection, used only from one thread, so that each batch crosses threads once."""
+class SqliteWriter:
+    """One sqlite3 connection, opened and used only on one thread, so that each batch or round crosses threads
+    once. `connect` opens it with the store's settings; `configure_engine` adds to the integrator's engine over
+    it what that engine needs (its BEGIN)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
+    def __init__(
+        self, connect: Callable[[], sqlite3.Connection], configure_engine: Callable[[Engine], None]
+    ) -> None:
+        self._connect = connect
+        self._connection: sqlite3.Connection | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-writer")
+        self._engine = create_engine("sqlite://", creator=self._opened, poolclass=StaticPool)
+        configure_engine(self._engine)
+
+    def _opened(self) -> sqlite3.Connection:
+        if self._connection is None:
+            self._connection = self._connect()
+        return self._connection
+
+    async def write(self, batch: Batch) -> Written:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._write, batch)
+
+    def _write(self, batch: Batch) -> Written:
+        connection = self._opened()
+        cursor = connection.cursor()
+        try:
+            # IMMEDIATE takes the write lock now: a deferred transaction that reads the largest number and then
+            # upgrades to a writer can fail with SQLITE_BUSY when another process writes in between.
+            cursor.execute("BEGIN IMMEDIATE")
+            written = write_sqlite(cursor, batch)
+            cursor.execute("COMMIT")
+        except BaseException:
+            if connection.in_transaction:
+                connection.rollback()
+            raise
+        finally:
+            cursor.close()
+        return written
 
     async def run(self, work: Callable[[Connection], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._in_transaction, work)
@@ -56,17 +127,64 @@ class ThreadRunner:
         with self._engine.begin() as connection:
             return work(connection)
 
+    async def scalar(self, sql: str) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, lambda: self._opened().execute(sql).fetchone()[0]
+        )
+
     async def dispose(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._engine.dispose)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self._close)
         self._thread.shutdown(wait=True)
 
+    def _close(self) -> None:
+        self._engine.dispose()
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
-def sqlite_writer_engine(url: URL, configure: Callable[[Any], None]) -> Engine:
-    """A synchronous sqlite3 engine for `url` (an aiosqlite URL), with the store's connection settings."""
-    engine = create_engine(
-        url.set(drivername="sqlite"),
-        poolclass=StaticPool,
-        connect_args={"check_same_thread": False},  # created on the loop's thread, used only on the writer's
-    )
-    configure(engine)
-    return engine
+
+class PostgresWriter:
+    """One asyncpg connection, one batch at a time. A connection that failed other than by a refusal of the
+    server's (a cut, a timeout) is dropped, and the next batch connects again: so the store recovers by itself
+    when the server comes back."""
+
+    def __init__(self, connect_kwargs: dict[str, Any], server_settings: dict[str, str]) -> None:
+        self._connect_kwargs = connect_kwargs
+        self._server_settings = server_settings
+        self._connection: asyncpg.Connection | None = None
+        self._lock = asyncio.Lock()
+
+    async def _connected(self) -> asyncpg.Connection:
+        if self._connection is None or self._connection.is_closed():
+            self._connection = await asyncpg.connect(
+                **self._connect_kwargs,
+                server_settings=self._server_settings,
+                timeout=POSTGRES_CONNECT_TIMEOUT_S,
+            )
+        return self._connection
+
+    async def write(self, batch: Batch) -> Written:
+        async with self._lock:
+            connection = await self._connected()
+            try:
+                return await write_postgres(connection, batch)
+            except BaseException as exc:
+                if not isinstance(exc, asyncpg.PostgresError) or connection.is_closed():
+                    self._drop()
+                raise
+
+    async def scalar(self, sql: str) -> Any:
+        async with self._lock:
+            return await (await self._connected()).fetchval(sql)
+
+    def _drop(self) -> None:
+        if self._connection is not None:
+            # terminate, not close: a close waits for a server that may be gone
+            self._connection.terminate()
+            self._connection = None
+
+    async def dispose(self) -> None:
+        async with self._lock:
+            if self._connection is not None and not self._connection.is_closed():
+                await self._connection.close(timeout=POSTGRES_CONNECT_TIMEOUT_S)
+            self._connection = None

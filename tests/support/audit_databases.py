@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
 from proxy.audit import AuditStore, NewEntry
-from proxy.audit.commit import entry_row
+from proxy.audit.batch import entry_row
 from proxy.audit.models import Entry
 from proxy.audit.note import COSIGNATURE, generate_signer
 from proxy.audit.schema import upgrade_database_async
