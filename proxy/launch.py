@@ -10,7 +10,6 @@ of which runs its application through `run_app`, as a single proxy does.
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -27,6 +26,7 @@ from proxy.errors import ConfigError
 from proxy.listener import bind, serving
 from proxy.local_backend import LocalBackend, wanted
 from proxy.logs import configure_logging
+from proxy.stopping import Stopping
 from proxy.supervisor import supervise, workers_refused
 
 log = structlog.get_logger("stackpin.serve")
@@ -99,30 +99,16 @@ async def run_app(
 ) -> None:
     """Serves until SIGINT or SIGTERM (or until `stop_when` returns), any of which also stops a start still in
     progress (a model loading); `on_serving` is called once requests are accepted."""
-    task = asyncio.current_task()
-    assert task is not None
-    stop = asyncio.Event()
-    started = False
-
-    def on_signal() -> None:
-        # Serving: stop in order, letting requests in flight finish. Starting: there is nothing to wait for.
-        if started:
-            stop.set()
-        else:
-            task.cancel()
-
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal)
-    watcher = asyncio.create_task(_signal_when(stop_when, on_signal)) if stop_when is not None else None
+    stopping = Stopping()
+    watcher = asyncio.create_task(_signal_when(stop_when, stopping.signal)) if stop_when is not None else None
     try:
         async with serving(app, sock, settings.server) as url:
-            started = True
+            stopping.serving()
             links = {"audit_page": f"{url}/ui/"} if "audit_page_shows" in line else {}
             log.info("serving", url=f"{url}/v1", **line, **links)
             if on_serving is not None:
                 on_serving()
-            await stop.wait()
+            await stopping.requested.wait()
     except asyncio.CancelledError:
         log.info("stopped_while_starting")
         return

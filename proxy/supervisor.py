@@ -46,6 +46,7 @@ from proxy.config import Secrets, Settings
 from proxy.errors import ConfigError
 from proxy.local_backend import LocalBackend, wanted
 from proxy.log_keys import serving_signer
+from proxy.stopping import Stopping
 from proxy.sweep import mark_interrupted_streams
 
 log = structlog.get_logger("stackpin.supervisor")
@@ -161,21 +162,7 @@ class Worker:
 
 
 async def _supervise(settings: Settings, secrets: Secrets, sock: socket.socket) -> int:
-    task = asyncio.current_task()
-    assert task is not None
-    stop = asyncio.Event()
-    spawning = False
-
-    def on_signal() -> None:
-        # Before the workers: nothing serves yet, so stop at once (a model may be loading).
-        if spawning:
-            stop.set()
-        else:
-            task.cancel()
-
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal)
+    stop = Stopping()
     local = (
         LocalBackend(settings.local_backend)
         if wanted(settings.local_backend, bool(settings.replicas))
@@ -191,7 +178,7 @@ async def _supervise(settings: Settings, secrets: Secrets, sock: socket.socket) 
     try:
         shared = await prepare(settings, secrets, datetime.now(UTC))
         backend_url = await local.start() if local is not None else None
-        spawning = True
+        stop.serving()
         for index in range(settings.server.workers):
             ready_read, ready_write = os.pipe()
             orders = WorkerOrders(settings, shared, index, sock.fileno(), ready_write, backend_url, folder)
@@ -216,7 +203,7 @@ async def _watch(workers: list[Worker], stop: asyncio.Event, sock: socket.socket
     """Waits for a stop signal or for a worker to end; the exit status."""
     announcing = asyncio.create_task(_announce(workers, sock))
     endings = {asyncio.create_task(worker.ended()): worker for worker in workers}
-    stopping = asyncio.create_task(stop.wait())
+    stopping = asyncio.create_task(stop.requested.wait())
     try:
         done, _ = await asyncio.wait([stopping, *endings], return_when=asyncio.FIRST_COMPLETED)
     finally:
