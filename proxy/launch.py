@@ -24,7 +24,7 @@ from proxy.audit import SchemaError
 from proxy.config import Secrets, Settings
 from proxy.errors import ConfigError
 from proxy.listener import bind, serving
-from proxy.local_backend import LocalBackend, wanted
+from proxy.local_backend import local_backend_for
 from proxy.logs import configure_logging
 from proxy.stopping import Stopping
 from proxy.supervisor import supervise, workers_refused
@@ -51,19 +51,16 @@ def serve(settings: Settings, secrets: Secrets) -> int:
             return supervise(settings, secrets, sock)
         finally:
             sock.close()
-    local = (
-        LocalBackend(settings.local_backend)
-        if wanted(settings.local_backend, bool(settings.replicas))
-        else None
-    )
-    if local is None and not settings.replicas:
-        log.warning(
-            "no_replicas",
-            hint="configure [[replicas]] or install the backend extra (pip install 'stackpin[backend]')",
-        )
+    local = local_backend_for(settings)
     app = create_app(settings, secrets, local_backend=local)
+    return serve_on(sock, run_app(app, sock, settings, serving_line(settings, secrets)))
+
+
+def serve_on(sock: socket.socket, serving: Coroutine[Any, Any, None]) -> int:
+    """Runs `serving` (run_app's) on uvloop, and closes the listening socket however it ends: the exit status,
+    a reason not to start being one line and EXIT_ERROR."""
     try:
-        run_on_uvloop(run_app(app, sock, settings, serving_line(settings, secrets)))
+        run_on_uvloop(serving)
     except (SchemaError, ConfigError) as e:
         print(f"stackpin: {e}", file=sys.stderr)
         return EXIT_ERROR

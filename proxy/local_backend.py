@@ -24,7 +24,7 @@ from typing import Protocol
 
 import structlog
 
-from proxy.config import LocalBackendSettings
+from proxy.config import LocalBackendSettings, Settings
 from proxy.errors import ConfigError
 
 log = structlog.get_logger("stackpin.local_backend")
@@ -61,6 +61,22 @@ def wanted(settings: LocalBackendSettings, replicas_configured: bool) -> bool:
     if settings.enabled == "off":
         return False
     return not replicas_configured and backend_installed()
+
+
+def local_backend_for(settings: Settings) -> LocalBackend | None:
+    """The embedded backend `stackpin serve` starts, if any; with neither it nor replicas, a warning says why
+    nothing will be served."""
+    local = (
+        LocalBackend(settings.local_backend)
+        if wanted(settings.local_backend, bool(settings.replicas))
+        else None
+    )
+    if local is None and not settings.replicas:
+        log.warning(
+            "no_replicas",
+            hint="configure [[replicas]] or install the backend extra (pip install 'stackpin[backend]')",
+        )
+    return local
 
 
 class BackendProcess(Protocol):

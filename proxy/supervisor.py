@@ -44,7 +44,7 @@ from pydantic import SecretStr
 from proxy.audit import AuditStore, SchemaError
 from proxy.config import Secrets, Settings
 from proxy.errors import ConfigError
-from proxy.local_backend import LocalBackend, wanted
+from proxy.local_backend import local_backend_for
 from proxy.log_keys import serving_signer
 from proxy.stopping import Stopping
 from proxy.sweep import mark_interrupted_streams
@@ -163,16 +163,7 @@ class Worker:
 
 async def _supervise(settings: Settings, secrets: Secrets, sock: socket.socket) -> int:
     stop = Stopping()
-    local = (
-        LocalBackend(settings.local_backend)
-        if wanted(settings.local_backend, bool(settings.replicas))
-        else None
-    )
-    if local is None and not settings.replicas:
-        log.warning(
-            "no_replicas",
-            hint="configure [[replicas]] or install the backend extra (pip install 'stackpin[backend]')",
-        )
+    local = local_backend_for(settings)
     folder = Path(tempfile.mkdtemp(prefix="stackpin-metrics-"))
     workers: list[Worker] = []
     try:

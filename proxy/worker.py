@@ -22,13 +22,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.audit import SchemaError
-from proxy.errors import ConfigError
-from proxy.launch import run_app, run_on_uvloop, serving_line
+from proxy.launch import run_app, serve_on, serving_line
 from proxy.local_backend import RunningBackend
 from proxy.logs import configure_logging
 from proxy.metrics import ProxyMetrics
-from proxy.supervisor import EXIT_ERROR, EXIT_OK, WorkerOrders
+from proxy.supervisor import WorkerOrders
 
 WORKER_HEADER = "Stackpin-Worker"
 
@@ -59,23 +57,17 @@ def main() -> int:
         os.close(orders.ready_fd)
 
     sock = socket.socket(fileno=orders.listen_fd)
-    try:
-        run_on_uvloop(
-            run_app(
-                app,
-                sock,
-                settings,
-                serving_line(settings, orders.secrets),
-                on_serving=ready,
-                stop_when=_stdin_ends,
-            )
-        )
-    except (SchemaError, ConfigError) as e:
-        print(f"stackpin: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    finally:
-        sock.close()
-    return EXIT_OK
+    return serve_on(
+        sock,
+        run_app(
+            app,
+            sock,
+            settings,
+            serving_line(settings, orders.secrets),
+            on_serving=ready,
+            stop_when=_stdin_ends,
+        ),
+    )
 
 
 def _say_which_worker_in_logs(index: int) -> None:

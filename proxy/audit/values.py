@@ -23,8 +23,7 @@ from pydantic import (
 )
 
 from proxy.audit.checks import LogProblem
-from proxy.audit.entries import EntryFields, Part, entry_text, prompt_sha256, sha256_hex
-from proxy.audit.merkle import leaf_hash
+from proxy.audit.entries import EntryFields, Part, prompt_sha256, sha256_hex
 from proxy.audit.sealed import SealedEntry, sealed_from
 from proxy.canonical import canonical_json
 
@@ -52,7 +51,7 @@ class NewEntry(BaseModel):
 
     _content_json: str = PrivateAttr(default="")
     _stack_json: str | None = PrivateAttr(default=None)
-    _text: str | None = PrivateAttr(default=None)
+    _sealed: SealedEntry | None = PrivateAttr(default=None)
 
     @field_validator("created_at")
     @classmethod
@@ -117,25 +116,25 @@ class NewEntry(BaseModel):
             stack_declared=self.stack_declared if self.fingerprint is not None else None,
         )
 
+    def sealed(self) -> SealedEntry:
+        """The entry's bytes and both hashes, made once (entries.py, sealed.py)."""
+        if self._sealed is None:
+            self._sealed = sealed_from(
+                self.fields(), self.content_json.encode("utf-8"), self.stack_json, self.prompt_text
+            )
+        return self._sealed
+
     @property
     def text(self) -> str:
-        """The entry's bytes (entries.py), made once: outside the commit, since no other entry changes them."""
-        if self._text is None:
-            self._text = entry_text(self.fields())
-        return self._text
+        return self.sealed().encoded.decode("utf-8")
 
     @property
     def sha256(self) -> str:
-        return sha256_hex(self.text)
+        return self.sealed().sha256
 
     @property
     def leaf_hash(self) -> bytes:
-        return leaf_hash(self.text.encode("utf-8"))
-
-    def sealed(self) -> SealedEntry:
-        return sealed_from(
-            self.fields(), self.content_json.encode("utf-8"), self.stack_json, self.prompt_text
-        )
+        return self.sealed().leaf_hash
 
 
 class StoredEntry(BaseModel):
