@@ -1,18 +1,23 @@
 """Where group commits run (proxy/audit/writer.py): several processes appending to one database at once, as
 `stackpin serve --workers N` does on one SQLite file and several proxies do on one PostgreSQL, keep one log: every
-caller is told its own number, SQLite's numbers have no gap, and the log verifies with every checkpoint signed."""
+caller is told its own number, SQLite's numbers have no gap, and the log verifies with every checkpoint signed.
+The SQLite writer's one thread runs what it is handed in order and settles each caller alone."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
+import sqlite3
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 import proxy
+from proxy.audit.writer import WriterThread
 from tests.support.audit_databases import KINDS, LOG_SIGNER, audit_database
 
 TREE = Path(proxy.__file__).resolve().parent.parent
@@ -84,3 +89,67 @@ async def test_several_processes_appending_to_one_database_keep_one_log(kind: st
         assert report.entries_checked == total and report.pending == 0
         assert report.signatures_checked and report.checkpoints_checked >= 1
         assert await database.scalar("SELECT count(*) FROM log_queue") == 0
+
+
+# The writer's thread: every SQLite batch and round crosses it.
+
+
+async def test_the_writer_thread_runs_calls_in_order_on_one_thread_and_returns_their_results() -> None:
+    thread = WriterThread("test-writer")
+    ran: list[tuple[int, str]] = []
+
+    def work(i: int) -> int:
+        ran.append((i, threading.current_thread().name))
+        return i * i
+
+    try:
+        results = await asyncio.gather(*(thread.call(functools.partial(work, i)) for i in range(50)))
+    finally:
+        await thread.stop()
+    assert results == [i * i for i in range(50)]
+    assert [i for i, _ in ran] == list(range(50)), "in the order they were handed over"
+    assert {name for _, name in ran} == {"test-writer"}
+
+
+async def test_a_call_that_raises_fails_its_caller_only_and_the_thread_goes_on() -> None:
+    thread = WriterThread("test-writer")
+
+    def refuse() -> None:
+        raise sqlite3.IntegrityError("UNIQUE constraint failed")
+
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="UNIQUE"):
+            await thread.call(refuse)
+        assert await thread.call(lambda: "still serving") == "still serving"
+    finally:
+        await thread.stop()
+
+
+async def test_a_caller_that_gives_up_leaves_its_call_to_finish_and_the_next_one_served() -> None:
+    thread = WriterThread("test-writer")
+    release = threading.Event()
+    finished = threading.Event()
+
+    def slow() -> None:
+        release.wait(timeout=30)
+        finished.set()
+
+    try:
+        waiting = asyncio.ensure_future(thread.call(slow))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        release.set()
+        assert await thread.call(lambda: 7) == 7
+        assert finished.is_set(), "a call once handed over runs to its end"
+    finally:
+        await thread.stop()
+
+
+async def test_stopping_lets_every_call_handed_over_finish_first() -> None:
+    thread = WriterThread("test-writer")
+    done: list[int] = []
+    pending = [asyncio.ensure_future(thread.call(functools.partial(done.append, i))) for i in range(20)]
+    await asyncio.sleep(0)  # each call is handed over when its task first runs
+    await thread.stop()
+    await asyncio.gather(*pending)
+    assert done == list(range(20))

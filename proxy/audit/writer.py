@@ -14,10 +14,11 @@ its own, so that a round never holds the proxy's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
 import sqlite3
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import asyncpg
@@ -81,6 +82,51 @@ class LoopThreadRunner:
         self._loop.close()
 
 
+class WriterThread:
+    """One thread that runs the calls it is handed, in order, and settles each caller's future on the caller's
+    event loop. Every durable commit crosses it twice, so the crossing is kept to what it must be: a C queue
+    there and one `call_soon_threadsafe` back, with none of an executor's per-call future, work item and lock."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[
+            tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | None
+        ] = queue.SimpleQueue()
+        # A daemon: a store never closed must not keep the process alive.
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    async def call(self, work: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put((work, loop, future))
+        return await future
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            work, loop, future = call
+            try:
+                outcome: tuple[Any, BaseException | None] = (work(), None)
+            except BaseException as exc:  # the caller's to handle, as if it had run the call itself
+                outcome = (None, exc)
+            # A RuntimeError: the caller's loop has closed, and nobody is left to tell.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+
+    async def stop(self) -> None:
+        """Lets every call handed over so far finish, then ends the thread."""
+        self._calls.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.cancelled():  # the caller gave up waiting; what its call did stands
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class SqliteWriter:
     """One sqlite3 connection, opened and used only on one thread, so that each batch or round crosses threads
     once. `connect` opens it with the store's settings; `configure_engine` adds to the integrator's engine over
@@ -91,7 +137,7 @@ class SqliteWriter:
     ) -> None:
         self._connect = connect
         self._connection: sqlite3.Connection | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit-writer")
+        self._thread = WriterThread("audit-writer")
         self._engine = create_engine("sqlite://", creator=self._opened, poolclass=StaticPool)
         configure_engine(self._engine)
 
@@ -101,7 +147,7 @@ class SqliteWriter:
         return self._connection
 
     async def write(self, batch: Batch) -> Written:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._write, batch)
+        return await self._thread.call(lambda: self._write(batch))
 
     def _write(self, batch: Batch) -> Written:
         connection = self._opened()
@@ -121,20 +167,18 @@ class SqliteWriter:
         return written
 
     async def run(self, work: Callable[[Connection], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._in_transaction, work)
+        return await self._thread.call(lambda: self._in_transaction(work))
 
     def _in_transaction(self, work: Callable[[Connection], T]) -> T:
         with self._engine.begin() as connection:
             return work(connection)
 
     async def scalar(self, sql: str) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._thread, lambda: self._opened().execute(sql).fetchone()[0]
-        )
+        return await self._thread.call(lambda: self._opened().execute(sql).fetchone()[0])
 
     async def dispose(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._thread, self._close)
-        self._thread.shutdown(wait=True)
+        await self._thread.call(self._close)
+        await self._thread.stop()
 
     def _close(self) -> None:
         self._engine.dispose()
