@@ -57,6 +57,7 @@ from proxy.log_keys import serving_signer
 from proxy.metrics import ProxyMetrics
 from proxy.middleware import error_middleware
 from proxy.prompts import PromptBook
+from proxy.record_ids import RecordIds
 from proxy.redact import Redactor
 from proxy.registry import OutstandingCounter, Registry, Replica
 from proxy.serving import Proxy
@@ -248,6 +249,7 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
         redactor=app[REDACTOR],
         closing=closing,
         clock=clock,
+        record_ids=RecordIds(),
     )
     try:
         yield

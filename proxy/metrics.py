@@ -30,6 +30,7 @@ class ProxyMetrics:
         # Each answer's counter and histogram children, by their labels: finding them by name every time costs
         # several times the update itself. As many entries as the metrics have label sets.
         self._answered: dict[tuple[tuple[str, ...], int], tuple[Counter, Histogram]] = {}
+        self._tokens: dict[tuple[str, str, str], Counter] = {}
         self.requests = Counter(
             "stackpin_requests",
             "Answered requests by HTTP status",
@@ -121,6 +122,14 @@ class ProxyMetrics:
         counter, histogram = children
         counter.inc()
         histogram.observe(seconds)
+
+    def counted_tokens(self, fingerprint: str, model: str, direction: str, count: int) -> None:
+        """`count` tokens of an answer from the stack `fingerprint`, `direction` prompt or completion."""
+        key = (fingerprint, model, direction)
+        counter = self._tokens.get(key)
+        if counter is None:
+            counter = self._tokens[key] = self.tokens.labels(*key)
+        counter.inc(count)
 
     def observe_replicas(self, replicas: list[Replica]) -> None:
         for replica in replicas:

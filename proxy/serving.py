@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,11 +50,6 @@ STACK_HEADER = "Stackpin-Stack"
 log = structlog.get_logger("stackpin.serving")
 
 
-def new_record_id() -> str:
-    # 128 random bits, as hex: uuid4 would add only its version bits, and costs several times as much.
-    return f"rec_{os.urandom(16).hex()}"
-
-
 @dataclass(frozen=True)
 class Sent:
     """What one call to a replica carried: where, what exactly, and what came back."""
@@ -82,6 +76,7 @@ class Proxy:
     # Where streams' closing entries are built, one at a time, off the event loop (see _close).
     closing: ThreadPoolExecutor
     clock: Callable[[], datetime]
+    record_ids: Callable[[], str]  # each call a new record id (proxy/record_ids.py)
 
     async def continued(self, request: ClientRequest, tenant: str) -> ClientRequest:
         """A Responses request with `previous_response_id` resolved into the input it stands for."""
@@ -407,7 +402,7 @@ class Proxy:
         dispatched: Dispatched[Sent],
         replaying: Replaying | None,
     ) -> Served:
-        record_id = new_record_id()
+        record_id = self.record_ids()
         # Every log line from here to the end of this request's task carries the record id.
         structlog.contextvars.bind_contextvars(
             record_id=record_id, replica=dispatched.replica.name, fingerprint=dispatched.replica.fingerprint
@@ -441,7 +436,7 @@ class Proxy:
         ):
             count = next((usage[k] for k in keys if isinstance(usage.get(k), int)), None)
             if count is not None:
-                self.metrics.tokens.labels(served.fingerprint, model, direction).inc(count)
+                self.metrics.counted_tokens(served.fingerprint, model, direction, count)
                 total += count
         self.limiter.charge(served.tenant, total)
 
