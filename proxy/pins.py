@@ -45,9 +45,15 @@ class Pin(BaseModel):
         return Pin(**merged)
 
     def matches(self, stack: Stack, fingerprint: str) -> bool:
+        # STACK_KEYS written out rather than looped over: every request tests every replica with this.
         if self.stack is not None and self.stack != fingerprint:
             return False
-        return all(getattr(self, key) in (None, getattr(stack, key)) for key in STACK_KEYS)
+        return (
+            (self.model is None or self.model == stack.model)
+            and (self.quantisation is None or self.quantisation == stack.quantisation)
+            and (self.hardware is None or self.hardware == stack.hardware)
+            and (self.kernel_mode is None or self.kernel_mode == stack.kernel_mode)
+        )
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.model_dump(exclude_none=True).items()) or "(any)"

@@ -28,6 +28,10 @@ class Unrecordable(ValueError):
 
 def check_recordable(value: Any, *, max_depth: int = MAX_DEPTH) -> None:
     """Raises `Unrecordable` for the first value, in document order, that canonical JSON cannot write."""
+    # Every request passes here, and almost none holds anything wrong: a walk that names no paths vouches for
+    # those, and only a body it cannot vouch for is walked again to find and name its first fault.
+    if _plainly_recordable(value, max_depth):
+        return
     stack: list[tuple[str, Any, int]] = [("", value, 0)]
     while stack:
         path, item, depth = stack.pop()
@@ -49,6 +53,40 @@ def check_recordable(value: Any, *, max_depth: int = MAX_DEPTH) -> None:
                 )
         elif isinstance(item, float) and not math.isfinite(item):
             raise Unrecordable(path, "is a number too large for the audit log (it reads as infinity)")
+
+
+def _plainly_recordable(value: Any, depth_left: int) -> bool:
+    """True when `value` holds nothing canonical JSON cannot write (False may be unsure, never wrong)."""
+    kind = type(value)
+    if kind is dict:
+        if depth_left <= 0:
+            return False
+        for key, item in value.items():
+            if type(key) is not str or not (key.isascii() or _is_unicode(key)):
+                return False
+            if not _plainly_recordable(item, depth_left - 1):
+                return False
+        return True
+    if kind is list:
+        if depth_left <= 0:
+            return False
+        return all(_plainly_recordable(item, depth_left - 1) for item in value)
+    if kind is str:
+        return value.isascii() or _is_unicode(value)
+    if kind is int:
+        return -SAFE_INT <= value <= SAFE_INT
+    if kind is float:
+        return value - value == 0.0  # neither NaN nor an infinity
+    return kind is bool or value is None
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a string holding a lone surrogate, which has no UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _children(path: str, item: dict[str, Any] | list[Any], depth: int) -> list[tuple[str, Any, int]]:

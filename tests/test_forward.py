@@ -29,6 +29,7 @@ from proxy.forward import (
     excerpt,
     open_stream,
     post_json,
+    request_bytes,
 )
 from tests.support.fake_replica import FakeReplica, fingerprint_of, tiny_stack
 
@@ -146,6 +147,34 @@ async def test_the_proxys_key_reaches_the_replica_as_a_bearer_token_and_no_key_s
     assert with_key["Authorization"] == f"Bearer {KEY.get_secret_value()}"
     assert "Authorization" not in without
     assert with_key["Content-Type"] == "application/json"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "messages": [{"role": "user", "content": 'héllo \u2028 🎉 "quoted" \\ \n'}]},
+        {
+            "n": 2**53 - 1,
+            "x": -0.0,
+            "y": 1e-7,
+            "z": 1.5,
+            "big": 1e300,
+            "none": None,
+            "flag": True,
+            "empty": {},
+        },
+        {"nested": [[[]], [{"a": [1, 2.5, "3"]}]]},
+    ],
+)
+def test_a_replica_is_sent_json_that_reads_back_as_the_body(body: dict[str, Any]) -> None:
+    sent = request_bytes(body)
+    assert json.loads(sent) == body, "the replica reads the value it would have read from json.dumps"
+    assert b"\\u00e9" not in sent, "text goes as UTF-8, not escaped"
+
+
+def test_a_body_orjson_refuses_is_still_sent_as_json_would_write_it() -> None:
+    body = {"huge": 2**70}  # never reaches a replica from a client (the recordable check refuses it)
+    assert json.loads(request_bytes(body)) == body
 
 
 async def test_an_answer_without_a_stack_header_says_so(

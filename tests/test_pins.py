@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.errors import BadRequest
-from proxy.pins import Pin, parse_pin_body, parse_pin_header, resolve_request_pin
+from proxy.pins import STACK_KEYS, Pin, parse_pin_body, parse_pin_header, resolve_request_pin
 from proxy.stack import Stack
 from tests.support.fake_replica import tiny_stack
 
@@ -77,3 +77,11 @@ def test_matching_ignores_the_prompt_and_honours_an_exact_fingerprint() -> None:
     assert not Pin(kernel_mode="default").matches(STACK, STACK.fingerprint)
     assert Pin(stack=STACK.fingerprint).matches(STACK, STACK.fingerprint)
     assert not Pin(stack="0" * 64).matches(STACK, STACK.fingerprint)
+
+
+@pytest.mark.parametrize("key", STACK_KEYS)
+def test_each_stack_key_a_pin_names_must_equal_the_stacks_own(key: str) -> None:
+    own = getattr(STACK, key)
+    assert Pin(**{key: own}).matches(STACK, STACK.fingerprint)
+    assert not Pin(**{key: own + "-other"}).matches(STACK, STACK.fingerprint)
+    assert not Pin(**{key: own, "stack": "0" * 64}).matches(STACK, STACK.fingerprint)
