@@ -149,88 +149,102 @@ def rounds_table(document: dict[str, Any]) -> str:
 
 # --- profile ----------------------------------------------------------------------------------------------------
 
-# Where a sampled frame's time goes, by the file it runs in (first match wins; `self` time of the leaf frame).
-CATEGORIES = (
-    ("canonical JSON (rfc8785)", ("rfc8785",)),
-    ("stdlib json / orjson", ("json/", "orjson")),
-    ("pydantic", ("pydantic",)),
-    ("SQLAlchemy", ("sqlalchemy",)),
-    ("sqlite3 / aiosqlite", ("sqlite3", "aiosqlite")),
-    ("asyncpg", ("asyncpg",)),
-    ("aiohttp: socket writes", ("http_writer.py:116", "selector_events.py:1057")),
-    ("aiohttp client", ("aiohttp/client", "aiohttp/connector", "aiohttp/streams", "aiohttp/tracing")),
-    ("aiohttp server", ("aiohttp/web", "aiohttp/http_", "aiohttp/_http", "aiohttp/base_protocol")),
-    ("aiohttp other", ("aiohttp/", "multidict", "yarl")),
-    ("logging (structlog)", ("structlog", "logging/")),
-    ("metrics (prometheus_client)", ("prometheus_client",)),
-    ("audit entries and commit hand-off (proxy/audit)", ("proxy/audit/",)),
-    ("proxy, other", ("proxy/",)),
-    ("thread hand-offs (executor submit)", ("concurrent/futures",)),
-    ("asyncio (Python)", ("asyncio/",)),
-)
-# A leaf frame in the loop's own run call: uvloop's C loop, whose idle wait and own work py-spy cannot tell apart.
+# What a busy sample of the event loop thread is spent on, judged from its whole stack.
 LOOP_ITSELF = ("Runner.run (", "run_until_complete (", "run_forever (")
-# The proxy's steps, inclusive of what they call.
-STEPS = ("openai_route", "read_body", "read_request", "Proxy._dispatch", "post_json", "Proxy._entry",
-         "AuditStore.append", "GroupCommitter._run", "_observe", "Proxy.answer_response",
-         "RequestHandler.finish_response", "RequestHandler.data_received", "ResponseHandler.data_received")  # fmt: skip
-IDLE_THREAD_LEAVES = ("_worker (", "_connection_worker_thread (", "wait (", "get (")
+CLIENT_FILES = ("aiohttp/client", "aiohttp/connector", "aiohttp/tracing")
+LIBRARY_FILES = ("aiohttp/", "multidict/", "yarl/", "asyncio/")
+PARTS = (
+    "HTTP server for the client (aiohttp)",
+    "HTTP client to the replica (aiohttp)",
+    "event loop and transports (uvloop's C, asyncio's Python)",
+    "the relay's own work",
+)
+# The relay's own work, by the first of its steps found in the stack (bare's is only its handler).
+OWN_STEPS = (
+    ("read and check the request", ("read_request", "parse_body", "read_body", "authenticate",
+                                    "Proxy.continued", "RateLimiter.admit")),
+    ("build and seal the record (canonical JSON, hashes)", ("Proxy._entry", "opened_entry", "closed_entry")),
+    ("commit: queue, batch, hand-off to the writer (loop side)", ("AuditStore.append", "GroupCommitter.")),
+    ("choose a replica, check its answer", ("Proxy._dispatch", "dispatch", "post_json", "open_stream")),
+    ("answer, metrics, logs", ("Proxy.answer_response", "_observe", "Proxy._count_tokens",
+                               "Proxy._client_body", "Proxy._served")),
+)  # fmt: skip
 
 
-def _category(frames: list[str]) -> str:
+def _file(frame: str) -> str:
+    return frame.rpartition(" (")[2]
+
+
+def _part(frames: list[str]) -> str:
     leaf = frames[-1]
-    if len(frames) == 1 or any(leaf.startswith(name) for name in LOOP_ITSELF):
-        return "event loop itself (uvloop: idle and its own C work)"
-    if "selectors.py" in leaf:
-        return "idle (waiting in select)"
-    for name, needles in CATEGORIES:
-        if any(needle in leaf for needle in needles):
-            return name
-    return "other (stdlib, hashlib, os, ...)"
+    if len(frames) == 1 or leaf.startswith(LOOP_ITSELF) or "asyncio/" in _file(leaf):
+        return PARTS[2]
+    if any(needle in _file(leaf) for needle in LIBRARY_FILES):
+        in_client = any(any(n in _file(f) for n in CLIENT_FILES) for f in frames)
+        return PARTS[1] if in_client else PARTS[0]
+    return PARTS[3]
 
 
-def profile_shares(raw: str) -> dict[str, Any]:
-    """py-spy's raw (collapsed) stacks, taken with --idle, summed into shares of the event loop thread's time: by
-    where the leaf frame runs, and by the proxy's steps (inclusive); and each other thread's busy share."""
-    leaf: dict[str, int] = defaultdict(int)
-    inclusive: dict[str, int] = defaultdict(int)
-    threads: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # name: [busy, all]
-    loop_total = 0
+def _own_step(frames: list[str]) -> str:
+    functions = {frame.split(" (", 1)[0] for frame in frames}
+    for step, names in OWN_STEPS:
+        if any(f == n or (n.endswith(".") and f.startswith(n)) for f in functions for n in names):
+            return step
+    return "other (the handler, middleware, ...)"
+
+
+def request_costs(raw: str, loop_ms: float, other_ms: float, requests: int) -> dict[str, Any]:
+    """py-spy's raw stacks of busy threads (taken without --idle) made into milliseconds per request: each part's
+    share of the event loop thread's busy samples times that thread's CPU per request over the same window."""
+    parts: dict[str, int] = dict.fromkeys(PARTS, 0)
+    own: dict[str, int] = defaultdict(int)
+    busy = 0
     for line in raw.splitlines():
         stack, _, count_text = line.rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
         count, frames = int(count_text), stack.split(";")
-        thread = frames[0].split(": ", 1)[-1]
-        if thread != "MainThread":
-            idle = len(frames) == 1 or frames[-1].startswith(IDLE_THREAD_LEAVES)
-            threads[thread][0] += 0 if idle else count
-            threads[thread][1] += count
+        if frames[0].split(": ", 1)[-1] != "MainThread":
             continue
-        loop_total += count
-        leaf[_category(frames)] += count
-        functions = {frame.split(" (", 1)[0] for frame in frames[1:]}
-        for step in STEPS:
-            if step in functions:
-                inclusive[step] += count
-    total = loop_total or 1
+        busy += count
+        part = _part(frames)
+        parts[part] += count
+        if part == PARTS[3]:
+            own[_own_step(frames)] += count
+    per_sample = loop_ms / max(busy, 1)
     return {
-        "samples": loop_total,
-        "event_loop_self": {k: round(c / total, 4) for k, c in sorted(leaf.items(), key=lambda x: -x[1])},
-        "event_loop_inclusive": {
-            k: round(c / total, 4) for k, c in sorted(inclusive.items(), key=lambda x: -x[1])
-        },
-        "other_threads_busy": {t: round(busy / max(n, 1), 4) for t, (busy, n) in threads.items()},
+        "requests": requests,
+        "samples": busy,
+        "loop_ms": round(loop_ms, 4),
+        "other_threads_ms": round(other_ms, 4),
+        "parts_ms": {k: round(c * per_sample, 4) for k, c in parts.items()},
+        "own_steps_ms": {k: round(c * per_sample, 4) for k, c in sorted(own.items(), key=lambda x: -x[1])},
     }
 
 
-def profile_text(profile: dict[str, Any]) -> str:
-    lines = ["| where (event loop thread, self time) | share |", "| --- | ---: |"]
-    lines += [f"| {k} | {v:.1%} |" for k, v in profile["event_loop_self"].items()]
-    lines += ["", "| step (event loop thread, inclusive) | share |", "| --- | ---: |"]
-    lines += [f"| `{k}` | {v:.1%} |" for k, v in profile["event_loop_inclusive"].items()]
-    lines += ["", "| other thread | busy share of its time |", "| --- | ---: |"]
-    lines += [f"| {k} | {v:.1%} |" for k, v in profile["other_threads_busy"].items()]
+def costs_text(costs: dict[str, Any]) -> str:
+    bare, served = costs["bare"], costs["stackpin-sqlite"]
+    lines = [
+        "| CPU per request, ms | bare | stackpin (SQLite) | difference |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    rows = [(f"event loop: {name}", bare["parts_ms"][name], served["parts_ms"][name]) for name in PARTS]
+    rows += [
+        ("event loop, all", bare["loop_ms"], served["loop_ms"]),
+        (
+            "other threads (the audit writer's, the drivers')",
+            bare["other_threads_ms"],
+            served["other_threads_ms"],
+        ),
+        (
+            "the process",
+            bare["loop_ms"] + bare["other_threads_ms"],
+            served["loop_ms"] + served["other_threads_ms"],
+        ),
+    ]
+    lines += [f"| {name} | {b:.3f} | {s:.3f} | {s - b:+.3f} |" for name, b, s in rows]
+    lines += ["", "| stackpin's own work on the event loop | ms per request |", "| --- | ---: |"]
+    lines += [f"| {step} | {ms:.3f} |" for step, ms in served["own_steps_ms"].items()]
     return "\n".join(lines)
 
 
@@ -269,13 +283,15 @@ def markdown(document: dict[str, Any]) -> str:
     if document.get("profile"):
         parts += [
             "",
-            f"## Where stackpin's time goes (py-spy, SQLite, {plan['concurrency']} clients)",
+            f"## Where the CPU goes (py-spy, {plan['concurrency']} clients, bare relay and stackpin on SQLite)",
             "",
-            "py-spy (`--idle`, 200 Hz) over the stackpin process while the clients load it. Shares are of the "
-            "event loop thread's samples: by where the leaf frame runs (self), and by the proxy's steps "
-            "(inclusive, they overlap). On a loaded machine a thread preempted at a system call is sampled there, "
-            "so system calls (socket writes, waking the writer thread, os.urandom) read larger than their CPU cost.",
+            "Each relay in turn under the same closed-loop load, py-spy sampling its busy threads (200 Hz, no "
+            "`--idle`) while /proc counts its CPU. A part's milliseconds per request are its share of the event "
+            "loop thread's busy samples times that thread's CPU per request in the same window. Parts are judged "
+            "by the whole stack: library code (aiohttp, multidict, yarl) under aiohttp's client is the client, "
+            "other library code the server; uvloop's C and asyncio's Python are the event loop; the rest is the "
+            "relay's own work, by the first of its steps found in the stack.",
             "",
-            profile_text(document["profile"]),
+            costs_text(document["profile"]),
         ]
     return "\n".join(parts) + "\n"

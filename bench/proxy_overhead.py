@@ -366,36 +366,62 @@ async def run_rounds(plan: Plan, env: dict[str, str]) -> list[Figures]:
 # --- profile ----------------------------------------------------------------------------------------------------
 
 
-async def profile(plan: Plan, env: dict[str, str], seconds: float, out: Path) -> None:
-    """py-spy over stackpin on SQLite while `plan.concurrency` clients load it; its raw stacks go to `out`."""
+@dataclass(frozen=True)
+class Profiled:
+    """One relay under py-spy: its raw stacks, and the CPU per request its threads spent meanwhile (from /proc)."""
+
+    relay: str
+    raw: str
+    requests: int
+    loop_ms: float  # the event loop threads'
+    other_ms: float  # every other thread's: the audit writer's, the drivers'
+
+
+async def profile(plan: Plan, env: dict[str, str], seconds: float) -> list[Profiled]:
+    """py-spy over the bare relay, then over stackpin on SQLite, each while `plan.concurrency` clients load it."""
+    async with replica(env) as upstream:
+        async with bare_relay(upstream, env) as (url, pid):
+            bare = await _profiled("bare", url, pid, plan, seconds)
+        async with (
+            fresh_store("sqlite") as store,
+            stackpin(Target("stackpin", "sqlite"), upstream, store, env, plan.log_level) as (url, pid),
+        ):
+            served = await _profiled("stackpin-sqlite", url, pid, plan, seconds)
+    return [bare, served]
+
+
+async def _profiled(relay: str, url: str, pid: int, plan: Plan, seconds: float) -> Profiled:
     spy = Path(sys.executable).parent / "py-spy"
-    target = Target("stackpin", "sqlite")
-    async with (
-        replica(env) as upstream,
-        fresh_store("sqlite") as store,
-        stackpin(target, upstream, store, env, plan.log_level) as (url, pid),
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session,
-    ):
-        ids: list[str] = []
-        completions = f"{url}/v1/chat/completions"
-        await closed_loop(session, completions, plan.warmup * 4, plan.concurrency, ids)
+    out = Path(tempfile.mkdtemp(prefix="stackpin-bench-")) / f"{relay}.txt"
+    completions = f"{url}/v1/chat/completions"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await closed_loop(session, completions, plan.warmup * 4, plan.concurrency, [])
+        # Without --idle: only samples of a thread at work count, so that a share of them times the thread's CPU
+        # per request is the milliseconds that part costs.
         command = [str(spy), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
-                   "--format", "raw", "--idle", "--nonblocking", "--threads", "--output", str(out)]  # fmt: skip
+                   "--format", "raw", "--nonblocking", "--threads", "--output", str(out)]  # fmt: skip
+        before = cpu_s(pid)
         recorder = await asyncio.create_subprocess_exec(
             *command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
-        load = asyncio.ensure_future(_load_until(recorder, session, completions, plan.concurrency))
+        served = await _load_until(recorder, session, completions, plan.concurrency)
         _, err = await recorder.communicate()
-        await load
-        if recorder.returncode != 0:
-            raise RuntimeError(f"py-spy failed: {err.decode()[-1000:]}")
+        after = cpu_s(pid)
+    if recorder.returncode != 0:
+        raise RuntimeError(f"py-spy failed: {err.decode()[-1000:]}")
+    loop_ms, other_ms = ((a - b) / max(served, 1) * 1000.0 for a, b in zip(after, before, strict=True))
+    return Profiled(relay, out.read_text(), served, loop_ms, other_ms)
 
 
 async def _load_until(
     recorder: asyncio.subprocess.Process, session: aiohttp.ClientSession, url: str, clients: int
-) -> None:
+) -> int:
+    """Loads `url` until `recorder` ends; how many requests were answered."""
+    served = 0
     while recorder.returncode is None:
         await closed_loop(session, url, clients * 10, clients, [])
+        served += clients * 10
+    return served
 
 
 # --- main -------------------------------------------------------------------------------------------------------
@@ -499,12 +525,12 @@ def main(argv: list[str] | None = None) -> None:
                 args.stream_requests, chosen, args.log_level)  # fmt: skip
     started, load_before = time.monotonic(), os.getloadavg()
     results = asyncio.run(run_rounds(plan, env))
-    profile_shares = None
+    costs = None
     if args.profile:
-        raw = Path(tempfile.mkdtemp(prefix="stackpin-bench-")) / "profile.txt"
-        asyncio.run(profile(plan, env, args.profile_seconds, raw))
-        profile_shares = overhead_report.profile_shares(raw.read_text())
-        print(f"py-spy's raw stacks: {raw}")
+        profiled = asyncio.run(profile(plan, env, args.profile_seconds))
+        costs = {
+            p.relay: overhead_report.request_costs(p.raw, p.loop_ms, p.other_ms, p.requests) for p in profiled
+        }
     run = {
         "command": "python -m bench.proxy_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
         "commit": commit(),
@@ -521,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
         "run": run,
         "summary": summary,
         "rounds": [asdict(f) for f in results],
-        "profile": profile_shares,
+        "profile": costs,
     }
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / "proxy_overhead.json").write_text(json.dumps(document, indent=2) + "\n")
