@@ -53,6 +53,7 @@ def summarise(results: list[Any]) -> dict[str, Any]:
                 "cpu_ms_many",
                 "cpu_ms_many_loop",
                 "ttfb_p50_ms",
+                "commit_ms_1",
             ):
                 row[key].append(getattr(f, key))
             if straight is not None and name != "straight":
@@ -64,6 +65,7 @@ def summarise(results: list[Any]) -> dict[str, Any]:
                 row["cpu_1_vs_bare"].append(_ratio(f.cpu_ms_1, bare.cpu_ms_1))
                 row["cpu_many_vs_bare"].append(_ratio(f.cpu_ms_many, bare.cpu_ms_many))
                 row["ttfb_over_bare_ms"].append(f.ttfb_p50_ms - bare.ttfb_p50_ms)
+                row["p50_over_bare_ms"].append(f.p50_ms - bare.p50_ms)
     return {
         name: {"median": {key: _median(values) for key, values in row.items()}, "rounds": dict(row)}
         for name, row in per_target.items()
@@ -103,16 +105,17 @@ def table(document: dict[str, Any]) -> str:
     """The figures as a Markdown table (medians over rounds; ratios per round, then their median)."""
     concurrency = document["run"]["plan"]["concurrency"]
     lines = [
-        f"| relay | p50 / p99 ms, 1 client | added p50 / p99 ms | req/s, {concurrency} clients | x straight | x bare "
-        f"| CPU ms/req, 1 / {concurrency} | of which event loop, {concurrency} | CPU x bare, 1 / {concurrency} "
-        "| stream TTFB ms | TTFB - bare ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| relay | p50 / p99 ms, 1 client | added p50 / p99 ms | over bare p50 ms | of which commit ms "
+        f"| req/s, {concurrency} clients | x straight | x bare | CPU ms/req, 1 / {concurrency} "
+        f"| of which event loop, {concurrency} | CPU x bare, 1 / {concurrency} | stream TTFB ms | TTFB - bare ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, figures in document["summary"].items():
         m = figures["median"]
         lines.append(
             f"| {name} | {_f(m['p50_ms'])} / {_f(m['p99_ms'])} | {_f(m.get('added_p50_ms'))} / "
-            f"{_f(m.get('added_p99_ms'))} | {_f(m['rps'], 0)} | {_f(m.get('rps_vs_straight'), 3)} | "
+            f"{_f(m.get('added_p99_ms'))} | {_f(m.get('p50_over_bare_ms'))} | {_f(m.get('commit_ms_1'))} | "
+            f"{_f(m['rps'], 0)} | {_f(m.get('rps_vs_straight'), 3)} | "
             f"{_f(m.get('rps_vs_bare'), 3)} | {_f(m['cpu_ms_1'])} / {_f(m['cpu_ms_many'])} | "
             f"{_f(m['cpu_ms_many_loop'])} | "
             f"{_f(m.get('cpu_1_vs_bare'))} / {_f(m.get('cpu_many_vs_bare'))} | {_f(m['ttfb_p50_ms'])} | "
@@ -153,6 +156,8 @@ def rounds_table(document: dict[str, Any]) -> str:
 LOOP_ITSELF = ("Runner.run (", "run_until_complete (", "run_forever (")
 CLIENT_FILES = ("aiohttp/client", "aiohttp/connector", "aiohttp/tracing")
 LIBRARY_FILES = ("aiohttp/", "multidict/", "yarl/", "asyncio/")
+# The proxy's subclass of aiohttp's connection handler: a sample there is in aiohttp's C parser it calls.
+SERVER_SUBCLASS = "ProxyRequestHandler."
 PARTS = (
     "HTTP server for the client (aiohttp)",
     "HTTP client to the replica (aiohttp)",
@@ -179,6 +184,8 @@ def _part(frames: list[str]) -> str:
     leaf = frames[-1]
     if len(frames) == 1 or leaf.startswith(LOOP_ITSELF) or "asyncio/" in _file(leaf):
         return PARTS[2]
+    if leaf.startswith(SERVER_SUBCLASS):
+        return PARTS[0]
     if any(needle in _file(leaf) for needle in LIBRARY_FILES):
         in_client = any(any(n in _file(f) for n in CLIENT_FILES) for f in frames)
         return PARTS[1] if in_client else PARTS[0]
@@ -266,8 +273,12 @@ def markdown(document: dict[str, Any]) -> str:
         f"{plan['latency_requests']} requests one at a time, {plan['requests']} at {plan['concurrency']} "
         f"closed-loop clients, {plan['stream_requests']} streams one at a time (time to the first body byte), "
         f"each phase after {plan['warmup']} warm-up requests. stackpin runs `stackpin serve` with a durable (`disk`) "
-        f"store, logging at `{plan.get('log_level', 'warning')}`. CPU is the relay process's own (workers included; PostgreSQL's server processes not). Medians over "
-        "rounds; ratios and differences are taken within each round, then their median.",
+        f"store, logging at `{plan.get('log_level', 'warning')}`. CPU is the relay process's own (workers "
+        "included; PostgreSQL's server processes not). *Over bare* is a relay's p50 at one client less the bare "
+        "relay's; *of which commit* is stackpin's mean group commit over the same requests, from its own "
+        "`stackpin_audit_commit_seconds` (planning the batch, the transaction, its callers told), which every "
+        "answer waits for. Medians over rounds; ratios and differences are taken within each round, then their "
+        "median.",
         *(f"\nNote: {note}" for note in run["notes"]),
         "",
         table(document),

@@ -8,10 +8,12 @@ and on PostgreSQL (a schema of its own), each measured in turn, the order rotate
 measured with a closed-loop client: latency with one client (added = relay minus straight, in the same round),
 throughput with `--concurrency` clients, the relay process's CPU time per request at both (from /proc, its
 workers included; PostgreSQL's own processes are not counted), and a stream's time to first byte (stackpin's waits
-for the `opened` record). After each stackpin round every answered request must have exactly one record and the
-log must verify. Figures are medians over rounds; ratios against the bare relay are taken within each round.
-Writes bench/results/proxy_overhead.md and .json (`--results` elsewhere); `--profile` adds py-spy's view of
-stackpin on SQLite at `--concurrency` clients.
+for the `opened` record); stackpin's mean group commit at one client comes from its own /metrics. After each
+stackpin round every answered request must have exactly one record and the log must verify. Figures are medians
+over rounds; ratios against the bare relay are taken within each round. Writes bench/results/proxy_overhead.md
+and .json (`--results` elsewhere); `--profile` adds, from py-spy over the bare relay and stackpin on SQLite at
+`--concurrency` clients, the CPU per request of each part (HTTP server, HTTP client, event loop, the relay's own
+work by step, other threads).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import overhead_report
 from bench.services import POSTGRES_URL, free_port, log_key_environment, postgres_schema, wait_until_up
@@ -77,6 +80,7 @@ class Figures:
     cpu_ms_many: float | None
     cpu_ms_many_loop: float | None  # of cpu_ms_many, the event loops' threads' share
     ttfb_p50_ms: float
+    commit_ms_1: float | None = None  # stackpin's mean group commit at one client, from its own /metrics
     records: dict[str, Any] = field(default_factory=dict)
 
 
@@ -197,9 +201,9 @@ async def measure(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await sequential(session, completions, plan.warmup, ids)
-        before = cpu_s(pid)
+        before, commits_before = cpu_s(pid), await commit_seconds(session, url)
         latencies = await sequential(session, completions, plan.latency_requests, ids)
-        after_1 = cpu_s(pid)
+        after_1, commits_after = cpu_s(pid), await commit_seconds(session, url)
         await closed_loop(session, completions, plan.warmup, plan.concurrency, ids)
         before_many = cpu_s(pid)
         rps = await closed_loop(session, completions, plan.requests, plan.concurrency, ids)
@@ -215,8 +219,29 @@ async def measure(
         cpu_ms_many=per_request_ms(before_many, after_many, plan.requests) if pid else None,
         cpu_ms_many_loop=(after_many[0] - before_many[0]) / plan.requests * ms if pid else None,
         ttfb_p50_ms=percentile(ttfb, 50) * ms,
+        commit_ms_1=mean_commit_ms(commits_before, commits_after),
     )
     return figures, ids
+
+
+async def commit_seconds(session: aiohttp.ClientSession, url: str) -> tuple[float, float] | None:
+    """The sum and count of stackpin's `stackpin_audit_commit_seconds` (each group commit from planning to its
+    callers told, on the event loop's clock), or None from a relay that has none."""
+    async with session.get(f"{url}/metrics") as response:
+        if response.status != 200:
+            return None
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        if family.name == "stackpin_audit_commit_seconds":
+            found = {s.name: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))}
+            return found.get(family.name + "_sum", 0.0), found.get(family.name + "_count", 0.0)
+    return None
+
+
+def mean_commit_ms(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * 1000.0
 
 
 # --- processes --------------------------------------------------------------------------------------------------
