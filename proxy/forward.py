@@ -59,11 +59,13 @@ async def post_json(
     api_key: SecretStr | None,
     timeout_s: float,
 ) -> Answer:
-    with _unreachable_on_transport_errors():
+    try:  # not _unreachable_on_transport_errors: every answer takes this path, and a plain try costs nothing
         async with session.post(
             url, data=request_bytes(body), headers=replica_headers(api_key), timeout=_timeout(timeout_s)
         ) as response:
             raw = await response.read()
+    except TRANSPORT_ERRORS as e:
+        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
     _raise_for_status(response.status, raw)
     return Answer(_parse_object(raw), response.headers.get(STACK_HEADER))
 

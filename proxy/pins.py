@@ -8,6 +8,7 @@ Everything here is pure.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -113,6 +114,15 @@ def parse_pin_body(value: Any) -> Pin:
     return pin_from_mapping(value, source="the body field 'stackpin'")
 
 
+_ANY = Pin()
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_pin(model: str) -> Pin:
+    # Pins are frozen: most requests name one of a few models, and share its pin instead of validating a new one.
+    return Pin(model=model)
+
+
 def resolve_request_pin(
     *, model: str | None, header: str | None, body_pin: Any, routes: dict[str, Pin]
 ) -> tuple[Pin, str | None]:
@@ -125,9 +135,9 @@ def resolve_request_pin(
     if route_name is not None:
         pin = routes[route_name]
     elif model is not None:
-        pin = Pin(model=model)
+        pin = _model_pin(model)
     else:
-        pin = Pin()
+        pin = _ANY
     if header is not None:
         pin = pin.narrowed_by(parse_pin_header(header), source="the Stackpin-Pin header")
     if body_pin is not None:
