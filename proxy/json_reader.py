@@ -21,13 +21,19 @@ from typing import Any
 import orjson
 
 _LONG_DIGITS = re.compile(r"\d{19}")
-_LONG_DIGITS_BYTES = re.compile(rb"\d{19}")
+# Bytes: every ASCII digit as "0" and every other byte as " ", so that a run of 19 digits is a run of 19 zeros,
+# which a substring search finds ten times as fast as the regex does (every request's body and answer pass here).
+_DIGITS_AS_ZEROS = bytes(ord("0") if ord("0") <= byte <= ord("9") else ord(" ") for byte in range(256))
+_LONG_RUN = b"0" * 19
 
 
 def read_json(text: bytes | str, *, parse_constant: Callable[[str], Any] | None = None) -> Any:
     """`json.loads(text, parse_constant=parse_constant)`: its value, or its exception."""
-    pattern = _LONG_DIGITS_BYTES if isinstance(text, bytes) else _LONG_DIGITS
-    if pattern.search(text) is None:  # type: ignore[arg-type]  (the pattern matches the text's type)
+    if isinstance(text, bytes):
+        long_digits = _LONG_RUN in text.translate(_DIGITS_AS_ZEROS)
+    else:
+        long_digits = _LONG_DIGITS.search(text) is not None
+    if not long_digits:
         try:
             return orjson.loads(text)
         except orjson.JSONDecodeError:

@@ -59,6 +59,10 @@ class Pin(BaseModel):
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.model_dump(exclude_none=True).items()) or "(any)"
 
+    def recorded(self) -> dict[str, str]:
+        """The keys it sets, as a record holds them (a new dict each time: records own their content)."""
+        return dict(_set_keys(self))
+
 
 def parse_prompt_ref(ref: str) -> tuple[str, int]:
     match = _PROMPT_REF.match(ref)
@@ -115,6 +119,12 @@ def parse_pin_body(value: Any) -> Pin:
 
 
 _ANY = Pin()
+
+
+@functools.lru_cache(maxsize=1024)
+def _set_keys(pin: Pin) -> tuple[tuple[str, str], ...]:
+    # Every record holds its pin; most requests share one of a few, and model_dump is several times a lookup.
+    return tuple(pin.model_dump(exclude_none=True).items())
 
 
 @functools.lru_cache(maxsize=1024)
