@@ -490,9 +490,9 @@ def commit() -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + (
-        " (with uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
-    )
+    # Changes to the results themselves (a previous run's, about to be replaced) change nothing measured.
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
+    return head + (" (with uncommitted changes)" if changed else "")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
