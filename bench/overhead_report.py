@@ -255,6 +255,10 @@ def costs_text(costs: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _steal(share: float | None) -> str:
+    return "" if share is None else f"CPU time taken by the virtual machine's host (steal) {share:.1%}; "
+
+
 def markdown(document: dict[str, Any]) -> str:
     run = document["run"]
     plan = run["plan"]
@@ -267,7 +271,8 @@ def markdown(document: dict[str, Any]) -> str:
         f"```\n{run['command']}\n```",
         "",
         f"Commit `{run['commit']}`, {run['date']}; {m['cpu']}, {m['cores']} cores, Python {m['python']}; load "
-        f"average before {run['load_average_before']}, after {run['load_average_after']}; {run['seconds']} s.",
+        f"average before {run['load_average_before']}, after {run['load_average_after']}; "
+        f"{_steal(run.get('steal_share'))}{run['seconds']} s.",
         "",
         f"{plan['rounds']} interleaved rounds (order rotated, fresh processes each round): per relay "
         f"{plan['latency_requests']} requests one at a time, {plan['requests']} at {plan['concurrency']} "

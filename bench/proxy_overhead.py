@@ -201,9 +201,12 @@ async def measure(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         await sequential(session, completions, plan.warmup, ids)
-        before, commits_before = cpu_s(pid), await commit_seconds(session, url)
+        # The scrapes stand outside the CPU window: their cost is no request's.
+        commits_before = await commit_seconds(session, url)
+        before = cpu_s(pid)
         latencies = await sequential(session, completions, plan.latency_requests, ids)
-        after_1, commits_after = cpu_s(pid), await commit_seconds(session, url)
+        after_1 = cpu_s(pid)
+        commits_after = await commit_seconds(session, url)
         await closed_loop(session, completions, plan.warmup, plan.concurrency, ids)
         before_many = cpu_s(pid)
         rps = await closed_loop(session, completions, plan.requests, plan.concurrency, ids)
@@ -225,8 +228,8 @@ async def measure(
 
 
 async def commit_seconds(session: aiohttp.ClientSession, url: str) -> tuple[float, float] | None:
-    """The sum and count of stackpin's `stackpin_audit_commit_seconds` (each group commit from planning to its
-    callers told, on the event loop's clock), or None from a relay that has none."""
+    """The sum and count of stackpin's `stackpin_audit_commit_seconds` (each group commit timed by its committer,
+    from planning the batch to its callers told), or None from a relay that has none."""
     async with session.get(f"{url}/metrics") as response:
         if response.status != 200:
             return None
@@ -471,6 +474,20 @@ def targets(args: argparse.Namespace, env: dict[str, str]) -> tuple[list[Target]
     return chosen, notes
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time so far by kind, in ticks (/proc/stat: user, nice, system, idle, iowait, irq,
+    softirq, steal, ...)."""
+    return [int(ticks) for ticks in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+
+
+def steal_share(before: list[int], after: list[int]) -> float | None:
+    """Of the CPUs' time between the two readings, the share a virtual machine's host gave to others (steal):
+    what a load average does not show, and what makes one run's figures differ from another's."""
+    spent = [a - b for a, b in zip(after, before, strict=False)]
+    total = sum(spent[:8])
+    return round(spent[7] / total, 3) if len(spent) > 7 and total > 0 else None
+
+
 def machine() -> dict[str, Any]:
     model = next(
         (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -548,7 +565,7 @@ def main(argv: list[str] | None = None) -> None:
     chosen, notes = targets(args, env)
     plan = Plan(args.rounds, args.warmup, args.latency_requests, args.requests, args.concurrency,
                 args.stream_requests, chosen, args.log_level)  # fmt: skip
-    started, load_before = time.monotonic(), os.getloadavg()
+    started, load_before, times_before = time.monotonic(), os.getloadavg(), cpu_times()
     results = asyncio.run(run_rounds(plan, env))
     costs = None
     if args.profile:
@@ -563,6 +580,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "steal_share": steal_share(times_before, cpu_times()),
         "seconds": round(time.monotonic() - started),
         "plan": {**asdict(plan), "targets": [t.name for t in plan.targets]},
         "notes": notes,

@@ -9,7 +9,6 @@ part of the proxy's one error tree (proxy/errors.py). This module knows nothing 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -35,9 +34,11 @@ class Answer:
 
 
 def request_bytes(body: dict[str, Any]) -> bytes:
-    """The JSON a replica is sent for `body`. Every body that reaches here passed the recordable check (no
-    non-finite number, no integer beyond 2**53, no lone surrogate), where orjson writes the value `json.dumps`
-    would, only without its spaces; anything orjson refuses goes to `json.dumps`, as aiohttp's `json=` would."""
+    """The JSON a replica is sent for `body`: orjson's bytes, which read back as the value `json.dumps` would
+    send (only its spacing and number spelling differ), for every value a record can hold. orjson writes NaN and
+    infinities as null where `json.dumps` writes non-JSON; no body reaches here with one, since every body is
+    either checked by the recordable check or read back from a record, whose canonical JSON has none. Anything
+    orjson refuses (an integer beyond 64 bits) is sent as `json.dumps` writes it, as aiohttp's `json=` did."""
     try:
         return orjson.dumps(body)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
@@ -61,18 +62,21 @@ async def post_json(
 ) -> Answer:
     try:  # not _unreachable_on_transport_errors: every answer takes this path, and a plain try costs nothing
         async with session.post(
-            url, data=request_bytes(body), headers=replica_headers(api_key), timeout=_timeout(timeout_s)
+            url,
+            data=request_bytes(body),
+            headers=replica_headers(api_key),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as response:
             raw = await response.read()
     except TRANSPORT_ERRORS as e:
-        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
+        raise _unavailable(e) from e
     _raise_for_status(response.status, raw)
     return Answer(_parse_object(raw), response.headers.get(STACK_HEADER))
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> dict[str, Any]:
     with _unreachable_on_transport_errors():
-        async with session.get(url, timeout=_timeout(timeout_s)) as response:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             raw = await response.read()
     _raise_for_status(response.status, raw)
     return _parse_object(raw)
@@ -171,7 +175,10 @@ async def open_stream(
 ) -> Stream:
     with _unreachable_on_transport_errors():
         response = await session.post(
-            url, data=request_bytes(body), headers=replica_headers(api_key), timeout=_timeout(timeout_s)
+            url,
+            data=request_bytes(body),
+            headers=replica_headers(api_key),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
         )
         if response.status != 200:
             raw = await response.read()
@@ -199,17 +206,16 @@ async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         yield bytes(pending)
 
 
-@functools.lru_cache(maxsize=64)
-def _timeout(total_s: float) -> aiohttp.ClientTimeout:
-    return aiohttp.ClientTimeout(total=total_s)  # immutable: one per setting, not one per call
-
-
 @contextlib.contextmanager
 def _unreachable_on_transport_errors() -> Iterator[None]:
     try:
         yield
     except TRANSPORT_ERRORS as e:
-        raise ReplicaUnavailable(f"{type(e).__name__}: {e}") from e
+        raise _unavailable(e) from e
+
+
+def _unavailable(error: BaseException) -> ReplicaUnavailable:
+    return ReplicaUnavailable(f"{type(error).__name__}: {error}")
 
 
 def _raise_for_status(status: int, raw: bytes) -> None:

@@ -34,7 +34,7 @@ log = structlog.get_logger("stackpin.serve")
 EXIT_OK, EXIT_ERROR = 0, 2
 T = TypeVar("T")
 # Net allocations of tracked objects between two collections of the youngest generation (CPython's default is
-# 700, which one request makes several times over; see `collect_for_serving`).
+# 700, which a proxy under load reaches every eight requests or so; see `collect_for_serving`).
 YOUNG_COLLECTION_THRESHOLD = 20_000
 
 
@@ -124,9 +124,8 @@ def collect_for_serving() -> None:
     """Sets the garbage collector up for serving, once start-up is done. What start-up built (modules, the
     application, the store's statements, pools) lives as long as the process: frozen, no collection walks it again.
     Requests allocate fast and free almost everything by reference counting, so the youngest generation is
-    collected after YOUNG_COLLECTION_THRESHOLD allocations rather than 700. At the defaults the collector took
-    about 0.06 ms of each request's CPU at 64 clients (timed by gc.callbacks, 6,000 requests: one part in
-    fourteen of the event loop's), to free cycles of a few MB at most; after this, next to nothing."""
+    collected after YOUNG_COLLECTION_THRESHOLD allocations rather than 700; the cycles that wait longer to be
+    freed are a few MB at most."""
     gc.collect()  # what start-up left as garbage, before freezing what remains
     gc.freeze()
     _, middle, oldest = gc.get_threshold()

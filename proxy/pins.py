@@ -8,7 +8,6 @@ Everything here is pure.
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -58,10 +57,6 @@ class Pin(BaseModel):
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.model_dump(exclude_none=True).items()) or "(any)"
-
-    def recorded(self) -> dict[str, str]:
-        """The keys it sets, as a record holds them (a new dict each time: records own their content)."""
-        return dict(_set_keys(self))
 
 
 def parse_prompt_ref(ref: str) -> tuple[str, int]:
@@ -118,21 +113,6 @@ def parse_pin_body(value: Any) -> Pin:
     return pin_from_mapping(value, source="the body field 'stackpin'")
 
 
-_ANY = Pin()
-
-
-@functools.lru_cache(maxsize=1024)
-def _set_keys(pin: Pin) -> tuple[tuple[str, str], ...]:
-    # Every record holds its pin; most requests share one of a few, and model_dump is several times a lookup.
-    return tuple(pin.model_dump(exclude_none=True).items())
-
-
-@functools.lru_cache(maxsize=1024)
-def _model_pin(model: str) -> Pin:
-    # Pins are frozen: most requests name one of a few models, and share its pin instead of validating a new one.
-    return Pin(model=model)
-
-
 def resolve_request_pin(
     *, model: str | None, header: str | None, body_pin: Any, routes: dict[str, Pin]
 ) -> tuple[Pin, str | None]:
@@ -145,9 +125,9 @@ def resolve_request_pin(
     if route_name is not None:
         pin = routes[route_name]
     elif model is not None:
-        pin = _model_pin(model)
+        pin = Pin(model=model)
     else:
-        pin = _ANY
+        pin = Pin()
     if header is not None:
         pin = pin.narrowed_by(parse_pin_header(header), source="the Stackpin-Pin header")
     if body_pin is not None:

@@ -30,8 +30,12 @@ def check_recordable(value: Any, *, max_depth: int = MAX_DEPTH) -> None:
     """Raises `Unrecordable` for the first value, in document order, that canonical JSON cannot write."""
     # Every request passes here, and almost none holds anything wrong: a walk that names no paths vouches for
     # those, and only a body it cannot vouch for is walked again to find and name its first fault.
-    if _plainly_recordable(value, max_depth):
-        return
+    if not _plainly_recordable(value, max_depth):
+        _check_each(value, max_depth)
+
+
+def _check_each(value: Any, max_depth: int) -> None:
+    """The full walk: every value in document order, each with its path, the first fault raised."""
     stack: list[tuple[str, Any, int]] = [("", value, 0)]
     while stack:
         path, item, depth = stack.pop()

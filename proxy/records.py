@@ -91,7 +91,7 @@ def _request_content(served: Served) -> dict[str, Any]:
     content: dict[str, Any] = {
         "endpoint": served.endpoint,
         "request": served.forwarded,
-        "pin": served.pin.recorded(),
+        "pin": served.pin.model_dump(exclude_none=True),
         "route": served.route,
         "prompt": (
             {"name": served.prompt.name, "version": served.prompt.version, "sha256": served.prompt.sha256}

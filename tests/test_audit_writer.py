@@ -13,10 +13,12 @@ import sqlite3
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import proxy
+from proxy.audit.errors import StoreClosed
 from proxy.audit.writer import WriterThread
 from tests.support.audit_databases import KINDS, LOG_SIGNER, audit_database
 
@@ -129,6 +131,8 @@ async def test_a_caller_that_gives_up_leaves_its_call_to_finish_and_the_next_one
     thread = WriterThread("test-writer")
     release = threading.Event()
     finished = threading.Event()
+    loop_errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: loop_errors.append(context))
 
     def slow() -> None:
         release.wait(timeout=30)
@@ -143,6 +147,7 @@ async def test_a_caller_that_gives_up_leaves_its_call_to_finish_and_the_next_one
         assert finished.is_set(), "a call once handed over runs to its end"
     finally:
         await thread.stop()
+    assert loop_errors == [], "settling a future nobody waits for any more is not an error"
 
 
 async def test_stopping_lets_every_call_handed_over_finish_first() -> None:
@@ -153,3 +158,11 @@ async def test_stopping_lets_every_call_handed_over_finish_first() -> None:
     await thread.stop()
     await asyncio.gather(*pending)
     assert done == list(range(20))
+
+
+async def test_a_call_after_stopping_is_refused_rather_than_left_waiting() -> None:
+    thread = WriterThread("test-writer")
+    await thread.stop()
+    with pytest.raises(StoreClosed, match="stopped"):
+        await asyncio.wait_for(thread.call(lambda: 1), timeout=5)
+    await thread.stop()  # stopping again is harmless

@@ -85,12 +85,3 @@ def test_each_stack_key_a_pin_names_must_equal_the_stacks_own(key: str) -> None:
     assert Pin(**{key: own}).matches(STACK, STACK.fingerprint)
     assert not Pin(**{key: own + "-other"}).matches(STACK, STACK.fingerprint)
     assert not Pin(**{key: own, "stack": "0" * 64}).matches(STACK, STACK.fingerprint)
-
-
-def test_a_pin_is_recorded_as_the_keys_it_sets_in_a_dict_of_the_records_own() -> None:
-    pin = Pin(model="fake-model", kernel_mode="batch_invariant")
-    first, second = pin.recorded(), pin.recorded()
-    assert first == {"model": "fake-model", "kernel_mode": "batch_invariant"} == second
-    first["model"] = "changed"
-    assert pin.recorded()["model"] == "fake-model", "one record's content is not another's"
-    assert Pin().recorded() == {}

@@ -23,12 +23,15 @@ def test_two_sources_share_no_id() -> None:
     assert not {first() for _ in range(1000)} & {second() for _ in range(1000)}
 
 
-def test_every_bit_of_an_id_varies() -> None:
-    """No byte of the 16 is fixed: the pool is sliced at whole ids, never at an offset that repeats a byte."""
-    ids = RecordIds(randomness=ID_BYTES)
-    digits = [ids()[4:] for _ in range(400)]
-    for position in range(32):
-        assert len({d[position] for d in digits}) > 8, f"hex digit {position} hardly varies"
+def test_every_bit_of_an_id_varies_wherever_in_the_pool_it_was_cut() -> None:
+    """No bit of the 128 is fixed, for ids from every slot of the pool: it is cut at whole ids."""
+    ids = RecordIds(randomness=8 * ID_BYTES)
+    drawn = [int(ids()[4:], 16) for _ in range(8 * 64)]
+    for slot in range(8):
+        from_slot = drawn[slot::8]
+        for bit in range(8 * ID_BYTES):
+            seen = {(value >> bit) & 1 for value in from_slot}
+            assert seen == {0, 1}, f"bit {bit} of the ids from slot {slot} never changes"
 
 
 @pytest.mark.parametrize("randomness", [0, 8, ID_BYTES + 1])

@@ -11,13 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.recordable import MAX_DEPTH, SAFE_INT, Unrecordable, check_recordable
+from proxy.recordable import _check_each as check_each
 from proxy.recordable import _plainly_recordable as plainly_recordable
 
 
-def nested(depth: int) -> Any:
+def nested(containers: int) -> Any:
+    """`containers` levels of nesting, objects and lists by turns."""
     value: Any = "leaf"
-    for _ in range(depth):
-        value = {"a": [value]}
+    for level in range(containers):
+        value = {"a": value} if level % 2 else [value]
     return value
 
 
@@ -41,9 +43,11 @@ def test_the_first_fault_is_named_by_its_path(body: dict[str, Any], path: str, s
 
 
 def test_nesting_is_bounded_and_the_bound_itself_passes() -> None:
-    check_recordable(nested(MAX_DEPTH // 2 - 1))  # each level is an object and a list: 2 levels
+    check_recordable(nested(MAX_DEPTH))
     with pytest.raises(Unrecordable, match="nested deeper than 64 levels"):
-        check_recordable(nested(MAX_DEPTH // 2 + 1))
+        check_recordable(nested(MAX_DEPTH + 1))
+    assert plainly_recordable(nested(MAX_DEPTH), MAX_DEPTH)
+    assert not plainly_recordable(nested(MAX_DEPTH + 1), MAX_DEPTH)
 
 
 def test_everyday_bodies_pass_with_text_in_any_script() -> None:
@@ -79,4 +83,4 @@ JSON_LIKE = st.recursive(
 def test_the_quick_walk_never_vouches_for_a_value_the_full_walk_refuses(value: Any, depth: int) -> None:
     """The quick walk may be unsure of a value (then the full one decides); it may never pass a fault."""
     if plainly_recordable(value, depth):
-        check_recordable(value, max_depth=depth)
+        check_each(value, depth)

@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.pool import StaticPool
 
 from proxy.audit.batch import Batch, Written, write_postgres, write_sqlite
+from proxy.audit.errors import StoreClosed
 
 T = TypeVar("T")
 # A server that does not answer must fail its batch's callers in bounded time, not after asyncpg's default minute.
@@ -91,11 +92,14 @@ class WriterThread:
         self._calls: queue.SimpleQueue[
             tuple[Callable[[], Any], asyncio.AbstractEventLoop, asyncio.Future[Any]] | None
         ] = queue.SimpleQueue()
+        self._stopped = False
         # A daemon: a store never closed must not keep the process alive.
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     async def call(self, work: Callable[[], T]) -> T:
+        if self._stopped:  # nobody would ever run it: its caller would wait forever
+            raise StoreClosed("the audit store's writer has stopped")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._calls.put((work, loop, future))
@@ -112,9 +116,15 @@ class WriterThread:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_settle, future, *outcome)
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     async def stop(self) -> None:
-        """Lets every call handed over so far finish, then ends the thread."""
-        self._calls.put(None)
+        """Lets every call handed over so far finish, then ends the thread; a later call is refused."""
+        if not self._stopped:
+            self._stopped = True
+            self._calls.put(None)
         await asyncio.to_thread(self._thread.join)
 
 
@@ -177,8 +187,12 @@ class SqliteWriter:
         return await self._thread.call(lambda: self._opened().execute(sql).fetchone()[0])
 
     async def dispose(self) -> None:
-        await self._thread.call(self._close)
-        await self._thread.stop()
+        if self._thread.stopped:
+            return
+        try:
+            await self._thread.call(self._close)
+        finally:
+            await self._thread.stop()
 
     def _close(self) -> None:
         self._engine.dispose()
