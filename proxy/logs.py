@@ -43,7 +43,9 @@ def configure_logging(level: str, stream: TextIO = sys.stderr) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        # One write per line, its newline included: print() writes the two apart, and on an unbuffered stderr
+        # that processes share (a supervisor and its workers) another process's line lands between them.
+        logger_factory=structlog.WriteLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
     handler = _JsonLines(stream)
