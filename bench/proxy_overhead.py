@@ -39,7 +39,14 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import overhead_report
-from bench.services import POSTGRES_URL, free_port, log_key_environment, postgres_schema, wait_until_up
+from bench.services import (
+    POSTGRES_URL,
+    free_port,
+    log_key_environment,
+    postgres_schema,
+    trivial_replicas,
+    wait_until_up,
+)
 from proxy.audit import AuditStore
 from proxy.audit.listing import RecordFilter
 
@@ -286,14 +293,6 @@ async def process(command: list[str], ready_url: str, env: dict[str, str]) -> As
 
 
 @asynccontextmanager
-async def replica(env: dict[str, str]) -> AsyncIterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    async with process(python("-m", "bench.trivial_replica", str(port)), f"{url}/v1/stack", env):
-        yield url
-
-
-@asynccontextmanager
 async def bare_relay(upstream: str, env: dict[str, str]) -> AsyncIterator[tuple[str, int]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -383,7 +382,7 @@ async def run_rounds(plan: Plan, env: dict[str, str]) -> list[Figures]:
     for round_ in range(plan.rounds):
         shift = round_ % len(plan.targets)
         order = plan.targets[shift:] + plan.targets[:shift]
-        async with replica(env) as upstream:
+        async with trivial_replicas(1) as [upstream]:
             for target in order:
                 figures = await run_target(plan, target, round_, upstream, env)
                 print(overhead_report.progress(figures), flush=True)
@@ -407,7 +406,7 @@ class Profiled:
 
 async def profile(plan: Plan, env: dict[str, str], seconds: float) -> list[Profiled]:
     """py-spy over the bare relay, then over stackpin on SQLite, each while `plan.concurrency` clients load it."""
-    async with replica(env) as upstream:
+    async with trivial_replicas(1) as [upstream]:
         async with bare_relay(upstream, env) as (url, pid):
             bare = await _profiled("bare", url, pid, plan, seconds)
         async with (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,7 @@ async def post_json(
     api_key: SecretStr | None,
     timeout_s: float,
 ) -> Answer:
-    try:  # not _unreachable_on_transport_errors: every answer takes this path, and a plain try costs nothing
+    try:
         async with session.post(
             url,
             data=request_bytes(body),
@@ -75,9 +75,11 @@ async def post_json(
 
 
 async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> dict[str, Any]:
-    with _unreachable_on_transport_errors():
+    try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             raw = await response.read()
+    except TRANSPORT_ERRORS as e:
+        raise _unavailable(e) from e
     _raise_for_status(response.status, raw)
     return _parse_object(raw)
 
@@ -173,7 +175,7 @@ async def open_stream(
     api_key: SecretStr | None,
     timeout_s: float,
 ) -> Stream:
-    with _unreachable_on_transport_errors():
+    try:
         response = await session.post(
             url,
             data=request_bytes(body),
@@ -183,6 +185,8 @@ async def open_stream(
         if response.status != 200:
             raw = await response.read()
             response.close()
+    except TRANSPORT_ERRORS as e:
+        raise _unavailable(e) from e
     if response.status != 200:
         _raise_for_status(response.status, raw)
     if not response.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -206,15 +210,8 @@ async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
         yield bytes(pending)
 
 
-@contextlib.contextmanager
-def _unreachable_on_transport_errors() -> Iterator[None]:
-    try:
-        yield
-    except TRANSPORT_ERRORS as e:
-        raise _unavailable(e) from e
-
-
 def _unavailable(error: BaseException) -> ReplicaUnavailable:
+    """A transport failure (refused, reset, timed out) as the retryable error it is."""
     return ReplicaUnavailable(f"{type(error).__name__}: {error}")
 
 

@@ -9,6 +9,8 @@ child process, and checks its stack over HTTP like any replica's.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,10 +54,12 @@ class LocalBackendOnLoopback:
             self.seen_at_stop["store_open"] = False
 
 
-async def test_the_local_backend_is_a_replica_and_is_stopped_before_the_client_and_the_store_are_released(
-    replica: FakeReplica, tmp_path: Path
-) -> None:
-    local = LocalBackendOnLoopback(replica)
+@asynccontextmanager
+async def app_with_local_backend(
+    local: LocalBackendOnLoopback, tmp_path: Path
+) -> AsyncIterator[tuple[web.Application, Callable[[], AbstractAsyncContextManager[str]]]]:
+    """An application with `local` as its embedded backend over a fresh SQLite log, and how to serve it on a
+    loopback socket of its own (closed at the end)."""
     async with audit_database("sqlite", tmp_path) as database:
         await database.migrate()
         settings = settings_for([], database.url)
@@ -63,12 +67,19 @@ async def test_the_local_backend_is_a_replica_and_is_stopped_before_the_client_a
         local.app = app
         sock = bind("127.0.0.1", 0)
         try:
-            async with serving(app, sock, settings.server):
-                (live,) = app[REGISTRY].live()
-                assert live.name == "local-cpu" and live.fingerprint == replica.fingerprint
-                session, store = app[CLIENT_SESSION], app[STORE]
+            yield app, lambda: serving(app, sock, settings.server)
         finally:
             sock.close()
+
+
+async def test_the_local_backend_is_a_replica_and_is_stopped_before_the_client_and_the_store_are_released(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    local = LocalBackendOnLoopback(replica)
+    async with app_with_local_backend(local, tmp_path) as (app, serve), serve():
+        (live,) = app[REGISTRY].live()
+        assert live.name == "local-cpu" and live.fingerprint == replica.fingerprint
+        session, store = app[CLIENT_SESSION], app[STORE]
     assert local.seen_at_stop == {"client_open": True, "store_open": True}, "released in reverse order"
     assert session.closed
     with pytest.raises(AuditError):
@@ -77,18 +88,10 @@ async def test_the_local_backend_is_a_replica_and_is_stopped_before_the_client_a
 
 async def test_a_resource_that_fails_to_start_releases_those_acquired_before_it(tmp_path: Path) -> None:
     local = LocalBackendOnLoopback(None)
-    async with audit_database("sqlite", tmp_path) as database:
-        await database.migrate()
-        settings = settings_for([], database.url)
-        app = create_app(settings, resolve_secrets(settings, {}), local_backend=local)  # type: ignore[arg-type]
-        local.app = app
-        sock = bind("127.0.0.1", 0)
-        try:
-            with pytest.raises(RuntimeError, match="could not load its model"):
-                async with serving(app, sock, settings.server):
-                    pytest.fail("nothing is served when a resource cannot start")
-        finally:
-            sock.close()
+    async with app_with_local_backend(local, tmp_path) as (app, serve):
+        with pytest.raises(RuntimeError, match="could not load its model"):
+            async with serve():
+                pytest.fail("nothing is served when a resource cannot start")
         assert REGISTRY not in app, "nothing after the failed resource was acquired"
         assert app[CLIENT_SESSION].closed
         with pytest.raises(AuditError):

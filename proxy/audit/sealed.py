@@ -55,22 +55,6 @@ class SealedEntry:
         """The stack document this entry carries to the store, if it carries one."""
         return None if self.stack_json is None else json.loads(self.stack_json)
 
-    def fields(self) -> EntryFields:
-        return EntryFields(
-            record_id=self.record_id,
-            part=self.part,
-            tenant=self.tenant,
-            created_at=self.created_at,
-            replica=self.replica,
-            model=self.model,
-            fingerprint=self.fingerprint,
-            prompt_sha256=self.prompt_sha256,
-            replay_of=self.replay_of,
-            status=self.status,
-            content_json=self.content_json,
-            stack_declared=self.stack_declared,
-        )
-
 
 def sealed_from(
     fields: EntryFields, content: bytes, stack_json: str | None, prompt_text: str | None
