@@ -265,7 +265,7 @@ async def signing_and_proof_rates(args: argparse.Namespace) -> dict[str, float]:
                 f'[[replicas]]\nname = "trivial"\nurl = "{replica}"\n'
             )
             proxy = subprocess.Popen(
-                [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
+                [sys.executable, "-m", "proxy.commands.cli", "serve", "--config", str(config)],
                 env={**os.environ, **environment},
                 cwd=ROOT,
             )

@@ -107,7 +107,7 @@ async def measure(base: str, events: int, streams: int) -> Round:
 
 def serve(source: Path, config: Path, port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)],
+        [sys.executable, "-m", "proxy.commands.cli", "serve", "--config", str(config)],
         cwd=config.parent,
         env={**os.environ, "PYTHONPATH": str(source), "STACKPIN_SERVER__PORT": str(port)},
         stdin=subprocess.DEVNULL,

@@ -135,13 +135,13 @@ class Processes:
         log = self.folder / f"{log_name}.log"
         with log.open("wb") as sink:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proxy.cli", *args, env=self.env, stdout=sink, stderr=sink
+                sys.executable, "-m", "proxy.commands.cli", *args, env=self.env, stdout=sink, stderr=sink
             )
         self.running.append((process, log))
 
     async def run(self, *args: str) -> tuple[int, str]:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy.cli", *args, env=self.env,
+            sys.executable, "-m", "proxy.commands.cli", *args, env=self.env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip
         out, _ = await process.communicate()

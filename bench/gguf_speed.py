@@ -38,7 +38,7 @@ from pinned_backend.engine import EngineError, TokenOutput
 from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.stack import detect_hardware
-from proxy.local_backend import smollm2_gguf
+from proxy.replicas.local_backend import smollm2_gguf
 
 MODES = ("default", "batch_invariant")
 TOPICS = (

@@ -329,7 +329,7 @@ async def stackpin(
             + f'[local_backend]\nenabled = "off"\n[[replicas]]\nname = "trivial"\nurl = "{upstream}"\n'
         )
         env = {**env, **log_key_environment(), "STACKPIN_LOG_LEVEL": log_level}
-        cli = python("-m", "proxy.cli")
+        cli = python("-m", "proxy.commands.cli")
         subprocess.run(
             [*cli, "db", "upgrade", "--config", str(config)], check=True, env=env, capture_output=True
         )
@@ -456,7 +456,7 @@ async def _load_until(
 
 def serve_accepts_workers(env: dict[str, str]) -> bool:
     shown = subprocess.run(
-        python("-m", "proxy.cli", "serve", "--help"), env=env, capture_output=True, text=True
+        python("-m", "proxy.commands.cli", "serve", "--help"), env=env, capture_output=True, text=True
     )
     return "--workers" in shown.stdout
 

@@ -3,7 +3,7 @@
     python -m bench.record_cost --baseline DIR [--rounds 7] [--entries 300] [--output bench/results/record_cost.md]
 
 Per entry, as the request path and the committer do it: the entry is built from a served request
-(`proxy.records`), which canonicalises it (RFC 8785), then its bytes are hashed as the committer reads them
+(`proxy.serving.records`), which canonicalises it (RFC 8785), then its bytes are hashed as the committer reads them
 (`sha256`, the leaf hash, the row `proxy.audit.commit.entry_row` makes). Two entries: a small chat answer, and the
 `closed` entry of a 64-token stream with logprobs (five alternatives per token), its events and the answer they
 assemble into. `DIR` is another source tree (e.g. `git worktree add /tmp/base main`), whose `proxy` package is
@@ -94,9 +94,9 @@ def measure(case: str, entries: int) -> list[float]:
     """`--worker`: microseconds per entry, `entries` times, with the `proxy` package found on sys.path."""
     from proxy.audit.commit import entry_row
     from proxy.pins import Pin
-    from proxy.prompts import PromptVersion
-    from proxy.records import Served, answer_entry, closed_entry
-    from proxy.registry import Replica
+    from proxy.replicas.registry import Replica
+    from proxy.serving.prompts import PromptVersion
+    from proxy.serving.records import Served, answer_entry, closed_entry
     from proxy.stack import Stack
 
     stack = Stack.model_validate(STACK)

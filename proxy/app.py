@@ -4,7 +4,7 @@ What needs no releasing is set when the application is built (settings, secrets,
 prompts). Each resource is one cleanup context under its own key (proxy/app_keys.py), acquired in this order and
 released in reverse, and each is built with the ones before it:
 
-1. the audit store, whose streams left open by a stopped proxy are closed as interrupted first (proxy/sweep.py),
+1. the audit store, whose streams left open by a stopped proxy are closed as interrupted first (proxy/process/sweep.py),
    and which integrates the log and signs its checkpoints with the log's key;
 2. the HTTP client for replicas;
 3. the embedded local backend, when configured;
@@ -12,7 +12,7 @@ released in reverse, and each is built with the ones before it:
    shares its quarantines through;
 5. the replica registry with its health monitor, which checks every replica before the first request is accepted;
 6. the fleet (proxy/fleet/resource.py): rate limits, and in fleet mode the task that keeps the registry in step;
-7. the serving path (proxy/serving.py) over all of them.
+7. the serving path (proxy/serving/serve.py) over all of them.
 
 The audit page (proxy/ui/) is a sub-application at /ui over the same keys.
 """
@@ -48,20 +48,20 @@ from proxy.app_keys import (
     STORE,
 )
 from proxy.audit import AuditStore
+from proxy.audit.keys import serving_signer
 from proxy.config import Secrets, Settings
 from proxy.fleet.resource import fleet_for, fleet_link
-from proxy.handlers import routes
-from proxy.health import HealthMonitor
-from proxy.local_backend import BackendProcess
-from proxy.log_keys import serving_signer
 from proxy.metrics import ProxyMetrics
-from proxy.middleware import error_middleware
-from proxy.prompts import PromptBook
-from proxy.record_ids import RecordIds
-from proxy.redact import Redactor
-from proxy.registry import OutstandingCounter, Registry, Replica
-from proxy.serving import Proxy
-from proxy.sweep import mark_interrupted_streams
+from proxy.process.sweep import mark_interrupted_streams
+from proxy.replicas.health import HealthMonitor
+from proxy.replicas.local_backend import BackendProcess
+from proxy.replicas.registry import OutstandingCounter, Registry, Replica
+from proxy.serving.handlers import routes
+from proxy.serving.middleware import error_middleware
+from proxy.serving.prompts import PromptBook
+from proxy.serving.record_ids import RecordIds
+from proxy.serving.redact import Redactor
+from proxy.serving.serve import Proxy
 from proxy.ui import ui_app
 
 log = structlog.get_logger("stackpin.app")
@@ -99,7 +99,7 @@ def create_app(
     shared_metrics: ProxyMetrics | None = None,
     sweep_at_start: bool = True,
 ) -> web.Application:
-    """`shared_metrics` and `sweep_at_start=False` are for a worker among several (proxy/worker.py): their metrics are
+    """`shared_metrics` and `sweep_at_start=False` are for a worker among several (proxy/process/worker.py): their metrics are
     combined, and their supervisor has swept the streams left open before any worker serves."""
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
     app[SETTINGS] = settings

@@ -15,13 +15,13 @@ from proxy.audit import AuditStore
 from proxy.config import Secrets, Settings
 from proxy.fleet.link import FleetLink
 from proxy.fleet.resource import Fleet
-from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
 from proxy.pins import Pin
-from proxy.prompts import PromptBook
-from proxy.redact import Redactor
-from proxy.registry import Registry, Replica
-from proxy.serving import Proxy
+from proxy.replicas.health import HealthMonitor
+from proxy.replicas.registry import Registry, Replica
+from proxy.serving.prompts import PromptBook
+from proxy.serving.redact import Redactor
+from proxy.serving.serve import Proxy
 
 SETTINGS = web.AppKey("settings", Settings)
 SECRETS = web.AppKey("secrets", Secrets)

@@ -57,7 +57,7 @@ class ServerSettings(_Section):
     # A connection that sends no complete request for this long (from its start, or since its last answer) is
     # closed: slow or idle sockets cannot pile up.
     idle_timeout_s: float = Field(default=75.0, gt=0)
-    # Past this many open connections only the probes are answered (proxy/listener.py). Default: half the
+    # Past this many open connections only the probes are answered (proxy/process/listener.py). Default: half the
     # process's file-descriptor limit, at most 4096, so that a flood of sockets cannot exhaust it.
     max_connections: int | None = Field(default=None, ge=1)
     # Processes serving the one port, each a whole proxy appending to the one log (proxy/workers.py); about one

@@ -6,7 +6,7 @@
                                             response.created` ...), ending with the response's terminal event
 
 A pinned_backend replica serves the first three itself, and the Responses API through the proxy's translation to
-chat (proxy/responses_api.py); an upstream API serves what its configuration declares (chat and completions
+chat (proxy/serving/responses_api.py); an upstream API serves what its configuration declares (chat and completions
 unless it says more). The proxy checks only what it acts on; every other field is the replica's to judge. Pure.
 """
 

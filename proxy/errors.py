@@ -18,7 +18,7 @@
       AuditStoreUnavailable (503)  the audit store cannot commit or read now, so nothing is served; retry soon
       AtCapacity (503)             the proxy holds `server.max_connections` connections; only probes are answered
 
-The replica's errors are raised by the transport (proxy/forward.py) and by dispatch (proxy/dispatch.py); those
+The replica's errors are raised by the transport (proxy/replicas/forward.py) and by dispatch (proxy/serving/dispatch.py); those
 that dispatch does not retry reach the middleware like any other. A `retry_after_s` becomes a `Retry-After`
 header; `close_connection` closes the connection after the answer.
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from proxy.registry import ReplicaSnapshot
+    from proxy.replicas.registry import ReplicaSnapshot
 
 
 class StackpinError(Exception):

@@ -8,7 +8,7 @@ beyond 64 bits into a float while `json.loads` keeps it exact. The first kind is
 orjson refuses; the second cannot be seen from orjson's answer, so a text holding a run of 19 digits (the shortest
 integer that may leave 64 bits) goes to `json.loads` unread by orjson. Either way the caller sees exactly what
 `json.loads` returns or raises, so what the proxy refuses, and the messages saying why, stay what they were
-(proxy/recordable.py). This module knows nothing of requests or replicas.
+(proxy/serving/recordable.py). This module knows nothing of requests or replicas.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One format on the console: the proxy's own events (structlog), what libraries log through the standard
 `logging` module (aiohttp, asyncio) and Python's warnings all become the same JSON lines, and the embedded
-backend's output is relayed line by line as events too (proxy/local_backend.py).
+backend's output is relayed line by line as events too (proxy/replicas/local_backend.py).
 
 Keys and bodies never reach a log line: handlers log ids, names, fingerprints and error messages only, and the
 `redact` processor drops any event field whose name says it holds a secret.

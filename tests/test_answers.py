@@ -7,9 +7,9 @@ import base64
 import struct
 from typing import Any
 
-from proxy.answers import ChunkAssembly, ResponseAssembly, merge, seed_of, steady_event, view_of
 from proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
-from proxy.relay import sse
+from proxy.evidence.answers import ChunkAssembly, ResponseAssembly, merge, seed_of, steady_event, view_of
+from proxy.serving.relay import sse
 
 
 def chunk(*choices: dict[str, Any], **extra: Any) -> dict[str, Any]:

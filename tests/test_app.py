@@ -21,7 +21,7 @@ from proxy.app import create_app
 from proxy.app_keys import CLIENT_SESSION, FLEET, FLEET_LINK, HEALTH, REGISTRY, STORE
 from proxy.audit import AuditError
 from proxy.config import resolve_secrets
-from proxy.listener import bind, serving
+from proxy.process.listener import bind, serving
 from tests.support.audit_databases import audit_database
 from tests.support.fake_replica import FakeReplica
 from tests.support.fleet import REDIS_URL, redis_prefix
@@ -30,7 +30,7 @@ from tests.support.proxy_harness import running_proxy, settings_for
 
 @dataclass
 class LocalBackendOnLoopback:
-    """Shaped as proxy/local_backend.py's LocalBackend: `start` returns the URL of a backend that is already up
+    """Shaped as proxy/replicas/local_backend.py's LocalBackend: `start` returns the URL of a backend that is already up
     (or fails, as a child that cannot load its model does); `stop` notes what was still open when it was called."""
 
     backend: FakeReplica | None
@@ -118,7 +118,7 @@ async def test_in_fleet_mode_the_registry_monitor_and_sync_are_built_with_one_li
             link, sync = harness.app[FLEET_LINK], harness.app[FLEET].sync
             assert sync is not None and sync.link is link
             assert harness.app[REGISTRY].counter is link and harness.app[HEALTH].board is link
-            assert harness.proxy.registry is harness.app[REGISTRY], (
+            assert harness.proxy.replicas.registry is harness.app[REGISTRY], (
                 "the serving path serves with the same one"
             )
             status, _, _ = await harness.post(

@@ -21,7 +21,7 @@ from proxy.audit import AuditStore, VerifyReport, Witnessed
 from proxy.audit.entries import entry_text
 from proxy.audit.merkle import grow, leaf_hash, peaks
 from proxy.audit.note import Checkpoint, generate_signer, parse_note, sign_note
-from proxy.witness import WitnessStore, observe
+from proxy.commands.witness import WitnessStore, observe
 from tests.support.audit_databases import (
     KINDS,
     LOG_SIGNER,

@@ -16,7 +16,7 @@ import pytest
 from proxy.audit import AuditStore
 from proxy.audit.note import COSIGNATURE, parse_signer
 from proxy.audit.schema import upgrade_database
-from proxy.cli import main as stackpin
+from proxy.commands.cli import main as stackpin
 from tests.support.audit_databases import LOG_KEY_ENV, LOG_SIGNER, WITNESS_SIGNER, entry
 from tests.support.fake_replica import FakeReplica
 from tests.support.proxy_harness import running_proxy
@@ -179,7 +179,7 @@ def test_serve_refuses_an_old_schema_and_names_the_command(tmp_path: Path) -> No
     upgrade_database(f"sqlite+aiosqlite:///{db}", "0001_chain")
     path = write_config(tmp_path, db)
     result = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)],
+        [sys.executable, "-m", "proxy.commands.cli", "serve", "--config", str(path)],
         capture_output=True,
         text=True,
         timeout=60,

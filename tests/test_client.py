@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli import main as stackpin
+from proxy.commands.cli import main as stackpin
 from tests.support.fake_replica import FakeReplica
 from tests.support.proxy_harness import running_proxy
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.answers import view_of
-from proxy.compare import compare, where
 from proxy.endpoints import CHAT, EMBEDDINGS, RESPONSES
-from proxy.relay import sse
+from proxy.evidence.answers import view_of
+from proxy.evidence.compare import compare, where
+from proxy.serving.relay import sse
 
 
 def chat(

@@ -1,4 +1,4 @@
-"""Dispatch (proxy/dispatch.py): a pinned request goes to a replica whose stack matches its pin, and a retry only
+"""Dispatch (proxy/serving/dispatch.py): a pinned request goes to a replica whose stack matches its pin, and a retry only
 to a replica of the first choice's identical fingerprint (invariant 2); an answer under another fingerprint than
 its replica proved is thrown away and reported (invariant 3).
 
@@ -16,11 +16,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.dispatch import Dispatched, StackMismatch, check_fingerprint, dispatch
 from proxy.errors import NoLiveReplica, NoMatchingStack, ReplicaFailed
-from proxy.forward import Answer, ReplicaGarbage, ReplicaRejected, describe, post_json
 from proxy.pins import Pin
-from proxy.registry import Registry, Replica
+from proxy.replicas.forward import Answer, ReplicaGarbage, ReplicaRejected, describe, post_json
+from proxy.replicas.registry import Registry, Replica
+from proxy.serving.dispatch import Dispatched, StackMismatch, check_fingerprint, dispatch
 from proxy.stack import short
 from tests.support.fake_replica import FakeReplica, tiny_stack
 

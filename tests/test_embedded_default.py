@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from proxy.local_backend import reporting_progress
 from proxy.logs import configure_logging
+from proxy.replicas.local_backend import reporting_progress
 from tests.support.ui_site import ARTIFACTS, chromium
 
 pytest.importorskip("torch")
@@ -41,7 +41,7 @@ def served(
     port = free_port()
     env = {**os.environ, "STACKPIN_SERVER__PORT": str(port)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve"],
+        [sys.executable, "-m", "proxy.commands.cli", "serve"],
         cwd=folder,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -69,7 +69,7 @@ def served(
 
 def stackpin(folder: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "proxy.cli", *args],
+        [sys.executable, "-m", "proxy.commands.cli", *args],
         cwd=folder,
         env=env,
         capture_output=True,

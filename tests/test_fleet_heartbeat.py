@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from proxy.cli import main as stackpin
+from proxy.commands.cli import main as stackpin
 from proxy.fleet.documents import FleetKeys, Lease, Quarantine
 from proxy.fleet.heartbeat import Beat
 from proxy.fleet.state import FleetState, connect

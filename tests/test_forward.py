@@ -1,4 +1,4 @@
-"""HTTP to replicas (proxy/forward.py): what comes back from a JSON request, a stack description and an event
+"""HTTP to replicas (proxy/replicas/forward.py): what comes back from a JSON request, a stack description and an event
 stream, over real loopback HTTP, and how every failure is sorted: worth a retry elsewhere (`ReplicaUnavailable`,
 with `down` when the replica could not be reached at all), not an OpenAI answer (`ReplicaGarbage`), or the
 client's problem (`ReplicaRejected`, with an OpenAI-style error body).
@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from pydantic import SecretStr
 
-from proxy.forward import (
+from proxy.replicas.forward import (
     Answer,
     Event,
     ReplicaGarbage,

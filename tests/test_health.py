@@ -22,9 +22,9 @@ from proxy.errors import StackMismatch
 from proxy.fleet.documents import FleetKeys
 from proxy.fleet.link import FleetLink
 from proxy.fleet.state import FleetState, connect
-from proxy.health import HealthMonitor, QuarantineBoard
 from proxy.metrics import ProxyMetrics
-from proxy.registry import Registry, Replica
+from proxy.replicas.health import HealthMonitor, QuarantineBoard
+from proxy.replicas.registry import Registry, Replica
 from proxy.stack import Stack
 from tests.support.audit_databases import KINDS, T0, audit_database, entry
 from tests.support.fake_replica import FakeReplica, tiny_stack

@@ -223,7 +223,7 @@ def test_proxy_and_migration_arguments_are_accepted_by_the_proxy_cli(
     variant: tuple[list[Manifest], dict], capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The command lines parse; what is left on this machine is the configuration file the pod would mount.
-    from proxy.cli import main
+    from proxy.commands.cli import main
 
     manifests, _ = variant
     (job,) = find(manifests, "Job")
@@ -289,7 +289,7 @@ def test_heartbeat_arguments_are_accepted_by_the_proxy_cli(
     rendered: dict[str, list[Manifest]], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every flag parses; with no Redis named in this test's environment the command stops there, before any I/O.
-    from proxy.cli import main
+    from proxy.commands.cli import main
 
     monkeypatch.delenv("STACKPIN_FLEET__REDIS_URL", raising=False)
     (backend, *_) = [m for m in find(rendered["gpu-fleet"], "Deployment") if m["metadata"]["name"] != RELEASE]
@@ -327,7 +327,7 @@ def test_probe_arguments_are_accepted_by_the_proxy_cli(
     rendered: dict[str, list[Manifest]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Every flag parses; pointed at a closed loopback port instead of the Service, the probe stops at connecting.
-    from proxy.cli import main
+    from proxy.commands.cli import main
 
     (pod,) = find(rendered["gpu-fleet"], "Pod")
     args = list(pod["spec"]["containers"][0]["args"])

@@ -1,4 +1,4 @@
-"""How a serving process is launched (proxy/launch.py): what it sets up once start-up is done. Starting and stopping
+"""How a serving process is launched (proxy/process/launch.py): what it sets up once start-up is done. Starting and stopping
 `stackpin serve` itself is specified in test_cli.py and test_supervisor.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy.launch import YOUNG_COLLECTION_THRESHOLD, collect_for_serving
+from proxy.process.launch import YOUNG_COLLECTION_THRESHOLD, collect_for_serving
 
 
 @pytest.fixture

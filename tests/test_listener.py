@@ -120,7 +120,7 @@ async def test_idle_sockets_beyond_the_file_descriptor_limit_leave_the_proxy_ans
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     proxy = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config), "--port", str(port)],
+        [sys.executable, "-m", "proxy.commands.cli", "serve", "--config", str(config), "--port", str(port)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

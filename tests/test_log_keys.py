@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from proxy.audit.keys import serving_signer, trusted_log_keys, write_key
 from proxy.audit.note import COSIGNATURE, generate_signer
 from proxy.config import Settings, resolve_secrets
 from proxy.errors import ConfigError
-from proxy.log_keys import serving_signer, trusted_log_keys, write_key
 from tests.support.audit_databases import LOG_SIGNER, POSTGRES_URL
 
 

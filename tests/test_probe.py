@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from proxy.probe import Tally, run_probe
+from proxy.evidence.probe import Tally, run_probe
 
 
 def reply(ids: list[int], logprobs: list[float], *, record: str = "rec_x", stack: str = "s1") -> Any:

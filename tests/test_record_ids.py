@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from proxy.record_ids import ID_BYTES, RecordIds
+from proxy.serving.record_ids import ID_BYTES, RecordIds
 
 FORM = re.compile(r"rec_[0-9a-f]{32}")
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.recordable import MAX_DEPTH, SAFE_INT, Unrecordable, check_recordable
-from proxy.recordable import _check_each as check_each
-from proxy.recordable import _plainly_recordable as plainly_recordable
+from proxy.serving.recordable import MAX_DEPTH, SAFE_INT, Unrecordable, check_recordable
+from proxy.serving.recordable import _check_each as check_each
+from proxy.serving.recordable import _plainly_recordable as plainly_recordable
 
 
 def nested(containers: int) -> Any:

@@ -1,4 +1,4 @@
-"""Building records (proxy/records.py): which audit entries a served request becomes, field by field.
+"""Building records (proxy/serving/records.py): which audit entries a served request becomes, field by field.
 
 A non-streamed answer is one `answer` entry; a stream is an `opened` entry and a `closed` one; a stream a stopped
 proxy left open is closed at the next start; a `flag` marks an earlier record. Each entry holds the exact request
@@ -14,8 +14,9 @@ import pytest
 
 from proxy.audit import InvalidEntry, OpenStream, SealedEntry
 from proxy.pins import Pin
-from proxy.prompts import PromptBook
-from proxy.records import (
+from proxy.replicas.registry import Registry, Replica, ReplicaSnapshot
+from proxy.serving.prompts import PromptBook
+from proxy.serving.records import (
     DECODING_KEYS,
     Served,
     answer_entry,
@@ -25,7 +26,6 @@ from proxy.records import (
     interrupted_at_start_entry,
     opened_entry,
 )
-from proxy.registry import Registry, Replica, ReplicaSnapshot
 from proxy.stack import Stack
 from tests.support.fake_replica import tiny_stack
 

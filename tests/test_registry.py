@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
-from proxy.registry import Observation, Registry, Replica
+from proxy.replicas.registry import Observation, Registry, Replica
 from proxy.stack import Stack
 from tests.support.fake_replica import fingerprint_of, tiny_stack
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from proxy.forward import Event
-from proxy.relay import DONE, Relay
-from proxy.responses_api import Echo
+from proxy.replicas.forward import Event
+from proxy.serving.relay import DONE, Relay
+from proxy.serving.responses_api import Echo
 
 FP = "f" * 64
 

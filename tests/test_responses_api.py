@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 from proxy.errors import BadRequest
-from proxy.responses_api import Echo, ResponsesStream, expand, from_chat, record_of, response_id, to_chat
+from proxy.serving.responses_api import (
+    Echo,
+    ResponsesStream,
+    expand,
+    from_chat,
+    record_of,
+    response_id,
+    to_chat,
+)
 
 RECORD = "rec_" + "ab" * 16
 ECHO = Echo(response_id(RECORD), 1700000000, {"model": "m", "input": "hi"}, None)

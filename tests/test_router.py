@@ -6,8 +6,8 @@ import pytest
 
 from proxy.errors import NoLiveReplica, NoMatchingStack
 from proxy.pins import Pin
-from proxy.registry import Replica
-from proxy.router import choose, live_stacks
+from proxy.replicas.registry import Replica
+from proxy.serving.router import choose, live_stacks
 from proxy.stack import Stack
 from tests.support.fake_replica import tiny_stack
 

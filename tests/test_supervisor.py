@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.cli import main as stackpin
+from proxy.commands.cli import main as stackpin
 from tests.support.audit_databases import KINDS, LOG_KEY_ENV, LOG_SIGNER, AuditDatabase, audit_database
 from tests.support.fake_replica import FakeReplica
 
@@ -65,7 +65,7 @@ async def serving(config: Path, port: int, log: Path) -> AsyncIterator[Served]:
     """`stackpin serve --workers 2`, once every worker serves; killed at the end if a test left it running."""
     env = {**os.environ, LOG_KEY_ENV: LOG_SIGNER.text}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "serve", "--config", str(config), "--port", str(port),
+        sys.executable, "-m", "proxy.commands.cli", "serve", "--config", str(config), "--port", str(port),
         "--workers", str(WORKERS), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
         stderr=log.open("a"), env=env,
     )  # fmt: skip

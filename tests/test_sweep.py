@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from proxy.audit import AuditStore
-from proxy.cli import main as stackpin
-from proxy.sweep import mark_interrupted_streams
+from proxy.commands.cli import main as stackpin
+from proxy.process.sweep import mark_interrupted_streams
 from tests.support.audit_databases import T0, entry
 from tests.support.fake_replica import FakeReplica
 
@@ -31,7 +31,7 @@ def free_port() -> int:
 
 async def start_proxy(config: Path, port: int, log: Path) -> asyncio.subprocess.Process:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "serve", "--config", str(config), "--port", str(port),
+        sys.executable, "-m", "proxy.commands.cli", "serve", "--config", str(config), "--port", str(port),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=log.open("a"),
     )  # fmt: skip
     async with aiohttp.ClientSession() as session:

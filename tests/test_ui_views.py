@@ -6,9 +6,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from proxy.answers import Tokens
 from proxy.audit import AuditRecord, EntryView
-from proxy.probe import ProbeResult, Variant
+from proxy.evidence.answers import Tokens
+from proxy.evidence.probe import ProbeResult, Variant
 from proxy.ui.answer import answer_body, answer_view
 from proxy.ui.chart import chart
 from proxy.ui.filters import listing

@@ -22,7 +22,7 @@ import structlog
 from proxy.errors import ReplicaUnavailable
 from proxy.fleet.documents import FleetKeys, Lease, Quarantine
 from proxy.fleet.state import FleetState, FleetUnavailable, connect
-from proxy.forward import describe
+from proxy.replicas.forward import describe
 
 log = structlog.get_logger("stackpin.heartbeat")
 

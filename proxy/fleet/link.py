@@ -16,7 +16,7 @@ import structlog
 
 from proxy.fleet.documents import Quarantine
 from proxy.fleet.state import FleetState, FleetUnavailable, FleetView
-from proxy.registry import Replica
+from proxy.replicas.registry import Replica
 
 log = structlog.get_logger("stackpin.fleet")
 

@@ -24,9 +24,9 @@ from proxy.fleet.limits import Limits, RateLimiter, RedisCounters
 from proxy.fleet.link import FleetLink
 from proxy.fleet.state import FleetState, connect
 from proxy.fleet.sync import FleetSync
-from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
-from proxy.registry import Registry
+from proxy.replicas.health import HealthMonitor
+from proxy.replicas.registry import Registry
 
 log = structlog.get_logger("stackpin.fleet")
 

@@ -30,9 +30,9 @@ from pydantic import ValidationError
 from proxy.fleet.documents import Lease
 from proxy.fleet.link import FleetLink
 from proxy.fleet.state import FleetUnavailable, FleetView
-from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
-from proxy.registry import Observation, Registry, Replica
+from proxy.replicas.health import HealthMonitor
+from proxy.replicas.registry import Observation, Registry, Replica
 from proxy.stack import Stack
 
 log = structlog.get_logger("stackpin.fleet")

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.answers import Tokens, tokens_of
 from proxy.audit import AuditRecord
+from proxy.evidence.answers import Tokens, tokens_of
 
 CHOICE_KEYS = ("index", "finish_reason", "message", "delta", "text", "logprobs")
 MESSAGE_KEYS = ("role", "content", "refusal", "tool_calls")

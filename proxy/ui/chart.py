@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.probe import ProbeResult
+from proxy.evidence.probe import ProbeResult
 
 BAR_WIDTH = 220.0
 STRIP_WIDTH = 380.0

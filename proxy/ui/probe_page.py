@@ -1,7 +1,7 @@
 """The probe page: one request sent N times at concurrency C from the browser, and how many distinct answers came
 back, with where each diverged from the most common.
 
-It is `stackpin probe` run inside the proxy: the same tally (`proxy/probe.py`), with each request sent through the
+It is `stackpin probe` run inside the proxy: the same tally (`proxy/evidence/probe.py`), with each request sent through the
 API's own serving path (`serve_completion`) as the viewer's tenant, so every probe request is pinned, rate
 limited, recorded and counted like any other. The form's bounds keep one click from flooding a fleet.
 """
@@ -16,11 +16,11 @@ from typing import Any
 from aiohttp import web
 
 from proxy.app_keys import REGISTRY, ROUTES
-from proxy.client_request import CHAT
 from proxy.errors import StackpinError
-from proxy.handlers import serve_completion
-from proxy.probe import ProbeResult, Reply, probe_body, run_probe
-from proxy.router import live_stacks
+from proxy.evidence.probe import ProbeResult, Reply, probe_body, run_probe
+from proxy.serving.handlers import serve_completion
+from proxy.serving.request import CHAT
+from proxy.serving.router import live_stacks
 from proxy.ui.chart import chart
 from proxy.ui.render import render
 from proxy.ui.security import VIEWER

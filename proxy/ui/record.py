@@ -1,7 +1,7 @@
 """One record as the page shows it: the request as forwarded, the answer, timings, replay and flags. Pure.
 
 Everything comes from the record's entries as the store returns them (`AuditRecord`); nothing is recomputed but
-the display: which keys of the forwarded body are decoding settings is `proxy/records.py`'s decision, and what
+the display: which keys of the forwarded body are decoding settings is `proxy/serving/records.py`'s decision, and what
 the answer holds is `answer.py`'s.
 """
 
@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from proxy.audit import AuditRecord
-from proxy.records import DECODING_KEYS
+from proxy.serving.records import DECODING_KEYS
 from proxy.ui.answer import AnswerView, answer_body, answer_view, parts
 
 SHOWN_REQUEST_KEYS = ("messages", "prompt", "model", "stream", "stream_options", *DECODING_KEYS)

@@ -12,13 +12,13 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from proxy.answers import Tokens, tokens_of
 from proxy.app_keys import PROXY, REGISTRY, STORE
 from proxy.audit import AuditRecord, RecordSummary
 from proxy.errors import BadRequest, NotFound
-from proxy.handlers import counted_replay
+from proxy.evidence.answers import Tokens, tokens_of
 from proxy.pins import Pin
-from proxy.router import live_stacks
+from proxy.serving.handlers import counted_replay
+from proxy.serving.router import live_stacks
 from proxy.ui.answer import answer_body, token_pieces
 from proxy.ui.filters import listing
 from proxy.ui.record import record_view

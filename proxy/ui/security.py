@@ -1,6 +1,6 @@
 """Who is looking at the audit page, and what protects it.
 
-The page keeps the API's tenant rules (proxy/auth.py): with `[[tenants]]`, a tenant logs in with its API key and
+The page keeps the API's tenant rules (proxy/serving/auth.py): with `[[tenants]]`, a tenant logs in with its API key and
 sees only its own records; the tenants named in `[ui] operators` see every tenant's. With no tenants the proxy
 listens on loopback only (config refuses otherwise), nobody logs in, and everything belongs to the tenant
 `local`; the page then answers only requests whose Host is a loopback name, so that a web page elsewhere cannot
@@ -24,8 +24,8 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from proxy.auth import LOCAL_TENANT
 from proxy.config import Secrets, Settings
+from proxy.serving.auth import LOCAL_TENANT
 from proxy.ui.session import SESSION, SessionCookies
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

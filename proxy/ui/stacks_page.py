@@ -17,8 +17,8 @@ from aiohttp import web
 
 from proxy.app_keys import REGISTRY, STORE
 from proxy.audit import RecordFilter
-from proxy.registry import Replica
-from proxy.router import live_stacks
+from proxy.replicas.registry import Replica
+from proxy.serving.router import live_stacks
 from proxy.ui.render import render
 from proxy.ui.security import VIEWER
 from proxy.ui.stackdiff import diff

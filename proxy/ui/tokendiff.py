@@ -1,7 +1,7 @@
 """A replay's token-level diff as the page shows it: the common prefix, the first divergent token with both
 continuations, and the logprob bits side by side where only bits differ.
 
-Where the answers diverge is the replay comparison's to say (`proxy/compare.py`, stored with the replay's record);
+Where the answers diverge is the replay comparison's to say (`proxy/evidence/compare.py`, stored with the replay's record);
 this module only lays out the two answers around that position. Pure.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from proxy.answers import Tokens
-from proxy.compare import place
+from proxy.evidence.answers import Tokens
+from proxy.evidence.compare import place
 from proxy.ui.answer import bits
 
 PREFIX_SHOWN = 48  # common tokens shown before the divergence; the rest are counted

@@ -191,7 +191,14 @@ class Processes:
         log = self.folder / f"{log_name}.log"
         with log.open("wb") as sink:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proxy.cli", *args, cwd=ROOT, env=self.env, stdout=sink, stderr=sink
+                sys.executable,
+                "-m",
+                "proxy.commands.cli",
+                *args,
+                cwd=ROOT,
+                env=self.env,
+                stdout=sink,
+                stderr=sink,
             )
         self.running.append((process, log))
         return process
@@ -200,7 +207,7 @@ class Processes:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "proxy.cli",
+            "proxy.commands.cli",
             *args,
             cwd=ROOT,
             env=self.env,

@@ -20,8 +20,8 @@ from proxy.app import create_app
 from proxy.app_keys import FLEET, PROXY
 from proxy.config import Secrets, Settings, resolve_secrets
 from proxy.fleet.resource import Fleet
-from proxy.listener import bind, serving
-from proxy.serving import Proxy
+from proxy.process.listener import bind, serving
+from proxy.serving.serve import Proxy
 from tests.support.audit_databases import LOG_KEY_ENV, LOG_SIGNER, audit_database
 from tests.support.fake_replica import FakeReplica
 

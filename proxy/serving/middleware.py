@@ -3,8 +3,8 @@
 Every refusal and failure of a request passes here: the proxy's own errors (proxy/errors.py), the audit store's
 unavailability (503 with Retry-After), aiohttp's HTTP refusals, the replicas' failures and relayed 4xx bodies
 (in OpenAI's shape; all of them in the one tree), and anything unexpected (500, logged with its traceback). Every body leaves with the configured secrets
-redacted (proxy/redact.py), and is counted in `stackpin_request_errors_total` under its route's template. What
-aiohttp refuses before any handler runs is answered in proxy/listener.py, with the same bodies.
+redacted (proxy/serving/redact.py), and is counted in `stackpin_request_errors_total` under its route's template. What
+aiohttp refuses before any handler runs is answered in proxy/process/listener.py, with the same bodies.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from proxy.errors import AtCapacity, AuditStoreUnavailable, HttpError, PayloadTo
 
 log = structlog.get_logger("stackpin.http")
 
-# Answered even on a connection past `server.max_connections` (proxy/listener.py), so that a load balancer and
+# Answered even on a connection past `server.max_connections` (proxy/process/listener.py), so that a load balancer and
 # a kubelet can still tell a busy proxy from a dead one.
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 

@@ -18,10 +18,10 @@ import structlog
 
 from proxy.audit import AuditStore
 from proxy.errors import ReplicaUnavailable, StackMismatch
-from proxy.forward import describe
 from proxy.metrics import ProxyMetrics
-from proxy.records import flag_entry
-from proxy.registry import Observation, Registry, Replica
+from proxy.replicas.forward import describe
+from proxy.replicas.registry import Observation, Registry, Replica
+from proxy.serving.records import flag_entry
 
 log = structlog.get_logger("stackpin.health")
 

@@ -3,7 +3,7 @@ on a uvloop event loop.
 
 The port is bound first, so that one in use is refused at once rather than after the model has loaded. Every line
 the proxy writes is a JSON log line (proxy/logs.py); a reason not to start is one plain line and exit 2. With
-`server.workers` above 1 this process supervises that many serving processes instead (proxy/supervisor.py), each
+`server.workers` above 1 this process supervises that many serving processes instead (proxy/process/supervisor.py), each
 of which runs its application through `run_app`, as a single proxy does.
 """
 
@@ -24,11 +24,11 @@ from proxy.app import create_app
 from proxy.audit import SchemaError
 from proxy.config import Secrets, Settings
 from proxy.errors import ConfigError
-from proxy.listener import bind, serving
-from proxy.local_backend import local_backend_for
 from proxy.logs import configure_logging
-from proxy.stopping import Stopping
-from proxy.supervisor import supervise, workers_refused
+from proxy.process.listener import bind, serving
+from proxy.process.stopping import Stopping
+from proxy.process.supervisor import supervise, workers_refused
+from proxy.replicas.local_backend import local_backend_for
 
 log = structlog.get_logger("stackpin.serve")
 EXIT_OK, EXIT_ERROR = 0, 2

@@ -12,7 +12,7 @@ from typing import Any
 from proxy.endpoints import ENDPOINTS
 from proxy.errors import NoLiveReplica, NoMatchingStack
 from proxy.pins import Pin
-from proxy.registry import Replica
+from proxy.replicas.registry import Replica
 from proxy.stack import short
 
 

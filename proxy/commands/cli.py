@@ -23,7 +23,7 @@ from proxy.audit import AuditError
 from proxy.audit.note import Verifier
 from proxy.config import Settings, load_settings, log_secrets, read_settings
 from proxy.errors import ConfigError, StackpinError
-from proxy.local_backend import SMOLLM2_NAME
+from proxy.replicas.local_backend import SMOLLM2_NAME
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
 
@@ -224,7 +224,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from proxy.launch import serve
+    from proxy.process.launch import serve
 
     given = (("host", args.host), ("port", args.port), ("workers", args.workers))
     flags = {name: value for name, value in given if value is not None}
@@ -242,7 +242,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _log_keys(args: argparse.Namespace, settings: Settings) -> list[Verifier]:
-    from proxy.log_keys import trusted_log_keys
+    from proxy.audit.keys import trusted_log_keys
 
     return trusted_log_keys(settings, log_secrets(settings), args.log_key)
 
@@ -265,8 +265,8 @@ def _read(path: Path, what: str) -> str:
 
 def _verify(args: argparse.Namespace) -> int:
     from proxy.audit import Witnessed
-    from proxy.audit_commands import verify
-    from proxy.witness import WitnessStore
+    from proxy.commands.auditor import verify
+    from proxy.commands.witness import WitnessStore
 
     settings = _settings(args)
     cosigners = _vkeys(args.witness_key, "--witness-key")
@@ -278,14 +278,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from proxy.audit_commands import audit
+    from proxy.commands.auditor import audit
 
     settings = _settings(args)
     return asyncio.run(audit(settings.store, args.record, _log_keys(args, settings), as_json=args.json))
 
 
 def _prove(args: argparse.Namespace) -> int:
-    from proxy import prove
+    from proxy.commands import prove
 
     settings = _settings(args)
     keys = _log_keys(args, settings)
@@ -316,7 +316,7 @@ def _witness(args: argparse.Namespace) -> int:
     import aiohttp
 
     from proxy.audit.note import COSIGNATURE, NoteError, parse_signer
-    from proxy.witness import HttpLogSource, WitnessStore, follow
+    from proxy.commands.witness import HttpLogSource, WitnessStore, follow
 
     settings = _settings(args)
     keys = _log_keys(args, settings)
@@ -346,8 +346,8 @@ def _witness(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
+    from proxy.audit.keys import write_key
     from proxy.audit.note import COSIGNATURE, LOG_SIGNATURE, NoteError, generate_signer
-    from proxy.log_keys import write_key
 
     try:
         signer = generate_signer(args.name, COSIGNATURE if args.witness else LOG_SIGNATURE)
@@ -359,7 +359,7 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _records(args: argparse.Namespace) -> int:
-    from proxy.audit_commands import list_records
+    from proxy.commands.auditor import list_records
 
     if not 1 <= args.limit <= 1000:
         raise ConfigError(f"--limit must be between 1 and 1000, got {args.limit}")
@@ -390,7 +390,7 @@ def _moment(option: str, text: str | None) -> datetime | None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from proxy.client import replay
+    from proxy.commands.proxy_client import replay
 
     return asyncio.run(
         replay(_client_target(args, _settings(args)), args.record, on=args.on, as_json=args.json)
@@ -398,7 +398,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from proxy.client import probe
+    from proxy.commands.proxy_client import probe
 
     return asyncio.run(probe(_client_target(args, _settings(args)), args))
 

@@ -19,8 +19,8 @@ import structlog
 
 from proxy.errors import NoLiveReplica, ReplicaFailed, ReplicaUnavailable, StackMismatch
 from proxy.pins import Pin
-from proxy.registry import Registry, ReplicaSnapshot
-from proxy.router import choose
+from proxy.replicas.registry import Registry, ReplicaSnapshot
+from proxy.serving.router import choose
 from proxy.stack import short
 
 T = TypeVar("T")

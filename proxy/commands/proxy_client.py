@@ -9,9 +9,9 @@ from typing import Any
 
 import aiohttp
 
-from proxy.compare import where
+from proxy.evidence.compare import where
+from proxy.evidence.probe import Reply, probe_body, run_probe
 from proxy.pins import parse_pin_header
-from proxy.probe import Reply, probe_body, run_probe
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
 

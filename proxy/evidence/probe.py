@@ -2,7 +2,7 @@
 
 Answers are grouped twice: by their tokens (token ids, or the text where a replica gives no ids), which is what a
 reader sees, and by their tokens and the bits of every logprob, which is what reproducibility means. Each distinct
-answer is compared with the most common one by the replay comparison (`proxy/compare.py`), which says where it
+answer is compared with the most common one by the replay comparison (`proxy/evidence/compare.py`), which says where it
 diverged. How a request is sent is the caller's: `stackpin probe` posts to a proxy over HTTP, the audit page
 calls the proxy's serving path in process. Everything here but `run_probe` is pure.
 """
@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.answers import Tokens, View, tokens_of, view_of
-from proxy.compare import compare
 from proxy.endpoints import CHAT
+from proxy.evidence.answers import Tokens, View, tokens_of, view_of
+from proxy.evidence.compare import compare
 
 SAMPLE_RECORDS = 5  # record ids kept per distinct answer, to open a few of them
 

@@ -9,11 +9,11 @@ connection and the first to accept it serves it, so a worker busy on its event l
 
 What must happen once happens here, before any worker starts: the store's schema on a first run (SQLite), the
 log's signing key (made beside an SQLite database on a first run), the sweep of the streams a stopped proxy left
-open (proxy/sweep.py; a worker never sweeps, since the open streams it would find may be a sibling's, live), the
+open (proxy/process/sweep.py; a worker never sweeps, since the open streams it would find may be a sibling's, live), the
 audit page's session key when none is configured (a cookie one worker sets must open on every other), and the
 embedded backend: one process, reached by every worker over HTTP.
 
-A worker is `python -m proxy.worker` in a session of its own, given its `WorkerOrders` on stdin, which stays
+A worker is `python -m proxy.process.worker` in a session of its own, given its `WorkerOrders` on stdin, which stays
 open: its end tells the worker that this process is gone, and the worker stops as on SIGTERM. SIGTERM or SIGINT
 here sends every worker SIGTERM, and each stops as a single proxy does (requests in flight finish, streams close
 with their records); then the backend stops, and serve exits 0. A worker that ends unasked (killed, crashed) is
@@ -42,12 +42,12 @@ import structlog
 from pydantic import SecretStr
 
 from proxy.audit import AuditStore, SchemaError
+from proxy.audit.keys import serving_signer
 from proxy.config import Secrets, Settings
 from proxy.errors import ConfigError
-from proxy.local_backend import local_backend_for
-from proxy.log_keys import serving_signer
-from proxy.stopping import Stopping
-from proxy.sweep import mark_interrupted_streams
+from proxy.process.stopping import Stopping
+from proxy.process.sweep import mark_interrupted_streams
+from proxy.replicas.local_backend import local_backend_for
 
 log = structlog.get_logger("stackpin.supervisor")
 EXIT_OK, EXIT_WORKER_ENDED, EXIT_ERROR = 0, 1, 2
@@ -130,7 +130,7 @@ class Worker:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "proxy.worker",
+            "proxy.process.worker",
             stdin=asyncio.subprocess.PIPE,
             pass_fds=(orders.listen_fd, orders.ready_fd),
             env=env,

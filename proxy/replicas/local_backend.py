@@ -209,7 +209,7 @@ class LocalBackend:
 
 class RunningBackend:
     """The embedded backend as a worker holds it: one process for all workers, started and stopped by their
-    supervisor (proxy/supervisor.py), so that N workers never load N models."""
+    supervisor (proxy/process/supervisor.py), so that N workers never load N models."""
 
     name = LocalBackend.name
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from proxy.audit import OpenStream, SealedEntry, seal
 from proxy.pins import Pin
-from proxy.prompts import PromptVersion
-from proxy.registry import ReplicaSnapshot
+from proxy.replicas.registry import ReplicaSnapshot
+from proxy.serving.prompts import PromptVersion
 
 DECODING_KEYS = (
     "temperature",

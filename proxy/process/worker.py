@@ -1,4 +1,4 @@
-"""One worker of `stackpin serve --workers N` (`python -m proxy.worker`, started by proxy/supervisor.py).
+"""One worker of `stackpin serve --workers N` (`python -m proxy.process.worker`, started by proxy/process/supervisor.py).
 
 It reads its `WorkerOrders` from stdin and serves the inherited listening socket with a whole application, as a
 single proxy does, except for what its supervisor did once for all: the sweep of streams left open, the embedded
@@ -22,11 +22,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.app import create_app
-from proxy.launch import run_app, serve_on, serving_line
-from proxy.local_backend import RunningBackend
 from proxy.logs import configure_logging
 from proxy.metrics import ProxyMetrics
-from proxy.supervisor import WorkerOrders
+from proxy.process.launch import run_app, serve_on, serving_line
+from proxy.process.supervisor import WorkerOrders
+from proxy.replicas.local_backend import RunningBackend
 
 WORKER_HEADER = "Stackpin-Worker"
 

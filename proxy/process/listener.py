@@ -8,7 +8,7 @@ one line without a traceback.
 Connections are bounded three ways:
 - `server.idle_timeout_s`: a connection that sends no complete request for that long is closed (aiohttp's
   keep-alive timer, which runs from a connection's start too, so that half-sent headers are cut as well);
-- `server.body_timeout_s`: the wait for a body once its headers are in (proxy/handlers.py answers 408);
+- `server.body_timeout_s`: the wait for a body once its headers are in (proxy/serving/handlers.py answers 408);
 - `server.max_connections`: past it, a new connection evicts the oldest one that has sent nothing at all; when
   none has, the new one is marked `over_cap`, and the middleware answers it only on the probe routes, then
   closes it. A flood of idle sockets can neither exhaust the file descriptors nor keep the probes out.

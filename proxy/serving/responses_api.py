@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.answers import ChunkAssembly
 from proxy.endpoints import CHAT
 from proxy.errors import BadRequest
+from proxy.evidence.answers import ChunkAssembly
 
 _RECORD = re.compile(r"^rec_(?P<hex>[0-9a-f]{32})$")
 _RESPONSE = re.compile(r"^resp_(?P<hex>[0-9a-f]{32})$")

@@ -16,8 +16,8 @@ from proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, check_requ
 from proxy.errors import BadRequest
 from proxy.json_reader import read_json
 from proxy.pins import Pin, resolve_request_pin
-from proxy.prompts import PromptBook, PromptVersion, inject
-from proxy.recordable import MAX_DEPTH, Unrecordable, check_recordable
+from proxy.serving.prompts import PromptBook, PromptVersion, inject
+from proxy.serving.recordable import MAX_DEPTH, Unrecordable, check_recordable
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "ClientRequest", "parse_body", "read_request"]
 
@@ -74,7 +74,7 @@ def read_request(
     """`live_models` names the models a client could ask for, for the error that a request without one gets.
 
     Every body that may reach a replica passes here, whoever built it (the API, the audit page's probe), so the
-    check that the audit log can hold it (proxy/recordable.py) is made here, before any replica is called."""
+    check that the audit log can hold it (proxy/serving/recordable.py) is made here, before any replica is called."""
     try:
         check_recordable(body)
     except Unrecordable as e:

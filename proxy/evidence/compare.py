@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from proxy.answers import Tokens, View, steady_event
+from proxy.evidence.answers import Tokens, View, steady_event
 
 CONTEXT_TOKENS = 16
 CONTEXT_CHARS = 80

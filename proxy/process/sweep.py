@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 import structlog
 
 from proxy.audit import AuditStore, DuplicateEntry
-from proxy.records import interrupted_at_start_entry
+from proxy.serving.records import interrupted_at_start_entry
 
 log = structlog.get_logger("stackpin.sweep")
 MARGIN_S = 60.0  # past the replica timeout: the relay's closing commit, and clocks a little apart

@@ -1,7 +1,7 @@
-"""HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in proxy/middleware.py only.
+"""HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in proxy/serving/middleware.py only.
 
 The OpenAI routes (chat, completions, embeddings, responses) share one handler and one serving path
-(proxy/serving.py, under `PROXY`); `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for. Each
+(proxy/serving/serve.py, under `PROXY`); `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for. Each
 handler takes the resources it needs from the application's typed keys (proxy/app_keys.py), and nothing else.
 """
 
@@ -18,16 +18,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from proxy.app_keys import FLEET, METRICS, PROMPTS, PROXY, REGISTRY, ROUTES, SECRETS, SETTINGS, STORE
 from proxy.audit import AuditRecord, NoSuchCheckpoint, ProofError
-from proxy.auth import authenticate
-from proxy.client_request import parse_body, read_request
-from proxy.compare import Comparison
 from proxy.endpoints import ENDPOINTS
 from proxy.errors import BadRequest, NotFound, RequestTimeout
+from proxy.evidence.compare import Comparison
 from proxy.pins import Pin, parse_pin_body
-from proxy.records import Served
-from proxy.router import live_stacks
-from proxy.serving import Proxy
-from proxy.sinks import HttpSink
+from proxy.serving.auth import authenticate
+from proxy.serving.records import Served
+from proxy.serving.request import parse_body, read_request
+from proxy.serving.router import live_stacks
+from proxy.serving.serve import Proxy
+from proxy.serving.sinks import HttpSink
 
 log = structlog.get_logger("stackpin.http")
 
@@ -178,7 +178,7 @@ async def counted_replay(
 ) -> tuple[str, Comparison, str]:
     """A replay, a failed one counted; the API and the audit page replay through it."""
     try:
-        return await proxy.replay(record, tenant, on)
+        return await proxy.evidence.replay(record, tenant, on)
     except Exception:  # every failure to replay is counted, whatever refused it
         proxy.metrics.replays.labels("error").inc()
         raise

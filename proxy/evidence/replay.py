@@ -4,8 +4,8 @@ judgement of a replayed answer against it.
 A replay resends the exact request the replica was sent (for a translated Responses request, the exact chat
 request), streamed if the original was, with the seed the backend reported when the original drew its own, to a
 replica of the identical stack (or the one a pin names). It goes through the serving path like any request
-(proxy/serving.py) and is recorded, linked to its original, with its outcome: `reproduced` when every part of the
-answer came back identical, else `diverged` with the first place it differs (proxy/compare.py).
+(proxy/serving/serve.py) and is recorded, linked to its original, with its outcome: `reproduced` when every part of the
+answer came back identical, else `diverged` with the first place it differs (proxy/evidence/compare.py).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.answers import View, seed_of, view_of
 from proxy.audit import AuditRecord
-from proxy.client_request import ClientRequest
-from proxy.compare import Comparison, compare
 from proxy.endpoints import CHAT
 from proxy.errors import BadRequest
+from proxy.evidence.answers import View, seed_of, view_of
+from proxy.evidence.compare import Comparison, compare
 from proxy.pins import Pin
-from proxy.prompts import PromptVersion
+from proxy.serving.prompts import PromptVersion
+from proxy.serving.request import ClientRequest
 
 
 @dataclass(frozen=True)

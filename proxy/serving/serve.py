@@ -26,24 +26,24 @@ from aiohttp import web
 from pydantic import SecretStr, ValidationError
 
 from proxy.audit import AuditError, AuditRecord, AuditStore, InvalidEntry, SealedEntry
-from proxy.client_request import ClientRequest
-from proxy.compare import Comparison
 from proxy.config import ServerSettings
-from proxy.dispatch import Dispatched, check_fingerprint, dispatch
 from proxy.endpoints import CHAT, RESPONSES, answer_problem
 from proxy.errors import AuditStoreUnavailable, BadRequest, ReplicaFailed, ReplicaGarbage, ReplicaUnavailable
+from proxy.evidence.compare import Comparison
+from proxy.evidence.replay import Answered, Replaying, recorded, replay_request
 from proxy.fleet.limits import RateLimiter
-from proxy.forward import Answer, Event, Stream, open_stream, post_json
-from proxy.health import HealthMonitor
 from proxy.metrics import ProxyMetrics
 from proxy.pins import Pin
-from proxy.records import Served, answer_entry, closed_entry, opened_entry
-from proxy.redact import Redactor
-from proxy.registry import Registry, ReplicaSnapshot
-from proxy.relay import Relay
-from proxy.replay import Answered, Replaying, recorded, replay_request
-from proxy.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
-from proxy.sinks import BufferSink, Sink
+from proxy.replicas.forward import Answer, Event, Stream, open_stream, post_json
+from proxy.replicas.health import HealthMonitor
+from proxy.replicas.registry import Registry, ReplicaSnapshot
+from proxy.serving.dispatch import Dispatched, check_fingerprint, dispatch
+from proxy.serving.records import Served, answer_entry, closed_entry, opened_entry
+from proxy.serving.redact import Redactor
+from proxy.serving.relay import Relay
+from proxy.serving.request import ClientRequest
+from proxy.serving.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
+from proxy.serving.sinks import BufferSink, Sink
 
 RECORD_HEADER = "Stackpin-Record"
 STACK_HEADER = "Stackpin-Stack"
@@ -76,7 +76,7 @@ class Proxy:
     # Where streams' closing entries are built, one at a time, off the event loop (see _close).
     closing: ThreadPoolExecutor
     clock: Callable[[], datetime]
-    record_ids: Callable[[], str]  # each call a new record id (proxy/record_ids.py)
+    record_ids: Callable[[], str]  # each call a new record id (proxy/serving/record_ids.py)
 
     async def continued(self, request: ClientRequest, tenant: str) -> ClientRequest:
         """A Responses request with `previous_response_id` resolved into the input it stands for."""
@@ -306,7 +306,7 @@ class Proxy:
             await self.store.append(closed)
         except AuditError as e:
             # Never the answer's end: the client must not take for recorded what is not. The record stays
-            # `opened` until a start marks it interrupted (proxy/sweep.py).
+            # `opened` until a start marks it interrupted (proxy/process/sweep.py).
             log.error("stream_close_not_recorded", error=str(e))
             unconfirmed = AuditStoreUnavailable(
                 "the end of this stream could not be recorded; it is not confirmed"

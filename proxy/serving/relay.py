@@ -14,11 +14,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.answers import ChunkAssembly, ResponseAssembly, assembly_for
 from proxy.endpoints import RESPONSES, TERMINAL_EVENTS
 from proxy.errors import ReplicaFailed, StackpinError
-from proxy.forward import Event
-from proxy.responses_api import Echo, ResponsesStream
+from proxy.evidence.answers import ChunkAssembly, ResponseAssembly, assembly_for
+from proxy.replicas.forward import Event
+from proxy.serving.responses_api import Echo, ResponsesStream
 
 DONE = "data: [DONE]\n\n"
 

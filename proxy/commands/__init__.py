@@ -1,0 +1,1 @@
+"""The `stackpin` command line, and what only it uses."""

@@ -1,0 +1,1 @@
+"""The replicas: which exist, how each is reached, and how their stacks are watched."""
