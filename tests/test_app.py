@@ -118,7 +118,7 @@ async def test_in_fleet_mode_the_registry_monitor_and_sync_are_built_with_one_li
             link, sync = harness.app[FLEET_LINK], harness.app[FLEET].sync
             assert sync is not None and sync.link is link
             assert harness.app[REGISTRY].counter is link and harness.app[HEALTH].board is link
-            assert harness.proxy.replicas.registry is harness.app[REGISTRY], (
+            assert harness.proxy.registry is harness.app[REGISTRY], (
                 "the serving path serves with the same one"
             )
             status, _, _ = await harness.post(

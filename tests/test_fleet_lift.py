@@ -35,7 +35,7 @@ async def quarantine_after_one_answer(fleet: Fleet, replica: FakeReplica) -> str
     replica.stack = {**replica.stack, "quantisation": "bf16"}
     await fleet.beat()
     await fleet.sync_all()
-    assert all(p.proxy.replicas.registry.live() == [] for p in fleet.proxies)
+    assert all(p.proxy.registry.live() == [] for p in fleet.proxies)
     assert await flags_of(fleet) == [headers["Stackpin-Record"]]
     return headers["Stackpin-Record"]
 
@@ -59,7 +59,7 @@ async def test_a_lifted_quarantine_returns_the_replica_to_every_proxy_under_the_
             await fleet.beat()  # the sidecar registers the stack the replica serves now
             await fleet.sync_all()
             for proxy in fleet.proxies:
-                (live,) = proxy.proxy.replicas.registry.live()
+                (live,) = proxy.proxy.registry.live()
                 assert live.name == "r1" and live.fingerprint == replica.fingerprint
                 status, _, reply = await proxy.post("/v1/chat/completions", CHAT)
                 assert status == 200 and reply["Stackpin-Stack"] == replica.fingerprint
@@ -78,13 +78,13 @@ async def test_a_proxy_that_syncs_before_the_sidecar_beats_again_neither_requara
             await fleet.sync_all()  # the old lease, which proved another stack than registered, is gone
             keys = fleet.state.keys
             assert not await fleet.state.client.exists(keys.quarantine("r1"))
-            assert all(p.proxy.replicas.registry.live() == [] for p in fleet.proxies), (
+            assert all(p.proxy.registry.live() == [] for p in fleet.proxies), (
                 "out until the sidecar beats"
             )
             assert await flags_of(fleet) == [marked]
             await fleet.beat()
             await fleet.sync_all()
-            assert all(len(p.proxy.replicas.registry.live()) == 1 for p in fleet.proxies)
+            assert all(len(p.proxy.registry.live()) == 1 for p in fleet.proxies)
 
 
 async def test_an_unreadable_quarantine_note_is_lifted_and_shown_as_it_is(
@@ -122,11 +122,11 @@ async def test_a_view_read_before_a_quarantine_was_published_does_not_lift_it(
             replica.failure = "wrong_fingerprint"
             status, _, _ = await fleet.proxies[0].post("/v1/chat/completions", CHAT)
             assert status == 200, "retried on the twin"
-            assert fleet.proxies[0].proxy.replicas.registry.get("a").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
+            assert fleet.proxies[0].proxy.registry.get("a").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
             await sync.apply(before)
-            assert fleet.proxies[0].proxy.replicas.registry.get("a").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
+            assert fleet.proxies[0].proxy.registry.get("a").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
             await fleet.sync_all()  # sees it in Redis; still quarantined
-            assert fleet.proxies[0].proxy.replicas.registry.get("a").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
+            assert fleet.proxies[0].proxy.registry.get("a").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
 
 
 def test_the_command_refuses_without_redis(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

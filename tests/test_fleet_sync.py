@@ -95,8 +95,8 @@ async def test_a_stack_change_found_by_the_sidecar_quarantines_everywhere_and_ma
             await fleet.beat()
             await fleet.sync_all()
             for proxy in fleet.proxies:
-                await proxy.proxy.replicas.health.check_all()
-                assert proxy.proxy.replicas.registry.live() == []
+                await proxy.proxy.health.check_all()
+                assert proxy.proxy.registry.live() == []
 
 
 async def test_a_quarantine_found_by_one_proxy_holds_for_the_others(
@@ -117,7 +117,7 @@ async def test_a_quarantine_found_by_one_proxy_holds_for_the_others(
                 await fleet.state.client.get(fleet.state.keys.quarantine("a"))
             )
             assert note.reason == "fingerprint_mismatch" and note.by == fleet.sync(0).proxy_id
-            assert second.proxy.replicas.registry.get("a").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
+            assert second.proxy.registry.get("a").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
             assert await flags_of(fleet) == [headers["Stackpin-Record"]]
             replica.failure = None
             status, _, reply = await second.post("/v1/chat/completions", CHAT)
@@ -133,18 +133,18 @@ async def test_outstanding_requests_are_shared_for_routing(
         async with running_fleet(db, {"a": replica, "b": twin}) as fleet:
             first, second = fleet.proxies
             # Two requests in flight to "a" through the first proxy, as the dispatcher counts them.
-            first.proxy.replicas.registry.acquire("a")
-            first.proxy.replicas.registry.acquire("a")
+            first.proxy.registry.acquire("a")
+            first.proxy.registry.acquire("a")
             await fleet.sync(0).link.drain()
             await fleet.sync_all()
-            assert second.proxy.replicas.registry.get("a").outstanding == 2  # type: ignore[union-attr]
+            assert second.proxy.registry.get("a").outstanding == 2  # type: ignore[union-attr]
             _, _, headers = await second.post("/v1/chat/completions", CHAT)
             assert headers["Stackpin-Stack"] == twin.fingerprint and len(twin.requests) == 1
-            first.proxy.replicas.registry.release("a")
-            first.proxy.replicas.registry.release("a")
+            first.proxy.registry.release("a")
+            first.proxy.registry.release("a")
             await fleet.sync(0).link.drain()
             await fleet.sync_all()
-            assert second.proxy.replicas.registry.get("a").outstanding == 0  # type: ignore[union-attr]
+            assert second.proxy.registry.get("a").outstanding == 0  # type: ignore[union-attr]
 
 
 async def test_the_counts_of_a_proxy_that_stopped_publishing_expire(
@@ -154,17 +154,17 @@ async def test_the_counts_of_a_proxy_that_stopped_publishing_expire(
         await db.migrate()
         async with running_fleet(db, {"a": replica, "b": twin}) as fleet:
             first, second = fleet.proxies
-            first.proxy.replicas.registry.acquire("a")
+            first.proxy.registry.acquire("a")
             await fleet.sync(0).link.drain()
             await fleet.sync_all()
-            assert second.proxy.replicas.registry.get("a").outstanding == 1  # type: ignore[union-attr]
+            assert second.proxy.registry.get("a").outstanding == 1  # type: ignore[union-attr]
             # The first proxy dies with a request in flight: it publishes nothing more, and its counts expire
             # five sync intervals after its last publication.
             fleet.clock.advance(5 * first.settings.fleet.sync_interval_s + 1)
             await fleet.beat()
             await fleet.sync(1).round()
-            assert second.proxy.replicas.registry.get("a").outstanding == 0  # type: ignore[union-attr]
-            first.proxy.replicas.registry.release("a")
+            assert second.proxy.registry.get("a").outstanding == 0  # type: ignore[union-attr]
+            first.proxy.registry.release("a")
 
 
 async def test_without_redis_a_proxy_serves_its_last_view_for_the_bound_then_refuses(
@@ -213,7 +213,7 @@ async def test_a_stale_view_never_serves_a_stack_the_pin_does_not_match(
                 "/v1/chat/completions", CHAT, headers={"Stackpin-Pin": "quantisation=fp32"}
             )
             assert status == 502, body
-            assert proxy.proxy.replicas.registry.get("r1").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
+            assert proxy.proxy.registry.get("r1").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
             assert await flags_of(fleet) == [], "nothing was served, so nothing to mark"
             await relay.start()
             assert await fleet.sync(0).round()

@@ -42,7 +42,7 @@ async def test_a_failing_replica_is_retried_on_a_twin_of_the_identical_fingerpri
     try:
         async with running_proxy([replica, twin, other_stack], tmp_path) as harness:
             replica.failure = "500"
-            harness.proxy.replicas.registry.acquire("replica-1")  # make replica-0 the first choice
+            harness.proxy.registry.acquire("replica-1")  # make replica-0 the first choice
             status, _body, headers = await harness.post(
                 "/v1/chat/completions", {**CHAT, "model": "fake-model"}
             )
@@ -50,7 +50,7 @@ async def test_a_failing_replica_is_retried_on_a_twin_of_the_identical_fingerpri
             assert status == 200
             assert headers["Stackpin-Stack"] == replica.fingerprint
             assert len(replica.requests) == 1 and len(twin.requests) == 1 and not other_stack.requests
-            assert harness.proxy.replicas.registry.get("replica-0").in_rotation, (
+            assert harness.proxy.registry.get("replica-0").in_rotation, (
                 "a replica that answered 500 stays in"
             )  # type: ignore[union-attr]
     finally:
@@ -65,7 +65,7 @@ async def test_when_every_identical_replica_fails_the_request_fails_rather_than_
     try:
         async with running_proxy([replica, other_stack], tmp_path) as harness:
             replica.failure = "500"
-            harness.proxy.replicas.registry.acquire("replica-1")
+            harness.proxy.registry.acquire("replica-1")
             status, body, _ = await harness.post("/v1/chat/completions", CHAT)
             assert status == 502
             assert "every replica of stack" in body["error"]["message"]
@@ -79,14 +79,14 @@ async def test_a_replica_that_cannot_be_reached_leaves_rotation_until_it_answers
     replica: FakeReplica, twin: FakeReplica, tmp_path: Path
 ) -> None:
     async with running_proxy([replica, twin], tmp_path) as harness:
-        harness.proxy.replicas.registry.acquire("replica-1")
+        harness.proxy.registry.acquire("replica-1")
         await replica.stop()
         status, _, _ = await harness.post("/v1/chat/completions", CHAT)
         assert status == 200 and len(twin.requests) == 1
-        assert not harness.proxy.replicas.registry.get("replica-0").in_rotation  # type: ignore[union-attr]
+        assert not harness.proxy.registry.get("replica-0").in_rotation  # type: ignore[union-attr]
         await replica.start(port=int(replica.url.rsplit(":", 1)[1]))
-        await harness.proxy.replicas.health.check_all()
-        assert harness.proxy.replicas.registry.get("replica-0").in_rotation  # type: ignore[union-attr]
+        await harness.proxy.health.check_all()
+        assert harness.proxy.registry.get("replica-0").in_rotation  # type: ignore[union-attr]
 
 
 async def test_garbage_from_a_replica_is_a_502_and_records_nothing(
@@ -121,14 +121,14 @@ async def test_an_answer_under_another_fingerprint_quarantines_the_replica_and_f
     replica: FakeReplica, twin: FakeReplica, tmp_path: Path
 ) -> None:
     async with running_proxy([replica, twin], tmp_path) as harness:
-        harness.proxy.replicas.registry.acquire("replica-1")
+        harness.proxy.registry.acquire("replica-1")
         status, _, first = await harness.post("/v1/chat/completions", CHAT)
         assert status == 200 and first["Stackpin-Stack"] == replica.fingerprint
         replica.failure = "wrong_fingerprint"
         status, _, _headers = await harness.post("/v1/chat/completions", CHAT)
         assert status == 200, "the twin of the identical stack serves instead"
         assert len(twin.requests) == 1
-        assert harness.proxy.replicas.registry.get("replica-0").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
+        assert harness.proxy.registry.get("replica-0").quarantined == "fingerprint_mismatch"  # type: ignore[union-attr]
         flagged = await harness.proxy.store.get_record(first["Stackpin-Record"], None)
         assert flagged is not None and flagged.flags, "records since the last good check are marked"
 
@@ -139,7 +139,7 @@ async def test_a_stack_that_changes_under_a_replica_takes_it_out_of_rotation(
     async with running_proxy([replica], tmp_path) as harness:
         _, _, before = await harness.post("/v1/chat/completions", CHAT)
         replica.stack = {**replica.stack, "weights_sha256": "cd" * 32}
-        await harness.proxy.replicas.health.check_all()
+        await harness.proxy.health.check_all()
         status, _body, _ = await harness.post("/v1/chat/completions", CHAT)
         assert status == 503
         record = await harness.proxy.store.get_record(before["Stackpin-Record"], None)
@@ -533,6 +533,6 @@ async def test_health_and_readiness(replica: FakeReplica, tmp_path: Path, path: 
     async with running_proxy([replica], tmp_path) as harness:
         status, _ = await harness.get(path)
         assert status == 200
-        harness.proxy.replicas.registry.unreachable("replica-0")
+        harness.proxy.registry.unreachable("replica-0")
         status, _body = await harness.get(path)
         assert status == (200 if path == "/healthz" else 503)

@@ -145,7 +145,7 @@ async def test_errors_map_to_the_sdk_classes(
 
 async def test_no_live_replica_is_a_503_listing_live_stacks(replica: FakeReplica, tmp_path: Path) -> None:
     async with running_proxy([replica], tmp_path) as harness:
-        harness.proxy.replicas.registry.unreachable("replica-0")
+        harness.proxy.registry.unreachable("replica-0")
         with pytest.raises(openai.InternalServerError) as raised:
             await client(harness).chat.completions.create(
                 model="fake-model",

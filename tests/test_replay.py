@@ -102,7 +102,7 @@ async def test_replay_on_another_stack_and_on_a_stack_with_no_live_replica(
                 f"/v1/records/{record_id}/replay", {"on": {"kernel_mode": "default"}}
             )
             assert status == 200 and result["stack"] == other.fingerprint
-            harness.proxy.replicas.registry.unreachable("replica-0")
+            harness.proxy.registry.unreachable("replica-0")
             status, result, _ = await harness.post(f"/v1/records/{record_id}/replay", {})
             assert status == 503
             assert [s["fingerprint"] for s in result["error"]["live_stacks"]] == [other.fingerprint]
@@ -128,7 +128,7 @@ async def test_the_cli_exits_0_when_reproduced_1_when_diverged_2_on_error(
         replica.nondeterministic = False
         assert await asyncio.to_thread(replay, "--json") == 0
         assert json.loads(capsys.readouterr().out)["outcome"] == "reproduced"
-        harness.proxy.replicas.registry.unreachable("replica-0")
+        harness.proxy.registry.unreachable("replica-0")
         assert await asyncio.to_thread(replay) == 2
         printed = capsys.readouterr().err
         assert "none of their replicas is in rotation" in printed and "no stack is live" in printed
@@ -260,7 +260,7 @@ async def test_a_stream_recorded_before_records_kept_events_still_replays(
     replica: FakeReplica, tmp_path: Path
 ) -> None:
     async with running_proxy([replica], tmp_path) as harness:
-        live = harness.proxy.replicas.registry.get("replica-0")
+        live = harness.proxy.registry.get("replica-0")
         assert live is not None
         body = {**CHAT, "model": "fake-model", "stream": True}
         ids, logprobs, text, _ = replica.completion(body)

@@ -150,12 +150,12 @@ async def test_the_record_names_the_replica_as_it_was_at_dispatch_whatever_happe
                 first = await response.content.readline()
                 assert first.startswith(b"data: ")
                 # Mid-stream the replica is quarantined, lifted, and proves another stack: it is a new replica.
-                live = harness.proxy.replicas.registry.get("replica-0")
+                live = harness.proxy.registry.get("replica-0")
                 assert live is not None
-                await harness.proxy.replicas.health.quarantine(live, "stack_changed", claimed="f" * 64)
-                harness.proxy.replicas.registry.lift("replica-0", datetime.now(UTC))
+                await harness.proxy.health.quarantine(live, "stack_changed", claimed="f" * 64)
+                harness.proxy.registry.lift("replica-0", datetime.now(UTC))
                 slow.stack = tiny_stack(quantisation="bf16")
-                await harness.proxy.replicas.health.check_all()
+                await harness.proxy.health.check_all()
                 assert live.fingerprint == fingerprint_of(slow.stack) != served_by
                 await response.read()
                 record_id = response.headers["Stackpin-Record"]

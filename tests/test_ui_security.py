@@ -222,9 +222,9 @@ async def test_a_quarantine_shows_as_flags_on_its_records_and_as_the_replicas_st
     replica: FakeReplica, harness: Harness
 ) -> None:
     served, other = await ask(harness, "acme", "before the change"), await ask(harness, "globex", "theirs")
-    registered = harness.proxy.replicas.registry.get("replica-0")
+    registered = harness.proxy.registry.get("replica-0")
     assert registered is not None
-    await harness.proxy.replicas.health.quarantine(registered, "stack_changed", claimed="f" * 64)
+    await harness.proxy.health.quarantine(registered, "stack_changed", claimed="f" * 64)
     async with browser() as session:
         await log_in(session, harness, "acme")
         async with session.get(f"{harness.url}/ui/?flagged=on") as listing:

@@ -178,7 +178,7 @@ async def counted_replay(
 ) -> tuple[str, Comparison, str]:
     """A replay, a failed one counted; the API and the audit page replay through it."""
     try:
-        return await proxy.evidence.replay(record, tenant, on)
+        return await proxy.replay(record, tenant, on)
     except Exception:  # every failure to replay is counted, whatever refused it
         proxy.metrics.replays.labels("error").inc()
         raise
