@@ -78,9 +78,7 @@ async def test_a_proxy_that_syncs_before_the_sidecar_beats_again_neither_requara
             await fleet.sync_all()  # the old lease, which proved another stack than registered, is gone
             keys = fleet.state.keys
             assert not await fleet.state.client.exists(keys.quarantine("r1"))
-            assert all(p.proxy.registry.live() == [] for p in fleet.proxies), (
-                "out until the sidecar beats"
-            )
+            assert all(p.proxy.registry.live() == [] for p in fleet.proxies), "out until the sidecar beats"
             assert await flags_of(fleet) == [marked]
             await fleet.beat()
             await fleet.sync_all()

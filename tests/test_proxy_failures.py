@@ -50,9 +50,7 @@ async def test_a_failing_replica_is_retried_on_a_twin_of_the_identical_fingerpri
             assert status == 200
             assert headers["Stackpin-Stack"] == replica.fingerprint
             assert len(replica.requests) == 1 and len(twin.requests) == 1 and not other_stack.requests
-            assert harness.proxy.registry.get("replica-0").in_rotation, (
-                "a replica that answered 500 stays in"
-            )  # type: ignore[union-attr]
+            assert harness.proxy.registry.get("replica-0").in_rotation, "a replica that answered 500 stays in"  # type: ignore[union-attr]
     finally:
         await other_stack.stop()
 
