@@ -31,8 +31,8 @@ import torch
 from pinned_backend.engine import Engine
 from pinned_backend.runtime import BackendSettings, load_runtime
 from pinned_backend.sampling import SamplingParams
-from pinned_backend.scripted_arrivals import Arrival, run_schedule
 from pinned_backend.stack import detect_hardware
+from tests.support.scripted_arrivals import Arrival, run_schedule
 
 MODES = ("batch_invariant", "default")
 

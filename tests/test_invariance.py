@@ -35,10 +35,10 @@ from pinned_backend.kernels import KernelMode
 from pinned_backend.routing import DROPLESS, OVERFLOW_POLICIES, ExpertRouting
 from pinned_backend.runtime import BackendSettings
 from pinned_backend.sampling import SamplingParams
-from pinned_backend.scripted_arrivals import Arrival, run_schedule
 from pinned_backend.server import create_app
 from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 from tests.support.backend_checkpoint import MOE_CONFIG, make_engine, write_random_checkpoint
+from tests.support.scripted_arrivals import Arrival, run_schedule
 
 CASES = 24
 DEFAULT_CASES = 12  # the default mode is only reported, so fewer cases keep the suite quick

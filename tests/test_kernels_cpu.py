@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from pinned_backend.kernels import reference, select_kernels
+from pinned_backend.kernels import select_kernels
 from pinned_backend.kernels.cpu_default import TorchKernels
 from pinned_backend.kernels.cpu_invariant import CpuInvariantKernels
+from tests.support import kernel_reference as reference
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}

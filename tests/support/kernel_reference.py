@@ -1,7 +1,7 @@
 """Float64 reference implementations of the kernel families, for tests to measure the fast ones against.
 
 Written for clarity, not speed: one query at a time, every reduction in float64. The results come back in
-float64; a test decides what tolerance fits the dtype under test. Nothing in serving calls this module."""
+float64; a test decides what tolerance fits the dtype under test. Serving never calls it: it lives with the tests."""
 
 from __future__ import annotations
 
