@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from pinned_backend.kernels.triton.tuner import tune_models
+    from pinned_backend.tune import tune_models
 
     for folder in args.model:
         if not (folder / "config.json").is_file():
