@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -19,10 +20,31 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from proxy.audit import AuditError
-from proxy.audit.note import Verifier
+import aiohttp
+
+from proxy.app import utc_now
+from proxy.audit import AuditError, Witnessed, upgrade_database
+from proxy.audit.keys import trusted_log_keys, write_key
+from proxy.audit.note import (
+    COSIGNATURE,
+    LOG_SIGNATURE,
+    NoteError,
+    Verifier,
+    generate_signer,
+    parse_signer,
+    parse_vkey,
+)
+from proxy.commands import prove
+from proxy.commands.auditor import audit, list_records, verify
+from proxy.commands.proxy_client import probe, replay
+from proxy.commands.witness import HttpLogSource, WitnessStore, follow
 from proxy.config import Settings, load_settings, log_secrets, read_settings
 from proxy.errors import ConfigError, StackpinError
+from proxy.fleet.documents import FleetKeys
+from proxy.fleet.heartbeat import run_sidecar
+from proxy.fleet.state import FleetState, FleetUnavailable, connect
+from proxy.logs import configure_logging
+from proxy.process.launch import serve
 from proxy.replicas.local_backend import SMOLLM2_NAME
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
@@ -224,7 +246,6 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from proxy.process.launch import serve
 
     given = (("host", args.host), ("port", args.port), ("workers", args.workers))
     flags = {name: value for name, value in given if value is not None}
@@ -233,7 +254,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
-    from proxy.audit import upgrade_database
 
     settings = _settings(args)
     upgrade_database(settings.store.url, schema=settings.store.postgres_schema)
@@ -242,13 +262,11 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _log_keys(args: argparse.Namespace, settings: Settings) -> list[Verifier]:
-    from proxy.audit.keys import trusted_log_keys
 
     return trusted_log_keys(settings, log_secrets(settings), args.log_key)
 
 
 def _vkeys(texts: list[str], option: str) -> list[Verifier]:
-    from proxy.audit.note import NoteError, parse_vkey
 
     try:
         return [parse_vkey(text) for text in texts]
@@ -264,9 +282,6 @@ def _read(path: Path, what: str) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from proxy.audit import Witnessed
-    from proxy.commands.auditor import verify
-    from proxy.commands.witness import WitnessStore
 
     settings = _settings(args)
     cosigners = _vkeys(args.witness_key, "--witness-key")
@@ -278,14 +293,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from proxy.commands.auditor import audit
 
     settings = _settings(args)
     return asyncio.run(audit(settings.store, args.record, _log_keys(args, settings), as_json=args.json))
 
 
 def _prove(args: argparse.Namespace) -> int:
-    from proxy.commands import prove
 
     settings = _settings(args)
     keys = _log_keys(args, settings)
@@ -313,10 +326,6 @@ def _prove(args: argparse.Namespace) -> int:
 
 
 def _witness(args: argparse.Namespace) -> int:
-    import aiohttp
-
-    from proxy.audit.note import COSIGNATURE, NoteError, parse_signer
-    from proxy.commands.witness import HttpLogSource, WitnessStore, follow
 
     settings = _settings(args)
     keys = _log_keys(args, settings)
@@ -346,8 +355,6 @@ def _witness(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    from proxy.audit.keys import write_key
-    from proxy.audit.note import COSIGNATURE, LOG_SIGNATURE, NoteError, generate_signer
 
     try:
         signer = generate_signer(args.name, COSIGNATURE if args.witness else LOG_SIGNATURE)
@@ -359,7 +366,6 @@ def _keygen(args: argparse.Namespace) -> int:
 
 
 def _records(args: argparse.Namespace) -> int:
-    from proxy.commands.auditor import list_records
 
     if not 1 <= args.limit <= 1000:
         raise ConfigError(f"--limit must be between 1 and 1000, got {args.limit}")
@@ -390,7 +396,6 @@ def _moment(option: str, text: str | None) -> datetime | None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from proxy.commands.proxy_client import replay
 
     return asyncio.run(
         replay(_client_target(args, _settings(args)), args.record, on=args.on, as_json=args.json)
@@ -398,7 +403,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _probe(args: argparse.Namespace) -> int:
-    from proxy.commands.proxy_client import probe
 
     return asyncio.run(probe(_client_target(args, _settings(args)), args))
 
@@ -413,9 +417,6 @@ def _fleet_redis_url(args: argparse.Namespace, settings: Settings, command: str)
 
 
 def _fleet_heartbeat(args: argparse.Namespace) -> int:
-    from proxy.app import utc_now
-    from proxy.fleet.heartbeat import run_sidecar
-    from proxy.logs import configure_logging
 
     settings = _settings(args)
     redis_url = _fleet_redis_url(args, settings, "heartbeat")
@@ -443,8 +444,6 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
 
 
 def _fleet_lift(args: argparse.Namespace) -> int:
-    from proxy.fleet.documents import FleetKeys
-    from proxy.fleet.state import FleetState, FleetUnavailable, connect
 
     settings = _settings(args)
     redis_url = _fleet_redis_url(args, settings, "lift")
@@ -488,7 +487,6 @@ def _fleet_lift(args: argparse.Namespace) -> int:
 
 
 def _client_target(args: argparse.Namespace, settings: Settings) -> tuple[str, str | None]:
-    import os
 
     url = args.url or f"http://{settings.server.host}:{settings.server.port}"
     return url.rstrip("/"), os.environ.get(args.api_key_env) or None
