@@ -60,7 +60,7 @@ class ServerSettings(_Section):
     # Past this many open connections only the probes are answered (proxy/process/listener.py). Default: half the
     # process's file-descriptor limit, at most 4096, so that a flood of sockets cannot exhaust it.
     max_connections: int | None = Field(default=None, ge=1)
-    # Processes serving the one port, each a whole proxy appending to the one log (proxy/workers.py); about one
+    # Processes serving the one port, each a whole proxy appending to the one log (proxy/process/supervisor.py, docs/workers.md); about one
     # per core. Above 1 they share the listening socket, the embedded backend and the log's key.
     workers: int = Field(default=1, ge=1, le=256)
 

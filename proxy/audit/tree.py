@@ -16,7 +16,6 @@ from sqlalchemy import Connection, func, select, tuple_
 from proxy.audit.entries import EntryFields, StoredFields
 from proxy.audit.errors import NoSuchCheckpoint
 from proxy.audit.merkle import (
-    EMPTY_ROOT,
     Node,
     ProofError,
     consistency_ranges,
@@ -100,10 +99,6 @@ def peak_hashes(connection: Connection, size: int) -> list[tuple[Node, bytes]]:
     wanted = peaks(0, size)
     nodes = _complete(connection, set(wanted))
     return [(node, nodes[node]) for node in wanted]
-
-
-def root_at(connection: Connection, size: int) -> bytes:
-    return range_hash((0, size), _complete(connection, set(peaks(0, size)))) if size else EMPTY_ROOT
 
 
 def inclusion_proof(connection: Connection, index: int, size: int) -> list[bytes]:
