@@ -173,6 +173,16 @@ async def test_a_tenant_reads_only_its_own_records(store: AuditStore) -> None:
     assert [r.id for r in await store.list_records(tenant="acme")] == ["mine"]
 
 
+async def test_an_id_no_entry_could_carry_is_no_record_on_either_store(store: AuditStore) -> None:
+    await store.append(entry("rec_" + "0" * 32))
+
+    # PostgreSQL refuses NUL in text outright; such an id must be "no record", never a database failure.
+    for malformed in ("rec_" + "0" * 32 + "\x00", "\x00", "", "r" * 101, "rec_\ud800"):
+        assert await store.get_record(malformed, tenant=None) is None, repr(malformed)
+        assert await store.record_proof(malformed, tenant=None) is None, repr(malformed)
+        assert (await store.check_record(malformed))[0] == [], repr(malformed)
+
+
 async def test_a_stream_is_opened_then_closed(store: AuditStore) -> None:
     await store.append(entry("s1", part="opened", status="streaming"))
     await store.append(entry("other", seconds=1))

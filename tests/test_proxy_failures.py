@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from proxy.logs import configure_logging
-from tests.support.audit_databases import POSTGRES_URL
+from tests.support.audit_databases import KINDS, POSTGRES_URL
 from tests.support.fake_replica import FakeReplica
 from tests.support.proxy_harness import Harness, running_proxy
 from tests.support.tcp_relay import TcpRelay
@@ -226,6 +226,19 @@ async def test_unknown_record_and_route_are_404s(replica: FakeReplica, tmp_path:
         assert status == 404 and "stackpin records" in body["error"]["message"]
         status, body = await harness.get("/v1/nothing-here")
         assert status == 404 and "error" in body
+
+
+@pytest.mark.parametrize("store", KINDS)
+async def test_a_malformed_record_id_is_a_404_on_either_store(
+    store: str, replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path, store=store) as harness:
+        for path in ("/v1/records/rec_0%00", "/v1/records/rec_0%00/proof", "/v1/records/" + "r" * 101):
+            status, body = await harness.get(path)
+            assert status == 404, (path, status, body)
+            assert "rec_<32 hex>" in body["error"]["message"]
+        status, body, _ = await harness.post("/v1/records/rec_0%00/replay", {})
+        assert status == 404, body
 
 
 async def test_a_stream_the_replica_breaks_off_is_recorded_as_interrupted(
