@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
+import json
+import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +29,7 @@ from proxy.audit import (
 )
 from proxy.audit.merkle import EMPTY_ROOT, leaf_hash, verify_consistency, verify_inclusion
 from proxy.audit.note import open_checkpoint
+from proxy.logs import configure_logging
 from tests.support.audit_databases import KINDS, LOG_SIGNER, STACK, T0, AuditDatabase, audit_database, entry
 
 FINGERPRINT = stack_fingerprint(STACK)
@@ -528,6 +532,48 @@ async def test_integration_refuses_to_sign_over_a_tree_changed_behind_its_back(
         await database.execute("DELETE FROM log_queue")
         await store.close()
     assert (await database.scalar("SELECT max(tree_size) FROM checkpoints")) == 4, "nothing more was signed"
+
+
+async def test_a_diverged_log_says_so_every_round_until_the_database_is_put_right(
+    database: AuditDatabase,
+) -> None:
+    store = await database.open(checkpoint_interval_s=3600)
+    try:
+        await _integrated(store, 4)
+        good = await database.scalar("SELECT hash FROM tree_nodes WHERE level = 2 AND idx = 0")
+        await database.execute(f"UPDATE tree_nodes SET hash = '{'0' * 64}' WHERE level = 2 AND idx = 0")
+        await store.append(entry("later"))
+        assert store.diverged is None, "nothing is known before a round looks"
+        for _ in range(3):
+            with pytest.raises(LogDiverged):
+                await store.integrate()
+        assert store.diverged is not None and "not the one the last checkpoint signed" in store.diverged
+
+        await database.execute(f"UPDATE tree_nodes SET hash = '{good}' WHERE level = 2 AND idx = 0")
+        assert (await store.integrate()) is not None
+        assert store.diverged is None, "a round that signs clears it"
+    finally:
+        await store.close()
+
+    rounds = await database.open(checkpoint_interval_s=0.05)
+    sink = io.StringIO()
+    configure_logging("info", sink)
+    try:
+        await database.execute(f"UPDATE tree_nodes SET hash = '{'0' * 64}' WHERE level = 2 AND idx = 0")
+        await rounds.append(entry("even-later"))
+        deadline = asyncio.get_running_loop().time() + 30
+        while sink.getvalue().count('"audit_integration_failed"') < 3:
+            assert asyncio.get_running_loop().time() < deadline, sink.getvalue()[-2000:]
+            await asyncio.sleep(0.05)
+        assert rounds.diverged is not None
+    finally:
+        await database.execute("DELETE FROM log_queue")
+        await rounds.close()
+        configure_logging("info", sys.stderr)
+    failed = [
+        json.loads(line) for line in sink.getvalue().splitlines() if '"audit_integration_failed"' in line
+    ]
+    assert {(line["level"], line["kind"]) for line in failed} == {("error", "LogDiverged")}
 
 
 async def test_integration_refuses_a_log_rewound_below_what_it_signed(database: AuditDatabase) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sqlite3
 import sys
 import uuid
 from pathlib import Path
@@ -547,3 +548,27 @@ async def test_health_and_readiness(replica: FakeReplica, tmp_path: Path, path: 
         harness.proxy.registry.unreachable("replica-0")
         status, _body = await harness.get(path)
         assert status == (200 if path == "/healthz" else 503)
+
+
+async def test_a_diverged_log_makes_the_proxy_not_ready_and_says_why_while_answers_are_still_recorded(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path, log={"checkpoint_interval_s": 0.05}) as harness:
+        status, _, _ = await harness.post("/v1/chat/completions", CHAT)
+        assert status == 200
+        await harness.proxy.store.integrate()
+        database = make_url(harness.settings.store.url).database
+        assert database is not None
+        with sqlite3.connect(database) as connection:  # the tree's one leaf, changed behind the log's back
+            connection.execute(f"UPDATE log_leaves SET leaf_hash = '{'0' * 64}'")
+        status, _, headers = await harness.post("/v1/chat/completions", CHAT)
+        assert status == 200, "an answer is still given: it is committed, though not provable until a repair"
+        deadline = asyncio.get_running_loop().time() + 30
+        while (ready := await harness.get("/readyz"))[0] == 200:
+            assert asyncio.get_running_loop().time() < deadline, "the divergence never showed"
+            await asyncio.sleep(0.05)
+        status, body = ready
+        assert status == 503 and any("audit log diverged" in problem for problem in body["problems"]), body
+        assert await harness.proxy.store.get_record(headers["Stackpin-Record"], None) is not None
+        async with aiohttp.ClientSession() as session, session.get(harness.url + "/metrics") as response:
+            assert "stackpin_audit_log_diverged 1.0" in await response.text()

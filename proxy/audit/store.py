@@ -179,6 +179,11 @@ class AuditStore:
         await self._writer.dispose()
         await self._reader.dispose()
 
+    @property
+    def diverged(self) -> str | None:
+        """Why this store's log refuses to integrate new entries (LogDiverged), or None while it integrates."""
+        return self._integrator.diverged if self._integrator is not None else None
+
     async def ping(self) -> None:
         """Raises unless the database answers and the writer runs (readiness)."""
         if not self._committer.alive:
