@@ -17,10 +17,13 @@ import aiohttp
 import pytest
 from sqlalchemy.engine import make_url
 
+from proxy.app import create_app
+from proxy.config import resolve_secrets
 from proxy.logs import configure_logging
-from tests.support.audit_databases import KINDS, POSTGRES_URL
+from proxy.process.listener import bind, serving
+from tests.support.audit_databases import KINDS, LOG_KEY_ENV, LOG_SIGNER, POSTGRES_URL, audit_database
 from tests.support.fake_replica import FakeReplica
-from tests.support.proxy_harness import Harness, running_proxy
+from tests.support.proxy_harness import Harness, running_proxy, settings_for
 from tests.support.tcp_relay import TcpRelay
 
 CHAT = {
@@ -528,7 +531,16 @@ async def test_a_store_outage_is_503s_with_retry_after_a_bounded_log_and_recover
             listed = {r.id for r in await harness.proxy.store.list_records(limit=1000)}
             assert listed == {*answered, record_id}, "every answer has its record, and nothing else has one"
             stream_record = await harness.proxy.store.get_record(record_id, "local")
-            assert stream_record is not None and stream_record.status == "streaming"
+            while stream_record is not None and stream_record.status == "streaming":
+                assert loop.time() - back_at < 10, "the stream's end is recorded once the store is back"
+                await asyncio.sleep(0.05)
+                stream_record = await harness.proxy.store.get_record(record_id, "local")
+            assert stream_record is not None and stream_record.status == "interrupted"
+            closed = stream_record.entries[-1].content
+            sent = "".join(closed["events"]) + closed["terminal"]
+            assert [line[6:] for line in sent.splitlines() if line.startswith("data: ")] == events, (
+                "the record holds what the client read, the failure event in place of the end"
+            )
             assert (await harness.proxy.store.verify()).ok
     finally:
         configure_logging("info", sys.stderr)
@@ -538,6 +550,54 @@ async def test_a_store_outage_is_503s_with_retry_after_a_bounded_log_and_recover
     assert 1 <= len(failed_batches) <= 26, "one line per failed batch"
     assert max(len(line) for line in lines) < 2000, "no line carries a growing traceback"
     assert "Traceback" not in sink.getvalue(), [line[:300] for line in lines if "Traceback" in line]
+
+
+@pytest.mark.postgres
+async def test_a_stream_the_store_was_away_for_at_its_end_is_closed_at_a_graceful_stop(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    postgres = make_url(POSTGRES_URL)
+    relay = TcpRelay(postgres.host or "127.0.0.1", postgres.port or 5432)
+    await relay.start()
+    through_relay = f"127.0.0.1:{relay.listen_port}"
+    try:
+        async with audit_database("postgres", tmp_path) as database:
+            await database.migrate()
+            settings = settings_for(
+                [replica],
+                database.url.replace(f"{postgres.host}:{postgres.port}", through_relay),
+                database.schema,
+            )
+            secrets = resolve_secrets(settings, {LOG_KEY_ENV: LOG_SIGNER.text})
+            app = create_app(settings, secrets)
+            sock = bind("127.0.0.1", 0)
+            try:
+                async with serving(app, sock, settings.server) as url:
+                    harness = Harness(url, app, settings, secrets)
+                    replica.chunk_delay_s = 0.05
+                    opened = asyncio.Event()
+                    stream = asyncio.create_task(
+                        read_stream(harness, {**CHAT, "max_tokens": 20, "stream": True}, opened)
+                    )
+                    await asyncio.wait_for(opened.wait(), 30)
+                    await relay.cut()
+                    record_id, events = await stream
+                    assert "[DONE]" not in events
+                    await relay.start()  # the store is back, and the proxy stops at once
+            finally:
+                sock.close()
+            store = await database.open(signer=None)
+            try:
+                record = await store.get_record(record_id, None)
+                counts = await store.stream_counts()
+            finally:
+                await store.close()
+    finally:
+        await relay.close()
+    assert record is not None and record.status == "interrupted", (
+        "closed by the stop, not left to the next start"
+    )
+    assert counts.open == 0
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz"])
