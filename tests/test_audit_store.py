@@ -26,6 +26,7 @@ from proxy.audit import (
     StoreClosed,
     UnknownStack,
     stack_fingerprint,
+    upgrade_database,
 )
 from proxy.audit.merkle import EMPTY_ROOT, leaf_hash, verify_consistency, verify_inclusion
 from proxy.audit.note import open_checkpoint
@@ -423,6 +424,21 @@ async def test_sqlite_keeps_its_log_in_wal_mode(tmp_path: Path) -> None:
         finally:
             await store.close()
         assert await db.scalar("PRAGMA journal_mode") == "wal"
+
+
+async def test_an_sqlite_database_and_its_wal_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "audit.db"
+    store = await AuditStore.open(f"sqlite+aiosqlite:///{path}", create_if_empty=True, signer=LOG_SIGNER)
+    try:
+        await store.append(entry("r1"))
+        files = sorted(tmp_path.iterdir())
+        assert [f.name for f in files] == ["audit.db", "audit.db-shm", "audit.db-wal"]
+        assert [oct(f.stat().st_mode & 0o777) for f in files] == ["0o600"] * 3
+    finally:
+        await store.close()
+    upgraded = tmp_path / "upgraded.db"  # `stackpin db upgrade` on a new file
+    await asyncio.to_thread(upgrade_database, f"sqlite:///{upgraded}")
+    assert upgraded.stat().st_mode & 0o777 == 0o600
 
 
 async def test_close_commits_what_is_queued_and_refuses_more(database: AuditDatabase) -> None:
