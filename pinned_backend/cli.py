@@ -117,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         "--expert-capacity-factor",
         type=float,
         help="a mixture-of-experts model: cap each expert at ceil(F * step tokens * k / experts) tokens per step, "
-        "so that answers depend on the batch (part of the stack; default: dropless routing)",
+        "so that answers depend on the batch (part of the stack, whose kernel_mode then says batch_invariant_kernels "
+        "rather than batch_invariant; default: dropless routing)",
     )
     serve.add_argument(
         "--expert-overflow",

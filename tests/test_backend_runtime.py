@@ -82,6 +82,12 @@ def test_a_mixture_of_experts_stack_names_its_routing(tmp_path: Path) -> None:
     ).stack
     assert rerouted["batching"]["expert_routing"]["overflow"] == "next_expert"
     assert len({fingerprint(s) for s in (dropless, capped, rerouted)}) == 3
+    # The kernels are batch invariant in all three; the answers only where the batch decides no token's experts.
+    assert [s["kernel_mode"] for s in (dropless, capped, rerouted)] == [
+        "batch_invariant",
+        "batch_invariant_kernels",
+        "batch_invariant_kernels",
+    ]
 
 
 def test_the_kv_budget_sets_the_number_of_blocks(checkpoint: Path) -> None:
