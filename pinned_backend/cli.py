@@ -1,7 +1,7 @@
 """`stackpin-backend`: serve a checkpoint over HTTP, write the tiny model, or tune matmul plans for a GPU.
 
     stackpin-backend serve --model DIR|FILE.gguf [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
-                           [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb N] [--max-batch-size N]
+                           [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb auto|N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
                            [--max-step-graphs N] [--prefix-cache | --no-prefix-cache] [--speculative-tokens K]
                            [--pooling last_token|mean] [--matmul-plans auto|none|FILE]
@@ -65,7 +65,13 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: bf16 on cuda, fp32 on cpu",
     )
-    serve.add_argument("--kv-cache-mb", type=float, default=64.0)
+    serve.add_argument(
+        "--kv-cache-mb",
+        type=_kv_cache_mb,
+        default="auto",
+        help="the KV cache's size, which bounds a request's prompt and answer together; auto (the default): room "
+        "for a few of the model's whole contexts, within a quarter of the memory left after the weights",
+    )
     serve.add_argument("--max-batch-size", type=int, default=16)
     serve.add_argument("--max-step-tokens", type=int, default=256)
     serve.add_argument("--max-queue", type=int, default=64)
@@ -117,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
         "--expert-capacity-factor",
         type=float,
         help="a mixture-of-experts model: cap each expert at ceil(F * step tokens * k / experts) tokens per step, "
-        "so that answers depend on the batch (part of the stack; default: dropless routing)",
+        "so that answers depend on the batch (part of the stack, whose kernel_mode then says batch_invariant_kernels "
+        "rather than batch_invariant; default: dropless routing)",
     )
     serve.add_argument(
         "--expert-overflow",
@@ -190,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ValidationError as exc:
         error = exc.errors()[0]
-        field = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-")
+        # The field alone: a union's member (`kv_cache_mb`'s number or "auto") adds its own step to the location.
+        field = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else ""
         parser.error(f"{field}: {error['msg']}" if error["loc"] else error["msg"])
     if not args.model.is_dir() and not is_gguf(args.model):
         parser.error(f"--model: {args.model} is not a directory (nor a .gguf file)")
@@ -202,6 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stackpin-backend: cannot serve {args.model}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _kv_cache_mb(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a number of MB") from None
 
 
 def _tune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -74,7 +74,16 @@ class QueueFull(EngineError):
 
 
 class RequestTooLarge(EngineError):
-    """The request could never be served: longer than the context or than the whole KV cache."""
+    """The request could never be served: longer than the context or than the whole KV cache. `param` names what
+    makes it so: the `prompt` (too long even for one token of answer) or `max_tokens` (lowering it would do)."""
+
+    def __init__(self, message: str, param: Literal["prompt", "max_tokens"] = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# What a request too large for the KV cache is told to change on the server's side.
+KV_CACHE_SETTING = "the server's KV cache (stackpin-backend serve --kv-cache-mb; [local_backend] kv_cache_mb)"
 
 
 class EngineStopped(EngineError):
@@ -274,19 +283,35 @@ class Engine:
         if len(prompt_ids) + params.max_tokens > self.config.max_model_len:
             raise RequestTooLarge(
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"context length of {self.config.max_model_len} tokens"
+                f"context length of {self.config.max_model_len} tokens",
+                "max_tokens",
             )
-        usable = self._usable_blocks
-        if self.blocks_needed(len(prompt_ids), params.max_tokens) > usable:
-            raise RequestTooLarge(
-                f"prompt plus max_tokens needs more KV cache than this server has "
-                f"({usable * self.config.block_size} tokens); lower max_tokens"
-            )
+        self._check_fits_cache(len(prompt_ids), params.max_tokens)
         seq = _Sequence(request_id, list(prompt_ids), params, sink, StopTextStream(params.stop))
         with self._lock:
             if len(self._incoming) + len(self._waiting) >= self.config.max_queue:
                 raise QueueFull(f"the server's queue is full ({self.config.max_queue} waiting); retry later")
             self._incoming.append(seq)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The most tokens, prompt and answer, that one request can hold in the KV cache."""
+        return self._usable_blocks * self.config.block_size
+
+    def _check_fits_cache(self, prompt_len: int, max_tokens: int) -> None:
+        usable, capacity = self._usable_blocks, self.kv_capacity_tokens
+        if self.blocks_needed(prompt_len, 1) > usable:
+            raise RequestTooLarge(
+                f"the prompt ({prompt_len} tokens) does not fit in the KV cache, which holds {capacity} tokens of "
+                f"prompt and answer: shorten the prompt, or enlarge {KV_CACHE_SETTING}"
+            )
+        if self.blocks_needed(prompt_len, max_tokens) > usable:
+            raise RequestTooLarge(
+                f"the prompt ({prompt_len} tokens) and max_tokens ({max_tokens}) need more than the {capacity} "
+                f"tokens the KV cache holds: lower max_tokens to at most {capacity - prompt_len}, or enlarge "
+                f"{KV_CACHE_SETTING}",
+                "max_tokens",
+            )
 
     def cancel(self, request_id: str) -> None:
         """Drop a request wherever it is, at the start of the next step; thread-safe."""

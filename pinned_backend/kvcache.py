@@ -28,6 +28,18 @@ import torch
 
 from pinned_backend.checkpoint import ModelConfig
 
+# The KV cache's size when none is given: room for this many sequences of the model's whole context, but at most
+# this share of the memory left once the weights are loaded (memory.py), for the steps' activations and the rest.
+KV_CONTEXTS = 4
+KV_MEMORY_SHARE = 0.25
+
+
+def automatic_budget(config: ModelConfig, dtype: torch.dtype, available_bytes: int) -> int:
+    """The KV cache's size in bytes when none is given (`--kv-cache-mb auto`)."""
+    per_token = PagedKVCache.bytes_per_block(config, 1, dtype)
+    whole_contexts = per_token * config.max_position_embeddings * KV_CONTEXTS
+    return min(whole_contexts, int(available_bytes * KV_MEMORY_SHARE))
+
 
 class CacheFull(RuntimeError):
     """Fewer free blocks than asked for; nothing was allocated."""

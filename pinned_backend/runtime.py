@@ -11,16 +11,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pinned_backend.checkpoint import ModelConfig
 from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
-from pinned_backend.kvcache import BlockAllocator, PagedKVCache
+from pinned_backend.kvcache import (
+    KV_CONTEXTS,
+    KV_MEMORY_SHARE,
+    BlockAllocator,
+    PagedKVCache,
+    automatic_budget,
+)
 from pinned_backend.loading import Report, default_name, load_checkpoint
+from pinned_backend.memory import available_bytes
 from pinned_backend.model import Transformer, matmul_shapes
 from pinned_backend.routing import ExpertRouting, OverflowPolicy
 from pinned_backend.runner import EngineRunner
@@ -49,7 +57,9 @@ class BackendSettings(BaseModel):
     kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on a GPU, fp32 on the CPU
-    kv_cache_mb: float = Field(default=64, gt=0)
+    # The KV cache's size; "auto": room for a few whole contexts, within a share of the memory available
+    # (kvcache.automatic_budget).
+    kv_cache_mb: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] = "auto"
     block_size: int = Field(default=16, ge=1)
     kv_split_size: int = Field(default=DEFAULT_KV_SPLIT_SIZE, ge=1)
     max_batch_size: int = Field(default=16, ge=1)
@@ -161,7 +171,7 @@ def load_runtime(
     )
     model = Transformer(config, checkpoint.weights, kernels, device, dtype, routing=settings.expert_routing)
     num_blocks = PagedKVCache.blocks_for_budget(
-        config, int(settings.kv_cache_mb * 2**20), settings.block_size, dtype
+        config, _kv_budget(settings, config, device, report), settings.block_size, dtype
     )
     cache = PagedKVCache(config, num_blocks, settings.block_size, device, dtype)
     # Both modes replay their steps as CUDA graphs on a GPU (under default kernels the padding may move bits, which
@@ -227,3 +237,19 @@ def load_runtime(
         model,
         pooling,
     )
+
+
+def _kv_budget(settings: BackendSettings, config: ModelConfig, device: torch.device, report: Report) -> int:
+    """The KV cache's bytes: as configured, or sized from the model and what the machine has left once the
+    weights are loaded (said, so that an operator sees what "auto" chose)."""
+    if settings.kv_cache_mb != "auto":
+        return int(settings.kv_cache_mb * 2**20)
+    available = available_bytes(device)
+    budget = automatic_budget(config, settings.torch_dtype, available)
+    per_token = PagedKVCache.bytes_per_block(config, 1, settings.torch_dtype)
+    report(
+        f"KV cache: {budget // per_token} tokens ({budget / 2**20:.1f} MB), for {KV_CONTEXTS} contexts of "
+        f"{config.max_position_embeddings} tokens within {KV_MEMORY_SHARE:.0%} of the {available / 2**20:.0f} MB "
+        "available (--kv-cache-mb sets it)"
+    )
+    return budget

@@ -195,7 +195,13 @@ def _sampling_params(
             f"in the model's context of {context}: lower max_tokens",
             param="max_tokens",
         )
-    max_tokens = requested if requested is not None else min(room, runtime.settings.default_max_tokens)
+    if requested is None:
+        # Unasked, an answer takes what the context and the KV cache leave, up to the default; a prompt that leaves
+        # the cache no room at all is refused for what it is (Engine.submit).
+        cache_room = runtime.engine.kv_capacity_tokens - prompt_len
+        max_tokens = max(1, min(room, cache_room, runtime.settings.default_max_tokens))
+    else:
+        max_tokens = requested
     seed = body.seed
     if body.temperature > 0 and seed is None:
         seed = draw_seed(seeds)
@@ -235,7 +241,8 @@ async def _serve(
     except QueueFull as exc:
         raise Overloaded(str(exc)) from None
     except RequestTooLarge as exc:
-        raise BadRequest(str(exc), param="max_tokens") from None
+        prompt_param = "messages" if chat else "prompt"
+        raise BadRequest(str(exc), param=prompt_param if exc.param == "prompt" else "max_tokens") from None
     token_text = runtime.pieces.piece
     try:
         if not body.stream:

@@ -52,6 +52,11 @@ _X86_ISAS = (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx"), ("sse4_2",
 _ARM_ISAS = (("sve2", "sve2"), ("sve", "sve"), ("asimd", "neon"))
 
 
+# What the stack's kernel_mode says of a backend whose kernels are batch invariant but whose routing is not (a
+# mixture-of-experts model with a capacity factor: the rest of the batch decides a token's experts). Its answers
+# depend on the batch, so it must not say `batch_invariant`, which a pin takes as that promise (invariant 8).
+INVARIANT_KERNELS_ONLY = "batch_invariant_kernels"
+
 # Keys of the batching policy that say how the backend computes, never what: under batch-invariant kernels neither
 # changes a bit of any answer (tests/test_invariance.py), so replicas that differ only in them serve one stack.
 UNFINGERPRINTED_BATCHING = ("prefix_cache", "speculation")
@@ -142,8 +147,12 @@ def build_stack(
     batching: Mapping[str, Any],
     embedding: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The schema-2 stack object: every key present, unknown values null."""
+    """The schema-2 stack object: every key present, unknown values null. `kernel_mode` is the kernels' mode; the
+    stack says `batch_invariant` only when the answers are, never under capacity-limited routing."""
     generation, detail = hardware
+    routing = batching.get("expert_routing") or {}
+    if kernel_mode == "batch_invariant" and routing.get("policy") == "capacity":
+        kernel_mode = INVARIANT_KERNELS_ONLY
     return {
         "schema": SCHEMA,
         "model": model,

@@ -12,7 +12,8 @@ released in reverse, and each is built with the ones before it:
    shares its quarantines through;
 5. the replica registry with its health monitor, which checks every replica before the first request is accepted;
 6. the fleet (proxy/fleet/resource.py): rate limits, and in fleet mode the task that keeps the registry in step;
-7. the serving path (proxy/serving/serve.py) over all of them.
+7. the serving path (proxy/serving/serve.py) over all of them, with the task that records the ends of streams the
+   store was away for (proxy/serving/unclosed.py), which tries once more at a graceful stop.
 
 The audit page (proxy/ui/) is a sub-application at /ui over the same keys.
 """
@@ -62,6 +63,7 @@ from proxy.serving.prompts import PromptBook
 from proxy.serving.record_ids import RecordIds
 from proxy.serving.redact import Redactor
 from proxy.serving.serve import Proxy
+from proxy.serving.unclosed import Unclosed
 from proxy.ui import ui_app
 
 log = structlog.get_logger("stackpin.app")
@@ -235,8 +237,11 @@ async def fleet(app: web.Application, *, clock: Callable[[], datetime]) -> Async
 
 
 async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -> AsyncIterator[None]:
-    """The serving path over the resources above, and the thread where it builds streams' closing entries."""
+    """The serving path over the resources above, the thread where it builds streams' closing entries, and the
+    task that records the ends of streams the store was away for (proxy/serving/unclosed.py)."""
     closing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-close")
+    unclosed = Unclosed(app[STORE])
+    late_ends = asyncio.create_task(unclosed.run(), name="late-stream-ends")
     app[PROXY] = Proxy(
         store=app[STORE],
         registry=app[REGISTRY],
@@ -248,6 +253,7 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
         replica_keys=app[SECRETS].replica_keys,
         redactor=app[REDACTOR],
         closing=closing,
+        unclosed=unclosed,
         clock=clock,
         record_ids=RecordIds(),
     )
@@ -255,3 +261,11 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
         yield
     finally:
         closing.shutdown()  # every stream has closed: the server has stopped
+        late_ends.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await late_ends
+        # A graceful stop: one more try for what the store was away for; what is left, the next start closes.
+        if unclosed.held:
+            await unclosed.commit()
+            if unclosed.held:
+                log.error("stream_ends_left_open", record_ids=unclosed.held)

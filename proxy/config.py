@@ -17,7 +17,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AliasChoices,
@@ -125,6 +125,9 @@ class LocalBackendSettings(_Section):
     model_name: str | None = None  # the name it is served under; unset: the backend's default for it
     kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # The KV cache, which bounds a request's prompt and answer together: "auto" sizes it for a few of the model's
+    # whole contexts within a share of the memory available; a number is MB (stackpin-backend serve --kv-cache-mb).
+    kv_cache_mb: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] = "auto"
     start_timeout_s: float = Field(default=180.0, gt=0)
 
 

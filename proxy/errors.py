@@ -7,6 +7,7 @@
       RequestTimeout (408)         a body that did not arrive within `server.body_timeout_s`
       PayloadTooLarge (413)        a body over `server.max_body_bytes`
       NoMatchingStack (409)        no known stack matches the pin
+        ModelNotFound (404)        the pin's model is no known stack's model (OpenAI's `model_not_found`)
       NoLiveReplica (503)          stacks match the pin but none of their replicas is in rotation
       ReplicaFailed (502)          the replica failed, timed out or answered garbage; nothing was recorded
         ReplicaUnavailable         unreachable, timed out or a 5xx: worth a retry on a twin of the same fingerprint
@@ -120,6 +121,14 @@ class NoMatchingStack(StackpinError):
     status = 409
     type = "no_matching_stack"
     code = "no_matching_stack"
+
+
+class ModelNotFound(NoMatchingStack):
+    """What OpenAI answers for a model that does not exist, so that SDKs raise their NotFoundError."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
 
 
 class NoLiveReplica(StackpinError):

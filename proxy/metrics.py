@@ -105,6 +105,15 @@ class ProxyMetrics:
             multiprocess_mode="max",
         )
 
+        self.log_diverged = Gauge(
+            "stackpin_audit_log_diverged",
+            "1 while the audit log refuses to integrate new entries: new answers cannot be proven",
+            registry=registry,
+            # Set by the worker a scrape reaches, from its integrator; every worker's reads the one log, so the
+            # latest scrape's value is the log's state, and an older 1 must not outlive a repair.
+            multiprocess_mode="livemostrecent",
+        )
+
     def exposition(self) -> bytes:
         """The text a scrape gets: this process's metrics, or every worker's together."""
         if self.shared_folder is None:

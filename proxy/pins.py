@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from proxy.errors import BadRequest
-from proxy.stack import Stack
+from proxy.stack import BATCH_INVARIANT, Stack
 
 PIN_KEYS = ("model", "quantisation", "hardware", "kernel_mode", "prompt", "stack")
 STACK_KEYS = ("model", "quantisation", "hardware", "kernel_mode")
@@ -53,6 +53,8 @@ class Pin(BaseModel):
             and (self.quantisation is None or self.quantisation == stack.quantisation)
             and (self.hardware is None or self.hardware == stack.hardware)
             and (self.kernel_mode is None or self.kernel_mode == stack.kernel_mode)
+            # Pinned for invariance, a request gets a stack whose answers are invariant, not one that says so.
+            and (self.kernel_mode != BATCH_INVARIANT or stack.batch_invariant)
         )
 
     def describe(self) -> str:

@@ -19,6 +19,7 @@ from proxy.canonical import CanonicalDocument, canonical_json
 SCHEMA_VERSION = 1  # what a declared stack is unless it says otherwise: its fingerprint stays what it was
 SOFTWARE_KEYS = ("backend", "torch", "cuda", "triton", "driver")
 UNKNOWN = "unknown"
+BATCH_INVARIANT = "batch_invariant"
 # Serving features a backend names in its batching policy that change no bit of a batch_invariant answer
 # (docs/protocol.md): replicas that differ only in them serve one stack.
 UNFINGERPRINTED_BATCHING = ("prefix_cache", "speculation")
@@ -61,6 +62,15 @@ class Stack(BaseModel):
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.document())
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether its answers are independent of the batch: batch-invariant kernels, and no routing that the
+        batch decides (a mixture-of-experts capacity factor). A backend says so in `kernel_mode` (protocol.md);
+        the routing is checked too, so that a stack claiming both is taken at its routing."""
+        routing = self.batching.get("expert_routing")
+        capped = isinstance(routing, dict) and routing.get("policy") == "capacity"
+        return self.kernel_mode == BATCH_INVARIANT and not capped
 
     @cached_property
     def canonical(self) -> CanonicalDocument:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
+import json
+import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -23,9 +26,11 @@ from proxy.audit import (
     StoreClosed,
     UnknownStack,
     stack_fingerprint,
+    upgrade_database,
 )
 from proxy.audit.merkle import EMPTY_ROOT, leaf_hash, verify_consistency, verify_inclusion
 from proxy.audit.note import open_checkpoint
+from proxy.logs import configure_logging
 from tests.support.audit_databases import KINDS, LOG_SIGNER, STACK, T0, AuditDatabase, audit_database, entry
 
 FINGERPRINT = stack_fingerprint(STACK)
@@ -171,6 +176,16 @@ async def test_a_tenant_reads_only_its_own_records(store: AuditStore) -> None:
     assert mine is not None and mine.tenant == "acme"
     assert (await store.get_record("theirs", tenant=None)) is not None, "tenant=None is the operator's view"
     assert [r.id for r in await store.list_records(tenant="acme")] == ["mine"]
+
+
+async def test_an_id_no_entry_could_carry_is_no_record_on_either_store(store: AuditStore) -> None:
+    await store.append(entry("rec_" + "0" * 32))
+
+    # PostgreSQL refuses NUL in text outright; such an id must be "no record", never a database failure.
+    for malformed in ("rec_" + "0" * 32 + "\x00", "\x00", "", "r" * 101, "rec_\ud800"):
+        assert await store.get_record(malformed, tenant=None) is None, repr(malformed)
+        assert await store.record_proof(malformed, tenant=None) is None, repr(malformed)
+        assert (await store.check_record(malformed))[0] == [], repr(malformed)
 
 
 async def test_a_stream_is_opened_then_closed(store: AuditStore) -> None:
@@ -411,6 +426,21 @@ async def test_sqlite_keeps_its_log_in_wal_mode(tmp_path: Path) -> None:
         assert await db.scalar("PRAGMA journal_mode") == "wal"
 
 
+async def test_an_sqlite_database_and_its_wal_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "audit.db"
+    store = await AuditStore.open(f"sqlite+aiosqlite:///{path}", create_if_empty=True, signer=LOG_SIGNER)
+    try:
+        await store.append(entry("r1"))
+        files = sorted(tmp_path.iterdir())
+        assert [f.name for f in files] == ["audit.db", "audit.db-shm", "audit.db-wal"]
+        assert [oct(f.stat().st_mode & 0o777) for f in files] == ["0o600"] * 3
+    finally:
+        await store.close()
+    upgraded = tmp_path / "upgraded.db"  # `stackpin db upgrade` on a new file
+    await asyncio.to_thread(upgrade_database, f"sqlite:///{upgraded}")
+    assert upgraded.stat().st_mode & 0o777 == 0o600
+
+
 async def test_close_commits_what_is_queued_and_refuses_more(database: AuditDatabase) -> None:
     store = await database.open(batch_max=4)
     pending = [asyncio.ensure_future(store.append(entry(f"q{i}"))) for i in range(20)]
@@ -518,6 +548,48 @@ async def test_integration_refuses_to_sign_over_a_tree_changed_behind_its_back(
         await database.execute("DELETE FROM log_queue")
         await store.close()
     assert (await database.scalar("SELECT max(tree_size) FROM checkpoints")) == 4, "nothing more was signed"
+
+
+async def test_a_diverged_log_says_so_every_round_until_the_database_is_put_right(
+    database: AuditDatabase,
+) -> None:
+    store = await database.open(checkpoint_interval_s=3600)
+    try:
+        await _integrated(store, 4)
+        good = await database.scalar("SELECT hash FROM tree_nodes WHERE level = 2 AND idx = 0")
+        await database.execute(f"UPDATE tree_nodes SET hash = '{'0' * 64}' WHERE level = 2 AND idx = 0")
+        await store.append(entry("later"))
+        assert store.diverged is None, "nothing is known before a round looks"
+        for _ in range(3):
+            with pytest.raises(LogDiverged):
+                await store.integrate()
+        assert store.diverged is not None and "not the one the last checkpoint signed" in store.diverged
+
+        await database.execute(f"UPDATE tree_nodes SET hash = '{good}' WHERE level = 2 AND idx = 0")
+        assert (await store.integrate()) is not None
+        assert store.diverged is None, "a round that signs clears it"
+    finally:
+        await store.close()
+
+    rounds = await database.open(checkpoint_interval_s=0.05)
+    sink = io.StringIO()
+    configure_logging("info", sink)
+    try:
+        await database.execute(f"UPDATE tree_nodes SET hash = '{'0' * 64}' WHERE level = 2 AND idx = 0")
+        await rounds.append(entry("even-later"))
+        deadline = asyncio.get_running_loop().time() + 30
+        while sink.getvalue().count('"audit_integration_failed"') < 3:
+            assert asyncio.get_running_loop().time() < deadline, sink.getvalue()[-2000:]
+            await asyncio.sleep(0.05)
+        assert rounds.diverged is not None
+    finally:
+        await database.execute("DELETE FROM log_queue")
+        await rounds.close()
+        configure_logging("info", sys.stderr)
+    failed = [
+        json.loads(line) for line in sink.getvalue().splitlines() if '"audit_integration_failed"' in line
+    ]
+    assert {(line["level"], line["kind"]) for line in failed} == {("error", "LogDiverged")}
 
 
 async def test_integration_refuses_a_log_rewound_below_what_it_signed(database: AuditDatabase) -> None:

@@ -47,6 +47,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (("serve", "--model", ".", "--kv-split-size", "100"), "--kv-split-size 100 must be a multiple of"),
         (("serve", "--model", ".", "--device", "cuda", "--kv-split-size", "96"), "choose a multiple of 64"),
         (("serve", "--model", ".", "--max-step-graphs", "-1"), "--max-step-graphs: Input should be greater"),
+        (("serve", "--model", ".", "--kv-cache-mb", "lots"), "--kv-cache-mb: 'lots' is neither auto nor"),
+        (("serve", "--model", ".", "--kv-cache-mb", "0"), "--kv-cache-mb: Input should be greater than 0"),
         (("tune",), "--model"),
         (("tune", "--model", "/nonexistent"), "has no config.json"),
         (("tune", "--model", "bench/models/qwen3-8b", "--budget-s", "0"), "--budget-s must be positive"),

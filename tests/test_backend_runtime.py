@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from pinned_backend.checkpoint import CheckpointError, weights_sha256
-from pinned_backend.kvcache import PagedKVCache
+from pinned_backend.kvcache import KV_CONTEXTS, PagedKVCache
 from pinned_backend.runtime import BackendSettings, load_runtime
 from pinned_backend.stack import STACK_KEYS, fingerprint
 from tests.support.backend_checkpoint import MOE_CONFIG, write_random_checkpoint
@@ -82,6 +82,22 @@ def test_a_mixture_of_experts_stack_names_its_routing(tmp_path: Path) -> None:
     ).stack
     assert rerouted["batching"]["expert_routing"]["overflow"] == "next_expert"
     assert len({fingerprint(s) for s in (dropless, capped, rerouted)}) == 3
+    # The kernels are batch invariant in all three; the answers only where the batch decides no token's experts.
+    assert [s["kernel_mode"] for s in (dropless, capped, rerouted)] == [
+        "batch_invariant",
+        "batch_invariant_kernels",
+        "batch_invariant_kernels",
+    ]
+
+
+def test_an_automatic_kv_cache_holds_a_few_whole_contexts_and_says_how_it_was_sized(checkpoint: Path) -> None:
+    said: list[str] = []
+    runtime = load_runtime(
+        BackendSettings(model=checkpoint, block_size=4, kv_split_size=8), report=said.append
+    )
+    assert runtime.settings.kv_cache_mb == "auto", "the default"
+    assert runtime.engine.kv_capacity_tokens >= KV_CONTEXTS * runtime.max_model_len - 4
+    assert any(line.startswith("KV cache: ") and "--kv-cache-mb" in line for line in said), said
 
 
 def test_the_kv_budget_sets_the_number_of_blocks(checkpoint: Path) -> None:
@@ -108,7 +124,7 @@ def test_a_gguf_stack_names_the_files_digest_its_stored_types_and_the_compute_dt
     assert runtime.stack["quantisation"] == "gguf:F32+Q8_0->fp32"
     assert runtime.stack["model"] == "Small-Llama.Q8_0"
     assert any("dequantising to fp32" in line for line in said), said
-    assert said[-1].endswith("checkpoint loaded")
+    assert [line for line in said if not line.startswith("KV cache: ")][-1].endswith("checkpoint loaded")
     # The same file under another name on another path: the same weights, the same digest.
     copy = tmp_path / "elsewhere" / "renamed.gguf"
     copy.parent.mkdir()

@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pinned_backend.checkpoint import weights_sha256
 from pinned_backend.runtime import BackendSettings
-from pinned_backend.server import create_app
+from pinned_backend.server import RUNTIME, create_app
 from tests.support.backend_checkpoint import write_random_checkpoint
 
 CHAT = "/v1/chat/completions"
@@ -249,6 +249,25 @@ async def test_bad_requests_get_a_400_that_names_the_field(
     assert error["error"]["param"] == param
     assert error["error"]["type"] == "invalid_request_error"
     assert words in error["error"]["message"]
+
+
+async def test_a_request_too_large_for_the_kv_cache_is_told_what_to_change(checkpoint: Path) -> None:
+    app = create_app(settings(checkpoint, kv_cache_mb=0.02))  # 40 tokens of KV cache, in a context of 256
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        capacity = client.app[RUNTIME].engine.kv_capacity_tokens
+        status, error = await post(client, COMPLETIONS, {"prompt": [1] * capacity, "max_tokens": 8})
+        assert status == 400 and error["error"]["param"] == "prompt", error
+        message = error["error"]["message"]
+        assert "max_tokens" not in message, "max_tokens=8 is not the cause: the prompt alone does not fit"
+        assert "[local_backend] kv_cache_mb" in message and "--kv-cache-mb" in message
+        status, error = await post(client, CHAT, {"messages": HELLO, "max_tokens": capacity})
+        assert status == 400 and error["error"]["param"] == "max_tokens"
+        assert "lower max_tokens to at most" in error["error"]["message"]
+        # Unasked, max_tokens defaults to what the cache has room for, rather than refusing the request.
+        status, answer = await post(client, CHAT, {"messages": HELLO})
+        assert status == 200, answer
+        usage = answer["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= capacity
 
 
 async def test_malformed_json_and_unknown_routes_get_openai_errors(client: TestClient) -> None:

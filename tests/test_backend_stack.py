@@ -121,6 +121,18 @@ def test_fingerprint_changes_with_any_field() -> None:
     assert fingerprint(_stack(batching=batching_policy(8, 256, 64))) != base
 
 
+def test_a_capacity_limited_moe_never_claims_batch_invariant_answers() -> None:
+    capped = batching_policy(
+        16, 256, 64, {"policy": "capacity", "capacity_factor": 1.0, "overflow": "pass_through"}
+    )
+    dropless = batching_policy(16, 256, 64, {"policy": "dropless"})
+    # Its kernels are invariant, its routing is not: which experts a token gets depends on the rest of the batch.
+    assert _stack(batching=capped)["kernel_mode"] == "batch_invariant_kernels"
+    assert _stack(batching=dropless)["kernel_mode"] == "batch_invariant"
+    assert _stack(batching=capped, kernel_mode="default")["kernel_mode"] == "default"
+    assert fingerprint(_stack(batching=capped)) != fingerprint(_stack(batching=dropless))
+
+
 def test_cpu_hardware_names_the_best_vector_isa() -> None:
     assert cpu_hardware(X86_CPUINFO, "x86_64") == (
         "cpu-x86_64-avx512",

@@ -90,6 +90,7 @@ def test_no_file_is_the_embedded_default(tmp_path: Path, monkeypatch: pytest.Mon
         ("[server]\nport = 'eighty'\n", {}, "server.port"),
         ("[server]\nworkers = 0\n", {}, "server.workers"),
         ("[sever]\n", {}, "sever"),
+        ('[local_backend]\nkv_cache_mb = "lots"\n', {}, "local_backend.kv_cache_mb"),
         ('[server]\ndefault_route = "r"\n', {}, "names no route"),
         (
             '[[replicas]]\nname = "x"\nurl = "http://a"\nendpoints = ["/v1/chat/completions"]\n',

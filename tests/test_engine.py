@@ -144,6 +144,22 @@ def test_requests_that_can_never_fit_are_refused_up_front(make_engine: Callable[
         engine.submit("c", [], GREEDY, Collector())
 
 
+def test_a_request_the_kv_cache_cannot_hold_is_told_whether_its_prompt_or_max_tokens_is_the_cause(
+    make_engine: Callable[..., Engine],
+) -> None:
+    engine = make_engine(num_blocks=3)  # 12 tokens of KV cache
+    assert engine.kv_capacity_tokens == 12
+    with pytest.raises(RequestTooLarge) as prompt:
+        engine.submit("long", [1] * 12, SamplingParams(temperature=0, max_tokens=1), Collector())
+    assert prompt.value.param == "prompt", "max_tokens=1 is not what makes it too large"
+    assert "max_tokens" not in str(prompt.value) and "kv_cache_mb" in str(prompt.value)
+    assert "--kv-cache-mb" in str(prompt.value) and "12 tokens" in str(prompt.value)
+    with pytest.raises(RequestTooLarge) as answer:
+        engine.submit("long", [1] * 8, SamplingParams(temperature=0, max_tokens=6), Collector())
+    assert answer.value.param == "max_tokens" and "at most 4" in str(answer.value)
+    assert "kv_cache_mb" in str(answer.value)
+
+
 def test_a_stop_string_cuts_the_text_and_finishes_with_stop(make_engine: Callable[..., Engine]) -> None:
     engine, free = make_engine(), Collector()
     engine.submit("free", [3, 1, 4], SamplingParams(temperature=0, max_tokens=12), free)

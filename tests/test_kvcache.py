@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from pinned_backend.checkpoint import parse_config
-from pinned_backend.kvcache import ROOT_KEY, BlockAllocator, CacheFull, PagedKVCache, block_key, block_keys
+from pinned_backend.kvcache import (
+    KV_CONTEXTS,
+    KV_MEMORY_SHARE,
+    ROOT_KEY,
+    BlockAllocator,
+    CacheFull,
+    PagedKVCache,
+    automatic_budget,
+    block_key,
+    block_keys,
+)
 
 CONFIG = parse_config(
     {
@@ -51,6 +61,31 @@ def test_blocks_for_budget_counts_keys_and_values_of_every_layer() -> None:
 def test_a_budget_below_one_block_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="holds no block"):
         PagedKVCache.blocks_for_budget(CONFIG, 100, 16, torch.float32)
+
+
+SMOLLM2 = parse_config(
+    {
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+    }
+)
+
+
+def test_the_automatic_budget_holds_a_few_whole_contexts_within_a_share_of_the_memory_available() -> None:
+    per_token = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M in fp32: 45 KiB of keys and values a token
+    plenty = automatic_budget(SMOLLM2, torch.float32, available_bytes=19 * 2**30)
+    assert plenty == per_token * 8192 * KV_CONTEXTS, "room for whole contexts, not 1,456 tokens"
+    assert KV_CONTEXTS >= 2
+    scarce = automatic_budget(SMOLLM2, torch.float32, available_bytes=2 * 2**30)
+    assert scarce == int(2 * 2**30 * KV_MEMORY_SHARE) < plenty
+    assert automatic_budget(SMOLLM2, torch.bfloat16, available_bytes=19 * 2**30) == plenty // 2
 
 
 def test_allocator_hands_out_lowest_ids_first_and_reuses_freed_ones() -> None:

@@ -3,6 +3,9 @@ a PostgreSQL fleet must be given one, and what verification trusts is configured
 
 from __future__ import annotations
 
+import io
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ from proxy.audit.keys import serving_signer, trusted_log_keys, write_key
 from proxy.audit.note import COSIGNATURE, generate_signer
 from proxy.config import Settings, resolve_secrets
 from proxy.errors import ConfigError
+from proxy.logs import configure_logging
 from tests.support.audit_databases import LOG_SIGNER, POSTGRES_URL
 
 
@@ -26,6 +30,19 @@ def test_the_embedded_default_makes_its_key_beside_its_database_once(tmp_path: P
     again = serving_signer(config, resolve_secrets(config, {}))
     assert again == made and made.name.startswith("stackpin.local/")
     assert trusted_log_keys(config, resolve_secrets(config, {}), []) == [made.verifier]
+
+
+def test_a_key_made_at_start_logs_its_verifier_key_and_never_its_signing_key(tmp_path: Path) -> None:
+    config = settings(f"sqlite+aiosqlite:///{tmp_path / 'audit.db'}")
+    sink = io.StringIO()
+    configure_logging("info", sink)
+    try:
+        made = serving_signer(config, resolve_secrets(config, {}))
+    finally:
+        configure_logging("info", sys.stderr)
+    (line,) = [json.loads(text) for text in sink.getvalue().splitlines() if "log_key_created" in text]
+    assert made.verifier.vkey in line.values(), f"the verifier key, public, is what a verifier trusts: {line}"
+    assert made.text not in sink.getvalue() and made.text.split("+")[-1] not in sink.getvalue()
 
 
 def test_a_shared_database_needs_a_key_it_is_given(tmp_path: Path) -> None:

@@ -85,3 +85,27 @@ def test_each_stack_key_a_pin_names_must_equal_the_stacks_own(key: str) -> None:
     assert Pin(**{key: own}).matches(STACK, STACK.fingerprint)
     assert not Pin(**{key: own + "-other"}).matches(STACK, STACK.fingerprint)
     assert not Pin(**{key: own, "stack": "0" * 64}).matches(STACK, STACK.fingerprint)
+
+
+def test_a_batch_invariant_pin_takes_only_a_stack_whose_answers_are_batch_invariant() -> None:
+    pin = Pin(kernel_mode="batch_invariant")
+    capped = {"policy": "capacity", "capacity_factor": 1.0, "overflow": "pass_through"}
+    dropless = Stack.model_validate(
+        {**tiny_stack(), "batching": {**STACK.batching, "expert_routing": {"policy": "dropless"}}}
+    )
+    assert pin.matches(dropless, dropless.fingerprint)
+    honest = Stack.model_validate(
+        {
+            **tiny_stack(),
+            "kernel_mode": "batch_invariant_kernels",
+            "batching": {**STACK.batching, "expert_routing": capped},
+        }
+    )
+    assert not pin.matches(honest, honest.fingerprint)
+    assert Pin(kernel_mode="batch_invariant_kernels").matches(honest, honest.fingerprint)
+    # A stack that claims both (an older backend) is taken at its routing, not its word.
+    claiming = Stack.model_validate(
+        {**tiny_stack(), "batching": {**STACK.batching, "expert_routing": capped}}
+    )
+    assert not pin.matches(claiming, claiming.fingerprint)
+    assert Pin(model=claiming.model).matches(claiming, claiming.fingerprint)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sqlite3
 import sys
 import uuid
 from pathlib import Path
@@ -16,10 +17,13 @@ import aiohttp
 import pytest
 from sqlalchemy.engine import make_url
 
+from proxy.app import create_app
+from proxy.config import resolve_secrets
 from proxy.logs import configure_logging
-from tests.support.audit_databases import POSTGRES_URL
+from proxy.process.listener import bind, serving
+from tests.support.audit_databases import KINDS, LOG_KEY_ENV, LOG_SIGNER, POSTGRES_URL, audit_database
 from tests.support.fake_replica import FakeReplica
-from tests.support.proxy_harness import Harness, running_proxy
+from tests.support.proxy_harness import Harness, running_proxy, settings_for
 from tests.support.tcp_relay import TcpRelay
 
 CHAT = {
@@ -226,6 +230,19 @@ async def test_unknown_record_and_route_are_404s(replica: FakeReplica, tmp_path:
         assert status == 404 and "stackpin records" in body["error"]["message"]
         status, body = await harness.get("/v1/nothing-here")
         assert status == 404 and "error" in body
+
+
+@pytest.mark.parametrize("store", KINDS)
+async def test_a_malformed_record_id_is_a_404_on_either_store(
+    store: str, replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path, store=store) as harness:
+        for path in ("/v1/records/rec_0%00", "/v1/records/rec_0%00/proof", "/v1/records/" + "r" * 101):
+            status, body = await harness.get(path)
+            assert status == 404, (path, status, body)
+            assert "rec_<32 hex>" in body["error"]["message"]
+        status, body, _ = await harness.post("/v1/records/rec_0%00/replay", {})
+        assert status == 404, body
 
 
 async def test_a_stream_the_replica_breaks_off_is_recorded_as_interrupted(
@@ -514,7 +531,16 @@ async def test_a_store_outage_is_503s_with_retry_after_a_bounded_log_and_recover
             listed = {r.id for r in await harness.proxy.store.list_records(limit=1000)}
             assert listed == {*answered, record_id}, "every answer has its record, and nothing else has one"
             stream_record = await harness.proxy.store.get_record(record_id, "local")
-            assert stream_record is not None and stream_record.status == "streaming"
+            while stream_record is not None and stream_record.status == "streaming":
+                assert loop.time() - back_at < 10, "the stream's end is recorded once the store is back"
+                await asyncio.sleep(0.05)
+                stream_record = await harness.proxy.store.get_record(record_id, "local")
+            assert stream_record is not None and stream_record.status == "interrupted"
+            closed = stream_record.entries[-1].content
+            sent = "".join(closed["events"]) + closed["terminal"]
+            assert [line[6:] for line in sent.splitlines() if line.startswith("data: ")] == events, (
+                "the record holds what the client read, the failure event in place of the end"
+            )
             assert (await harness.proxy.store.verify()).ok
     finally:
         configure_logging("info", sys.stderr)
@@ -526,6 +552,54 @@ async def test_a_store_outage_is_503s_with_retry_after_a_bounded_log_and_recover
     assert "Traceback" not in sink.getvalue(), [line[:300] for line in lines if "Traceback" in line]
 
 
+@pytest.mark.postgres
+async def test_a_stream_the_store_was_away_for_at_its_end_is_closed_at_a_graceful_stop(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    postgres = make_url(POSTGRES_URL)
+    relay = TcpRelay(postgres.host or "127.0.0.1", postgres.port or 5432)
+    await relay.start()
+    through_relay = f"127.0.0.1:{relay.listen_port}"
+    try:
+        async with audit_database("postgres", tmp_path) as database:
+            await database.migrate()
+            settings = settings_for(
+                [replica],
+                database.url.replace(f"{postgres.host}:{postgres.port}", through_relay),
+                database.schema,
+            )
+            secrets = resolve_secrets(settings, {LOG_KEY_ENV: LOG_SIGNER.text})
+            app = create_app(settings, secrets)
+            sock = bind("127.0.0.1", 0)
+            try:
+                async with serving(app, sock, settings.server) as url:
+                    harness = Harness(url, app, settings, secrets)
+                    replica.chunk_delay_s = 0.05
+                    opened = asyncio.Event()
+                    stream = asyncio.create_task(
+                        read_stream(harness, {**CHAT, "max_tokens": 20, "stream": True}, opened)
+                    )
+                    await asyncio.wait_for(opened.wait(), 30)
+                    await relay.cut()
+                    record_id, events = await stream
+                    assert "[DONE]" not in events
+                    await relay.start()  # the store is back, and the proxy stops at once
+            finally:
+                sock.close()
+            store = await database.open(signer=None)
+            try:
+                record = await store.get_record(record_id, None)
+                counts = await store.stream_counts()
+            finally:
+                await store.close()
+    finally:
+        await relay.close()
+    assert record is not None and record.status == "interrupted", (
+        "closed by the stop, not left to the next start"
+    )
+    assert counts.open == 0
+
+
 @pytest.mark.parametrize("path", ["/healthz", "/readyz"])
 async def test_health_and_readiness(replica: FakeReplica, tmp_path: Path, path: str) -> None:
     async with running_proxy([replica], tmp_path) as harness:
@@ -534,3 +608,27 @@ async def test_health_and_readiness(replica: FakeReplica, tmp_path: Path, path: 
         harness.proxy.registry.unreachable("replica-0")
         status, _body = await harness.get(path)
         assert status == (200 if path == "/healthz" else 503)
+
+
+async def test_a_diverged_log_makes_the_proxy_not_ready_and_says_why_while_answers_are_still_recorded(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path, log={"checkpoint_interval_s": 0.05}) as harness:
+        status, _, _ = await harness.post("/v1/chat/completions", CHAT)
+        assert status == 200
+        await harness.proxy.store.integrate()
+        database = make_url(harness.settings.store.url).database
+        assert database is not None
+        with sqlite3.connect(database) as connection:  # the tree's one leaf, changed behind the log's back
+            connection.execute(f"UPDATE log_leaves SET leaf_hash = '{'0' * 64}'")
+        status, _, headers = await harness.post("/v1/chat/completions", CHAT)
+        assert status == 200, "an answer is still given: it is committed, though not provable until a repair"
+        deadline = asyncio.get_running_loop().time() + 30
+        while (ready := await harness.get("/readyz"))[0] == 200:
+            assert asyncio.get_running_loop().time() < deadline, "the divergence never showed"
+            await asyncio.sleep(0.05)
+        status, body = ready
+        assert status == 503 and any("audit log diverged" in problem for problem in body["problems"]), body
+        assert await harness.proxy.store.get_record(headers["Stackpin-Record"], None) is not None
+        async with aiohttp.ClientSession() as session, session.get(harness.url + "/metrics") as response:
+            assert "stackpin_audit_log_diverged 1.0" in await response.text()

@@ -129,7 +129,7 @@ async def test_models_lists_live_stacks_and_routes(replica: FakeReplica, tmp_pat
     [
         ({"extra_body": {"stackpin": {"colour": "blue"}}}, openai.BadRequestError),
         ({"extra_body": {"stackpin": {"kernel_mode": "nonexistent"}}}, openai.ConflictError),
-        ({"model": "no-such-model"}, openai.ConflictError),
+        ({"model": "no-such-model"}, openai.NotFoundError),
         ({"extra_body": {"stackpin": {"prompt": "support@9"}}}, openai.BadRequestError),
     ],
 )
@@ -141,6 +141,19 @@ async def test_errors_map_to_the_sdk_classes(
         with pytest.raises(error) as raised:
             await client(harness).chat.completions.create(**kwargs)  # type: ignore[call-overload]
         assert raised.value.body and "message" in raised.value.body  # type: ignore[attr-defined]
+
+
+async def test_a_model_nothing_serves_is_openais_404_model_not_found_listing_the_live_stacks(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        with pytest.raises(openai.NotFoundError) as raised:
+            await client(harness).chat.completions.create(
+                model="gpt-nothing", messages=MESSAGES, max_tokens=2
+            )
+        assert raised.value.code == "model_not_found" and "fake-model" in raised.value.message
+        body = raised.value.body
+        assert isinstance(body, dict) and body["live_stacks"][0]["fingerprint"] == replica.fingerprint
 
 
 async def test_no_live_replica_is_a_503_listing_live_stacks(replica: FakeReplica, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.errors import NoLiveReplica, NoMatchingStack
+from proxy.errors import ModelNotFound, NoLiveReplica, NoMatchingStack
 from proxy.pins import Pin
 from proxy.replicas.registry import Replica
 from proxy.serving.router import choose, live_stacks
@@ -41,6 +41,22 @@ def test_no_match_lists_what_is_live() -> None:
     assert [s["replicas"] for s in raised.value.extra["live_stacks"]] == [["inv"]]
     with pytest.raises(NoLiveReplica):
         choose(replicas, Pin(kernel_mode="default"))
+
+
+def test_a_model_no_stack_has_is_openais_404_model_not_found_listing_what_is_live() -> None:
+    replicas = [replica("inv", INVARIANT), replica("down", DEFAULT, reachable=False)]
+    with pytest.raises(ModelNotFound) as raised:
+        choose(replicas, Pin(model="gpt-nothing"))
+    error = raised.value
+    assert (error.status, error.code, error.param) == (404, "model_not_found", "model")
+    assert "'gpt-nothing'" in error.message and "live models: fake-model" in error.message
+    assert [s["replicas"] for s in error.extra["live_stacks"]] == [["inv"]]
+    # A known model that the rest of the pin does not match is no missing model: still 409 and 503.
+    with pytest.raises(NoMatchingStack) as other:
+        choose(replicas, Pin(model="fake-model", hardware="nvidia-h200"))
+    assert not isinstance(other.value, ModelNotFound) and other.value.status == 409
+    with pytest.raises(NoLiveReplica):
+        choose(replicas, Pin(model="fake-model", kernel_mode="default"))
 
 
 def test_live_stacks_groups_replicas_by_fingerprint() -> None:

@@ -46,6 +46,17 @@ def test_a_stack_round_trips_to_the_document_the_backend_hashed() -> None:
     assert stack.fingerprint == fingerprint_of(document)
 
 
+def test_a_capacity_limited_moes_stack_hashes_as_the_backend_hashed_it() -> None:
+    routing = {"policy": "capacity", "capacity_factor": 1.25, "overflow": "next_expert"}
+    document = {**tiny_stack(), "kernel_mode": "batch_invariant_kernels"}
+    document["batching"] = {**document["batching"], "expert_routing": routing}
+    stack = Stack.model_validate(document)
+    assert (stack.kernel_mode, stack.document()) == ("batch_invariant_kernels", document)
+    assert stack.fingerprint == fingerprint_of(document)
+    assert not stack.batch_invariant, "its answers depend on the batch, whatever its kernels"
+    assert Stack.model_validate(tiny_stack()).batch_invariant
+
+
 def test_the_fingerprint_is_the_same_in_another_process() -> None:
     document = tiny_stack()
     code = "import json,sys; from proxy.stack import fingerprint; print(fingerprint(json.loads(sys.stdin.read())))"

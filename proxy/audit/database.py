@@ -5,6 +5,8 @@ Knows SQLite (aiosqlite, the embedded default) and PostgreSQL (asyncpg). Knows n
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -57,6 +59,16 @@ def parse_url(url: str) -> URL:
                 "create it or choose another path"
             )
     return parsed
+
+
+def create_private(url: URL) -> None:
+    """Creates an SQLite database file that does not exist yet, readable and writable by its owner only: it holds
+    every request and answer, like the key file beside it. SQLite gives the WAL and shared-memory files it makes
+    the database file's mode. An empty file is an SQLite database without tables; PostgreSQL needs nothing."""
+    if url.get_backend_name() != "sqlite":
+        return
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(url.database or "", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def describe(url: URL) -> str:
@@ -129,6 +141,7 @@ def make_engine(url: URL, *, schema: str | None, writer: bool, pooled: bool = Tr
     else:
         options.update(pool_size=4, max_overflow=4)
     options["pool_pre_ping"] = pooled
+    create_private(url)
     engine = create_async_engine(url, **options)
     if url.get_backend_name() == "sqlite":
         _sqlite_settings(engine.sync_engine, immediate=writer)
@@ -153,6 +166,7 @@ def make_writer(url: URL, *, schema: str | None, durability: Durability = "disk"
 
 def sqlite_writer(url: URL, durability: Durability) -> SqliteWriter:
     database = url.database or ""
+    create_private(url)
 
     def connect() -> sqlite3.Connection:
         # Opened on the writer's thread and used only there; closed from it too.

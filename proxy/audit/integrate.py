@@ -11,9 +11,10 @@ the checkpoint of the new size, all in one transaction.
 
 Before it signs, a round checks that the stored tree is the one the last checkpoint signed, and that no
 checkpoint the integrator saw itself has gone (a rewound log): a log must never sign a tree inconsistent with
-one it signed before. When that check fails it stops signing and says so in its log until the database is put
-right; `stackpin verify` says what changed. The queue is read with its leaf hashes; a queued entry without one
-(a chained entry, queued by the migration) is hashed from its row here.
+one it signed before. When that check fails it stops signing, and says so in its log every round and in
+`diverged` (which the proxy's readiness and metrics read) until the database is put right; `stackpin verify`
+says what changed. The queue is read with its leaf hashes; a queued entry without one (a chained entry, queued
+by the migration) is hashed from its row here.
 """
 
 from __future__ import annotations
@@ -183,6 +184,12 @@ class Integrator:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._last_error: str | None = None
+        self._diverged: str | None = None
+
+    @property
+    def diverged(self) -> str | None:
+        """Why the log refuses to integrate (the last round's LogDiverged), or None; cleared by a round that signs."""
+        return self._diverged
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="audit-integrator")
@@ -201,11 +208,15 @@ class Integrator:
         """Rounds until the queue is empty; the latest checkpoint, or None when another proxy is integrating."""
         async with self._lock:
             while True:
-                result = await self._runner.run(
-                    partial(integrate_round, signer=self._signer, now=self._clock(), seen=self._seen)
-                )
-                if result.checkpoint is not None:
-                    self._seen = result.checkpoint
+                try:
+                    result = await self._runner.run(
+                        partial(integrate_round, signer=self._signer, now=self._clock(), seen=self._seen)
+                    )
+                except LogDiverged as exc:
+                    self._diverged = str(exc)
+                    raise
+                if result.checkpoint is not None:  # None: another proxy held the round, which says nothing
+                    self._seen, self._diverged = result.checkpoint, None
                 if not result.more:
                     return result.checkpoint
 
@@ -215,8 +226,10 @@ class Integrator:
                 await self.integrate()
                 self._last_error = None
             except Exception as exc:
-                # One line per new failure: a diverged log fails every round the same way until someone looks.
-                if str(exc) != self._last_error:
+                # A diverged log is a line every round: no answer from now on can be proven until someone puts the
+                # database right, and one line scrolled away is easy to miss. Other failures (the database away)
+                # are a line each time they change: the store's own errors already say it is away.
+                if isinstance(exc, LogDiverged) or str(exc) != self._last_error:
                     log.error("audit_integration_failed", error=str(exc), kind=type(exc).__name__)
                     self._last_error = str(exc)
             await asyncio.sleep(self._interval_s)

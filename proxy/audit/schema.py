@@ -18,7 +18,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.engine import Connection
 
 import migrations
-from proxy.audit.database import connect_args, make_engine, parse_url
+from proxy.audit.database import connect_args, create_private, make_engine, parse_url
 from proxy.audit.errors import SchemaError
 
 HEAD_REVISION = "0004_transparency_log"
@@ -32,6 +32,7 @@ def alembic_config(url: str | None = None, *, schema: str | None = None) -> Conf
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))
     if url is not None:
         parsed = parse_url(url)
+        create_private(parsed)  # before Alembic's engine would make it with the process's umask
         config.attributes["url"] = parsed
         config.attributes["connect_args"] = connect_args(parsed, schema)
     return config

@@ -86,6 +86,7 @@ SUMMARY_COLUMNS = (
 # How a `closed` entry written by a proxy's start says so: content is canonical JSON (no whitespace, quotes
 # inside strings escaped), so this text appears in it only as that key and value.
 MARKED_AT_START = '"marked_at_start":true'
+RECORD_ID_LENGTH = ENTRIES.c.record_id.type.length
 
 
 class AuditStore:
@@ -178,6 +179,11 @@ class AuditStore:
         await self._writer.dispose()
         await self._reader.dispose()
 
+    @property
+    def diverged(self) -> str | None:
+        """Why this store's log refuses to integrate new entries (LogDiverged), or None while it integrates."""
+        return self._integrator.diverged if self._integrator is not None else None
+
     async def ping(self) -> None:
         """Raises unless the database answers and the writer runs (readiness)."""
         if not self._committer.alive:
@@ -196,6 +202,8 @@ class AuditStore:
 
     async def get_record(self, record_id: str, tenant: str | None) -> AuditRecord | None:
         """The record, or None when it does not exist or belongs to another tenant (`tenant=None`: any)."""
+        if not _could_be_stored(record_id):
+            return None
         async with self._read() as connection:
             rows = (
                 (
@@ -286,6 +294,8 @@ class AuditStore:
 
     @staticmethod
     async def _cursor(connection: Any, record_id: str) -> tuple[datetime, int]:
+        if not _could_be_stored(record_id):
+            raise ValueError(f"no record {record_id!r} to page from")
         row = (
             await connection.execute(
                 select(ENTRIES.c.created_at, ENTRIES.c.seq).where(
@@ -390,6 +400,8 @@ class AuditStore:
         None when the record does not exist or is another tenant's (`tenant=None`: any); an entry not in that
         checkpoint's tree (integrated later, or not yet) has no proof.
         """
+        if not _could_be_stored(record_id):
+            return None
         async with self._reader.connect() as connection:
             return await connection.run_sync(proofs.record_proof, record_id, tenant, size)
 
@@ -422,8 +434,23 @@ class AuditStore:
         With `verifiers`, the checkpoint's signature is checked too (NoteError when it fails). Empty when the
         record does not exist.
         """
+        if not _could_be_stored(record_id):
+            return [], None
         async with self._reader.connect() as connection:
             return await connection.run_sync(proofs.check_record, record_id, verifiers or [])
+
+
+def _could_be_stored(record_id: str) -> bool:
+    """Whether an entry could carry this id. One that none could is no record, without asking the database:
+    PostgreSQL refuses NUL in text and neither driver can send a lone surrogate, and either failure would read as
+    the store being down."""
+    if not 0 < len(record_id) <= RECORD_ID_LENGTH or "\x00" in record_id:
+        return False
+    try:
+        record_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _declared(row: RowMapping) -> bool | None:

@@ -3,7 +3,8 @@
 The proof comes from the proxy (`GET /v1/records/{id}/proof`, as the client's own tenant) or from a file saved
 earlier (`--proof`, no network at all); the checkpoint from a file the client kept (`--checkpoint`), else the
 one the proof names. Everything is checked locally by `check_proof`, a pure function: the checkpoint's
-signature with the log's key, each entry's bytes against its leaf hash, each inclusion proof against the
+signature with the log's key, that the proof's tree has the checkpoint's root (another root at that size: a
+rewritten log, so not proven), each entry's bytes against its leaf hash, each inclusion proof against the
 checkpoint's root. Nothing here trusts the proxy.
 """
 
@@ -77,13 +78,19 @@ def check_proof(record_id: str, proof: dict[str, Any], checkpoint: Checkpoint) -
         if proof["record"] != record_id:
             raise ProveError(f"the proof is of record {proof['record']!r}, not {record_id!r}")
         claimed = proof["checkpoint"]
-        if (claimed["tree_size"], base64.b64decode(claimed["root_hash"])) != (
-            checkpoint.size,
-            checkpoint.root,
-        ):
+        if claimed["tree_size"] != checkpoint.size:
             raise ProveError(
-                f"the proof is for the tree of size {claimed['tree_size']}, the checkpoint is of size {checkpoint.size}"
+                f"the proof is for the tree of size {claimed['tree_size']}, the checkpoint is of size "
+                f"{checkpoint.size}: get the proof for that size (without --proof, prove asks the proxy for it)"
             )
+        if base64.b64decode(claimed["root_hash"], validate=True) != checkpoint.root:
+            # Not a mix-up of files: the log's tree of that size is not the one the checkpoint signed.
+            why = (
+                f"the roots differ: the log's tree of size {checkpoint.size} has root {claimed['root_hash']}, the "
+                f"checkpoint signed root {base64.b64encode(checkpoint.root).decode()}; the log was rewritten since "
+                "that checkpoint, or is another log"
+            )
+            return [Verdict(e["seq"], e["part"], e["index"], False, why) for e in proof["entries"]]
         return [_entry_verdict(record_id, entry, checkpoint) for entry in proof["entries"]]
     except (KeyError, TypeError, ValueError, binascii.Error) as e:
         raise ProveError(

@@ -79,6 +79,35 @@ def local_backend_for(settings: Settings) -> LocalBackend | None:
     return local
 
 
+def serve_command(
+    settings: LocalBackendSettings, model: Path, name: str | None, ready_file: Path
+) -> list[str]:
+    """The child's command line: `stackpin-backend serve` on this machine's CPU, on a port of its choosing."""
+    return [
+        sys.executable,
+        "-m",
+        "pinned_backend.cli",
+        "serve",
+        "--model",
+        str(model),
+        *(("--model-name", name) if name else ()),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--kernel-mode",
+        settings.kernel_mode,
+        "--dtype",
+        settings.dtype,
+        "--kv-cache-mb",
+        str(settings.kv_cache_mb),
+        "--ready-file",
+        str(ready_file),
+    ]
+
+
 class BackendProcess(Protocol):
     """The embedded backend as an application holds it: `start` returns its URL, `stop` ends what start began."""
 
@@ -108,26 +137,7 @@ class LocalBackend:
             doing="loading the model; a large checkpoint takes minutes",
         )
         self._process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "pinned_backend.cli",
-            "serve",
-            "--model",
-            str(model),
-            *(("--model-name", name) if name else ()),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--kernel-mode",
-            self.settings.kernel_mode,
-            "--dtype",
-            self.settings.dtype,
-            "--ready-file",
-            str(ready_file),
-            **_OUTPUT_PIPED,
+            *serve_command(self.settings, model, name, ready_file), **_OUTPUT_PIPED
         )
         self._output = asyncio.create_task(relay_output(self._process.stdout))
         started = time.monotonic()

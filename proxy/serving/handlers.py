@@ -261,6 +261,11 @@ async def readyz(request: web.Request) -> web.Response:
         await request.app[STORE].ping()
     except Exception as e:
         problems.append(f"audit store unreachable: {type(e).__name__}")
+    diverged = request.app[STORE].diverged
+    if diverged is not None:
+        # Answers are still committed (docs/audit.md says why they are still given), but none can be proven
+        # until the database is put right: an orchestrator and whoever watches it must know.
+        problems.append(f"audit log diverged, new answers cannot be proven: {diverged}")
     if not request.app[REGISTRY].live():
         problems.append("no replica is in rotation")
     body: dict[str, Any] = {"problems": problems}
@@ -287,6 +292,7 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     metrics, sync = request.app[METRICS], request.app[FLEET].sync
     metrics.observe_replicas(request.app[REGISTRY].all())
+    metrics.log_diverged.set(0 if request.app[STORE].diverged is None else 1)
     if sync is not None:
         metrics.fleet_stale.set(1 if sync.status().stale else 0)
     body = metrics.exposition()

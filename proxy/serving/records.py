@@ -5,7 +5,8 @@ A non-streamed answer is one `answer` entry holding the whole body the client go
 entry committed before its first byte and a `closed` entry at its end (complete or interrupted) holding every event
 the client read, byte for byte, the one sent after the record (`data: [DONE]`, or the response's terminal event),
 and the answer those events assemble into. A replay is recorded as its original was, linked to it, with its outcome.
-A stream left open by a proxy that stopped without closing it is closed as interrupted at the next start
+A stream whose end the store was away for is closed as interrupted once it is back (proxy/serving/unclosed.py);
+one left open by a proxy that stopped without closing it is closed as interrupted at the next start
 (`marked_at_start`). A `flag` entry marks an earlier record, e.g. because the stack that served it was later found
 changed. Entries carry the exact forwarded request; never a client or upstream key (those travel only in headers).
 """

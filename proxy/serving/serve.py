@@ -25,7 +25,7 @@ import structlog
 from aiohttp import web
 from pydantic import SecretStr, ValidationError
 
-from proxy.audit import AuditError, AuditRecord, AuditStore, InvalidEntry, SealedEntry
+from proxy.audit import AuditError, AuditRecord, AuditStore, InvalidEntry, SealedEntry, StoreUnavailable
 from proxy.config import ServerSettings
 from proxy.endpoints import CHAT, RESPONSES, answer_problem
 from proxy.errors import AuditStoreUnavailable, BadRequest, ReplicaFailed, ReplicaGarbage, ReplicaUnavailable
@@ -44,6 +44,7 @@ from proxy.serving.relay import Relay
 from proxy.serving.request import ClientRequest
 from proxy.serving.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
 from proxy.serving.sinks import BufferSink, Sink
+from proxy.serving.unclosed import Unclosed
 
 RECORD_HEADER = "Stackpin-Record"
 STACK_HEADER = "Stackpin-Stack"
@@ -75,6 +76,7 @@ class Proxy:
     redactor: Redactor
     # Where streams' closing entries are built, one at a time, off the event loop (see _close).
     closing: ThreadPoolExecutor
+    unclosed: Unclosed  # streams' ends the store was away for, committed once it is back
     clock: Callable[[], datetime]
     record_ids: Callable[[], str]  # each call a new record id (proxy/serving/record_ids.py)
 
@@ -305,13 +307,16 @@ class Proxy:
         try:
             await self.store.append(closed)
         except AuditError as e:
-            # Never the answer's end: the client must not take for recorded what is not. The record stays
-            # `opened` until a start marks it interrupted (proxy/process/sweep.py).
+            # Never the answer's end: the client must not take for recorded what is not.
             log.error("stream_close_not_recorded", error=str(e))
             unconfirmed = AuditStoreUnavailable(
                 "the end of this stream could not be recorded; it is not confirmed"
             )
-            return "unrecorded", None if client_left else relay.failure(unconfirmed)
+            sent = None if client_left else relay.failure(unconfirmed)
+            if isinstance(e, StoreUnavailable):  # its end, as the client saw it, waits for the store
+                build = functools.partial(self._unconfirmed, served, relay, error, sent)
+                self.unclosed.hold(await asyncio.get_running_loop().run_in_executor(self.closing, build))
+            return "unrecorded", sent
         return closed.status, terminal
 
     def _redacted(self, event: Event) -> Event:
@@ -370,6 +375,30 @@ class Proxy:
                 error=reason,
             )
             return entry, terminal
+
+    def _unconfirmed(self, served: Served, relay: Relay, error: str | None, sent: str | None) -> SealedEntry:
+        """The `closed` entry of a stream whose end the store was away for: interrupted, with every event the client
+        was sent and, as its terminal, the failure event it got instead of the end (`sent`; None if it had left)."""
+        late = "the audit store was away when the stream ended; its end was recorded once the store was back"
+        error = late if error is None else f"{error}; {late}"
+
+        def entry(answer: Any, replica_answer: Any, upstream: str | None, error: str) -> SealedEntry:
+            return closed_entry(
+                served,
+                self.clock(),
+                status="interrupted",
+                events=relay.events,
+                terminal=sent,
+                answer=answer,
+                replica_answer=replica_answer,
+                upstream_fingerprint=upstream,
+                error=error,
+            )
+
+        try:
+            return entry(relay.answer(), relay.replica_answer(), relay.upstream_fingerprint, error)
+        except (ValidationError, InvalidEntry) as e:
+            return entry(None, None, None, f"{error}; the answer cannot be recorded: {_why(e)}")
 
     async def _dispatch(
         self, request: ClientRequest, send: Callable[[ReplicaSnapshot, dict[str, Any]], Awaitable[Sent]]
