@@ -79,25 +79,30 @@ class Measured:
 
 
 def make_entry(i: int) -> Any:
-    """About the size of a short chat record: a request, 32 tokens with their logprobs, timings."""
-    from proxy.audit import NewEntry  # the measured tree's, imported in the worker
+    """About the size of a short chat record: a request, 32 tokens with their logprobs, timings; sealed as the
+    proxy seals its own (a tree from before `seal` validates a `NewEntry` instead)."""
+    import proxy.audit as audit  # the measured tree's, imported in the worker
 
-    return NewEntry(
-        record_id=f"bench-{i}",
-        part="answer",
-        tenant="bench",
-        created_at=datetime.now(UTC),
-        replica="replica-a",
-        model="bench",
-        stack=STACK,
-        prompt_text="You are terse.",
-        status="complete",
-        content={
+    values: dict[str, Any] = {
+        "record_id": f"bench-{i}",
+        "part": "answer",
+        "tenant": "bench",
+        "created_at": datetime.now(UTC),
+        "replica": "replica-a",
+        "model": "bench",
+        "prompt_text": "You are terse.",
+        "status": "complete",
+        "content": {
             "request": {"messages": [{"role": "user", "content": f"question {i}"}], "temperature": 0},
             "response": {"token_ids": list(range(32)), "token_logprobs": [-0.001 * t for t in range(32)]},
             "timings": {"received": 0.0, "first_byte": 0.012, "done": 0.05},
         },
-    )
+    }
+    if not hasattr(audit, "seal"):
+        return audit.NewEntry(**values, stack=STACK)
+    from proxy.canonical import CanonicalDocument
+
+    return audit.seal(**values, stack=CanonicalDocument.of(STACK))
 
 
 async def measure(
