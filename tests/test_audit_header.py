@@ -58,7 +58,11 @@ def test_an_entry_hashes_every_declared_field_and_a_chained_one_those_it_held() 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WithRegion(EntryHeader):
-    region: str | None = field(default=None, metadata=declared(max_length=50))
+    """A field added to a log that already holds entries: their rows hold None there, and their bytes no key."""
+
+    region: str | None = field(
+        default=None, metadata=declared(max_length=50, chained=False, absent_when_null=True)
+    )
 
 
 def test_a_field_declared_once_is_a_column_and_a_hashed_member() -> None:
@@ -66,10 +70,27 @@ def test_a_field_declared_once_is_a_column_and_a_hashed_member() -> None:
     assert (region.name, region.type, region.nullable, region.max_length) == ("region", str, True, 50)
     (column,) = [c for c in header_columns(header_fields(WithRegion)) if c.name == "region"]
     assert _column_of(column) == (String, 50, True, ())
-    values = {name: None for name in HEADER_NAMES} | {"record_id": "r1", "part": "answer", "tenant": "acme"}
-    made = WithRegion(**values | {"created_at": T0, "status": "complete", "region": "eu"})
-    assert made.header()["region"] == "eu" and made.header(chained=True)["region"] == "eu"
-    assert made.values()["region"] == "eu"
+    made = WithRegion(**_values(), region="eu")
+    assert made.header()["region"] == "eu" and made.values()["region"] == "eu"
+    assert "region" not in made.header(chained=True)
+    assert made.within_bounds() and not WithRegion(**_values(), region="e" * 51).within_bounds()
+
+
+def test_a_field_added_later_leaves_the_bytes_of_entries_without_it_as_they_were() -> None:
+    before = EntryHeader(**_values())
+    after = WithRegion(**_values())
+    assert after.header() == before.header() and after.header(chained=True) == before.header(chained=True)
+    assert after.values() == {**before.values(), "region": None}, "its column holds None"
+
+
+def _values() -> dict[str, Any]:
+    return {name: None for name in HEADER_NAMES} | {
+        "record_id": "r1",
+        "part": "answer",
+        "tenant": "acme",
+        "created_at": T0,
+        "status": "complete",
+    }
 
 
 @pytest.mark.parametrize("declared_field", TEXTS, ids=[f.name for f in TEXTS])
@@ -90,7 +111,13 @@ def test_a_declaration_the_table_could_not_hold_is_refused() -> None:
     class Counted(EntryHeader):
         tokens: int = field(metadata=declared())
 
+    @dataclass(frozen=True, kw_only=True)
+    class Required(EntryHeader):
+        region: str = field(metadata=declared(max_length=50, absent_when_null=True))
+
     with pytest.raises(TypeError, match="note: text needs a max_length"):
         header_fields(Unbounded)
     with pytest.raises(TypeError, match="tokens: int is not str, bool, datetime or a Literal"):
         header_fields(Counted)
+    with pytest.raises(TypeError, match="region: absent when null, so it must allow None"):
+        header_fields(Required)

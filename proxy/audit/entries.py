@@ -1,14 +1,13 @@
 """An entry's bytes: canonical JSON of its fields, which the log's Merkle tree hashes as one leaf.
 
-Everything here is a pure function of its arguments; which fields an entry's header holds, and how each is
-written, is declared in header.py. An entry written by this log is
+Everything here is a pure function of its arguments. An entry written by this log is
 
-    JCS({"record_id", "part", "tenant", "created_at", "replica", "model", "fingerprint", "prompt_sha256",
-         "replay_of", "status", "stack_declared", "content"})
+    JCS({...its header, "content": ...})
 
-where JCS is RFC 8785 canonical JSON; its leaf hash is SHA-256(0x00 || those bytes) and its `sha256` is
+where the header is every field header.py declares, written as declared (docs/audit.md lists them), and JCS is
+RFC 8785 canonical JSON; its leaf hash is SHA-256(0x00 || those bytes) and its `sha256` is
 SHA-256(those bytes). Entries written before the log was a tree (the hash chain, schema revisions 0001 to
-0003) keep their chain envelope, JCS({"position", "prev", "entry": {...fields but stack_declared}}), as their
+0003) keep their chain envelope, JCS({"position", "prev", "entry": {...the header they held, "content"}}), as their
 bytes: their leaf hash covers their chain link, so they stay verifiable as they were. Which form a stored row
 uses is told by its `prev_sha256`, present only on chained entries; a row that lies about it no longer hashes
 to its leaf.

@@ -7,7 +7,8 @@ as `format_timestamp`), and which stored document it names. From these come the 
 (`within_bounds`, `out_of_bounds`), the hashed header (`header()`, and so the bytes, entries.py), the `entries`
 table's columns (models.py, and so the commit's statements, statements.py), a row's values (`values()`) and the
 reading back of a row (tree.py). What runs on the request path is compiled once per class from the declaration.
-A new hashed field is declared here; a migration adds its column, and the proxy gives its value to `seal`. This
+A new hashed field is declared here, `absent_when_null` and not `chained` (the entries already written hold no such
+key, and their rows will hold None); a migration adds its column, and the proxy gives its value to `seal`. This
 module knows nothing of SQL, canonical JSON or hashing.
 """
 
@@ -45,6 +46,9 @@ class HeaderField:
     chained: bool  # whether a chained entry's bytes hold it
     written: Callable[[Any], Any] | None  # how the bytes write its value; None: as it is
     references: str | None  # "table.column" of the stored document it names
+    # Whether the bytes leave it out while it is None rather than write null: how a field added to a log that
+    # already holds entries keeps their bytes (their rows hold None there).
+    absent_when_null: bool
 
 
 def declared(
@@ -53,11 +57,12 @@ def declared(
     chained: bool = True,
     written: Callable[[Any], Any] | None = None,
     references: str | None = None,
+    absent_when_null: bool = False,
 ) -> dict[str, Any]:
     """The metadata that makes a field of `EntryHeader` (or of a class extending it) a header field: see
     `HeaderField`."""
     told = {"max_length": max_length, "chained": chained, "written": written, "references": references}
-    return {"header": told}
+    return {"header": told | {"absent_when_null": absent_when_null}}
 
 
 @cache
@@ -85,6 +90,8 @@ def _header_field(name: str, hint: Any, told: dict[str, Any]) -> HeaderField:
         raise TypeError(f"header field {name}: text needs a max_length (its column's length)")
     if choices is not None and max(map(len, choices)) > told["max_length"]:
         raise TypeError(f"header field {name}: a value it allows is longer than its max_length")
+    if told["absent_when_null"] and not nullable:
+        raise TypeError(f"header field {name}: absent when null, so it must allow None")
     return HeaderField(name, base, nullable, choices, **told)
 
 
@@ -125,13 +132,16 @@ def _compile(expression: str, namespace: dict[str, Any]) -> Any:
 
 def _reader(fields: tuple[HeaderField, ...], *, written: bool, chained: bool) -> Reader:
     writers = {f"write_{f.name}": f.written for f in fields if written and f.written is not None}
-    members = ", ".join(
-        f"{f.name!r}: "
-        + (f"write_{f.name}(self.{f.name})" if f"write_{f.name}" in writers else f"self.{f.name}")
-        for f in fields
-        if f.chained or not chained
-    )
-    reader: Reader = _compile(f"{{{members}}}", writers)
+    members = []
+    for f in fields:
+        if chained and not f.chained:
+            continue
+        value = f"write_{f.name}(self.{f.name})" if f"write_{f.name}" in writers else f"self.{f.name}"
+        if written and f.absent_when_null:
+            members.append(f"**({{}} if self.{f.name} is None else {{{f.name!r}: {value}}})")
+        else:
+            members.append(f"{f.name!r}: {value}")
+    reader: Reader = _compile(f"{{{', '.join(members)}}}", writers)
     return reader
 
 
