@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,26 +49,38 @@ STACK = {"schema": 1, "model": "bench", "kernel_mode": "batch_invariant", "hardw
 SEED = bytes(range(32))
 
 
-def make_entry(tag: str, i: int, tenant: str = "bench") -> Any:
+def entry_values(tag: str, i: int, tenant: str = "bench") -> dict[str, Any]:
     """About the size of a short chat record: a request, 32 tokens with their logprobs, timings."""
-    from proxy.audit import NewEntry
-
-    return NewEntry(
-        record_id=f"bench-{tag}-{i}",
-        part="answer",
-        tenant=tenant,
-        created_at=datetime.now(UTC),
-        replica="replica-a",
-        model="bench",
-        stack=STACK,
-        prompt_text="You are terse.",
-        status="complete",
-        content={
+    return {
+        "record_id": f"bench-{tag}-{i}",
+        "part": "answer",
+        "tenant": tenant,
+        "created_at": datetime.now(UTC),
+        "replica": "replica-a",
+        "model": "bench",
+        "prompt_text": "You are terse.",
+        "status": "complete",
+        "content": {
             "request": {"messages": [{"role": "user", "content": f"question {i}"}], "temperature": 0},
             "response": {"token_ids": list(range(32)), "token_logprobs": [-0.001 * t for t in range(32)]},
             "timings": {"received": 0.0, "first_byte": 0.012, "done": 0.05},
         },
-    )
+    }
+
+
+def entry_steps() -> tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Any]]:
+    """How the imported tree makes an entry from its values: what it does before the timed part, and what on the
+    request path, which is timed. `seal` is the request path's (the stack canonicalised once, as the proxy's
+    registry does); a tree from before `seal` (the chain's) validated a `NewEntry` first and sealed it when
+    appended."""
+    import proxy.audit as audit
+
+    if not hasattr(audit, "seal"):
+        return (lambda values: audit.NewEntry(**values, stack=STACK)), (lambda entry: entry)
+    from proxy.canonical import CanonicalDocument
+
+    stack = CanonicalDocument.of(STACK)
+    return (lambda values: values), (lambda values: audit.seal(**values, stack=stack))
 
 
 # One appending process (run as a script, `--appender JSON`), importing whichever `proxy` its PYTHONPATH names.
@@ -91,18 +104,20 @@ async def appender(spec: dict[str, Any]) -> dict[str, Any]:
             pass
 
     store = await AuditStore.open(spec["url"], observer=Observed(), **options)
-    entries = [make_entry(spec["tag"], i) for i in range(spec["appends"])]
+    prepare, made = entry_steps()
+    entries = [prepare(entry_values(spec["tag"], i)) for i in range(spec["appends"])]
     latencies: list[float] = []
     work = iter(entries)
 
     async def client() -> None:
         for item in work:
             started = time.perf_counter()
-            await store.append(item)
+            await store.append(made(item))
             latencies.append(time.perf_counter() - started)
 
     try:
-        await store.append(make_entry(spec["tag"], -1))  # stores the stack and prompt outside the timed part
+        # Stores the stack and prompt outside the timed part.
+        await store.append(made(prepare(entry_values(spec["tag"], -1))))
         sizes.clear()
         await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
         cpu, started = time.process_time(), time.time()
@@ -248,7 +263,9 @@ async def signing_and_proof_rates(args: argparse.Namespace) -> dict[str, float]:
             args.postgres_url, schema=schema, signer=signer, checkpoint_interval_s=3600
         )
         try:
-            appends = (store.append(make_entry("proof", i, tenant="local")) for i in range(args.proof_log))
+            prepare, made = entry_steps()
+            entries = (made(prepare(entry_values("proof", i, tenant="local"))) for i in range(args.proof_log))
+            appends = (store.append(entry) for entry in entries)
             ids = [s.record_id for s in await asyncio.gather(*appends)]
             started = time.perf_counter()
             checkpoint = await store.integrate()

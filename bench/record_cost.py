@@ -4,7 +4,7 @@
 
 Per entry, as the request path and the committer do it: the entry is built from a served request
 (`proxy.serving.records`), which canonicalises it (RFC 8785), then its bytes are hashed as the committer reads them
-(`sha256`, the leaf hash, the row `proxy.audit.commit.entry_row` makes). Two entries: a small chat answer, and the
+(`sha256`, the leaf hash, the row `proxy.audit.batch.entry_row` makes). Two entries: a small chat answer, and the
 `closed` entry of a 64-token stream with logprobs (five alternatives per token), its events and the answer they
 assemble into. `DIR` is another source tree (e.g. `git worktree add /tmp/base main`), whose `proxy` package is
 imported in a process of its own; rounds alternate which tree goes first. Printed: per entry and tree, the median
@@ -92,7 +92,7 @@ def _events(tokens: list[dict[str, Any]]) -> list[str]:
 
 def measure(case: str, entries: int) -> list[float]:
     """`--worker`: microseconds per entry, `entries` times, with the `proxy` package found on sys.path."""
-    from proxy.audit.commit import entry_row
+    from proxy.audit.batch import entry_row
     from proxy.pins import Pin
     from proxy.replicas.registry import Replica
     from proxy.serving.prompts import PromptVersion

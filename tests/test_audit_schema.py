@@ -267,7 +267,7 @@ async def _write_chained_log(db: AuditDatabase, count: int) -> list[str]:
     ]
     rows, prev = [], GENESIS_SHA256
     for position, new in enumerate(made, start=1):
-        digest = chain_hash(position, prev, new.fields())
+        digest = chain_hash(position, prev, new)
         rows.append({"position": position, "created_at": new.created_at, "content": new.content_json,
                      "sha256": digest, "prev_sha256": prev,
                      **{c: getattr(new, c) for c in ("record_id", "part", "tenant", "replica", "model",

@@ -95,7 +95,7 @@ async def test_an_edited_entry_is_found(log: Log) -> None:
 
 
 async def test_an_entry_edited_with_its_hash_no_longer_matches_its_leaf(log: Log) -> None:
-    forged = replace(entry("t3", seconds=3).fields(), content_json='{"forged":true}')
+    forged = replace(entry("t3", seconds=3), content_json='{"forged":true}')
     digest = hashlib.sha256(entry_text(forged).encode()).hexdigest()
     await log.database.execute(
         f"UPDATE entries SET content = '{{\"forged\":true}}', sha256 = '{digest}' WHERE seq = {log.seqs[3]}"
@@ -173,7 +173,7 @@ async def _forge_append(log: Log, *, sign_with: object | None) -> None:
     for level, idx in wanted:
         query = f"SELECT hash FROM tree_nodes WHERE level = {level} AND idx = {idx}"
         nodes[(level, idx)] = bytes.fromhex(await log.database.scalar(query))
-    leaf = leaf_hash(forged.text.encode())
+    leaf = leaf_hash(forged.encoded)
     growth = grow(10, [(n, nodes[n]) for n in wanted], [leaf])
     statements = [f"INSERT INTO log_leaves (leaf_index, seq, leaf_hash) VALUES (10, {seq}, '{leaf.hex()}')"]
     statements += [

@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import pytest
 
-from proxy.audit import NewEntry
+from proxy.audit import seal
 from proxy.audit.entries import load_canonical
 from proxy.commands.cli import main as stackpin
 from proxy.pins import Pin
@@ -287,9 +287,7 @@ async def test_a_stream_recorded_before_records_kept_events_still_replays(
             "stack_declared",
             "status",
         )
-        old = NewEntry.model_validate(
-            {**{k: getattr(legacy, k) for k in kept}, "content": {**content, "tokens": tokens}}
-        )
+        old = seal(**{k: getattr(legacy, k) for k in kept}, content={**content, "tokens": tokens})
         await harness.proxy.store.append(old)
         status, result, _ = await harness.post(f"/v1/records/{served.record_id}/replay", {})
         assert status == 200 and result["outcome"] == "reproduced", result

@@ -1,9 +1,8 @@
 """The audit store: an append-only transparency log of every answer, on SQLite or PostgreSQL.
 
-The proxy builds each record's content and hands it over as a `SealedEntry` (made by `seal` on the request path,
-or from a validated `NewEntry`); this package commits it (group
-commit), puts it in a Merkle tree and signs checkpoints over it, reads records and proofs back, and verifies
-the log. See docs/audit.md.
+The proxy builds each record's content and hands it over as a `SealedEntry` (made by `seal`, which checks it
+against the declaration of an entry's header, header.py); this package commits it (group commit), puts it in a
+Merkle tree and signs checkpoints over it, reads records and proofs back, and verifies the log. See docs/audit.md.
 """
 
 from proxy.audit.checks import LogProblem
@@ -34,7 +33,6 @@ from proxy.audit.values import (
     EntryCheck,
     EntryProof,
     EntryView,
-    NewEntry,
     OpenStream,
     RecordCounts,
     RecordProof,
@@ -62,7 +60,6 @@ __all__ = [
     "InvalidEntry",
     "LogDiverged",
     "LogProblem",
-    "NewEntry",
     "NoSuchCheckpoint",
     "NoteError",
     "OpenStream",

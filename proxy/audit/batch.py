@@ -61,23 +61,9 @@ class Written:
 
 def entry_row(entry: SealedEntry, seq: int) -> dict[str, Any]:
     """The `entries` row of `entry` at `seq`, by column name: the fields its bytes hold, and their hash."""
-    return {
-        "seq": seq,
-        "record_id": entry.record_id,
-        "part": entry.part,
-        "tenant": entry.tenant,
-        "created_at": entry.created_at,
-        "replica": entry.replica,
-        "model": entry.model,
-        "fingerprint": entry.fingerprint,
-        "prompt_sha256": entry.prompt_sha256,
-        "replay_of": entry.replay_of,
-        "status": entry.status,
-        "stack_declared": entry.stack_declared,
-        "content": entry.content_json,
-        "sha256": entry.sha256,
-        "prev_sha256": None,
-    }
+    row = entry.values()
+    row.update(seq=seq, content=entry.content_json, sha256=entry.sha256, prev_sha256=None)
+    return row
 
 
 def plan_batch(entries: Iterable[SealedEntry], known_stacks: set[str], known_prompts: set[str]) -> Batch:

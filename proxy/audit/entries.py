@@ -2,12 +2,12 @@
 
 Everything here is a pure function of its arguments. An entry written by this log is
 
-    JCS({"record_id", "part", "tenant", "created_at", "replica", "model", "fingerprint", "prompt_sha256",
-         "replay_of", "status", "stack_declared", "content"})
+    JCS({...its header, "content": ...})
 
-where JCS is RFC 8785 canonical JSON; its leaf hash is SHA-256(0x00 || those bytes) and its `sha256` is
+where the header is every field header.py declares, written as declared (docs/audit.md lists them), and JCS is
+RFC 8785 canonical JSON; its leaf hash is SHA-256(0x00 || those bytes) and its `sha256` is
 SHA-256(those bytes). Entries written before the log was a tree (the hash chain, schema revisions 0001 to
-0003) keep their chain envelope, JCS({"position", "prev", "entry": {...fields but stack_declared}}), as their
+0003) keep their chain envelope, JCS({"position", "prev", "entry": {...the header they held, "content"}}), as their
 bytes: their leaf hash covers their chain link, so they stay verifiable as they were. Which form a stored row
 uses is told by its `prev_sha256`, present only on chained entries; a row that lies about it no longer hashes
 to its leaf.
@@ -19,13 +19,13 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
+from proxy.audit.header import EntryHeader
+from proxy.audit.header import format_timestamp as format_timestamp  # how the bytes write created_at
 from proxy.canonical import NotCanonicalizable, canonical_json
 
 GENESIS_SHA256 = "0" * 64
-Part = Literal["answer", "opened", "closed", "flag"]
 
 
 def sha256_hex(text: str) -> str:
@@ -42,52 +42,13 @@ def prompt_sha256(text: str) -> str:
     return sha256_hex(text)
 
 
-def format_timestamp(moment: datetime) -> str:
-    """ISO 8601 in UTC with microseconds and a `Z`: one spelling per instant, whatever the input's zone."""
-    if moment.tzinfo is None:
-        raise ValueError("timestamps in the audit log must carry a time zone")
-    # isoformat, not strftime: strftime pads years below 1000 differently from one C library to another.
-    return moment.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EntryFields(EntryHeader):
+    """What an entry's bytes hold: its header (header.py) and its content."""
 
-
-@dataclass(frozen=True)
-class EntryFields:
-    """What an entry's bytes hold."""
-
-    record_id: str
-    part: str
-    tenant: str
-    created_at: datetime
-    replica: str | None
-    model: str | None
-    fingerprint: str | None
-    prompt_sha256: str | None
-    replay_of: str | None
-    status: str
     # The canonical JSON text of the content object: computed once when the entry is made, and hashed as
     # stored when it is verified, so that neither side canonicalizes the (large) content again.
     content_json: str
-    # Whether the stack was declared by configuration rather than proved; None for an entry without a stack,
-    # and for chained entries, whose bytes never held it (their content may).
-    stack_declared: bool | None = None
-
-    def header(self, *, chained: bool = False) -> dict[str, Any]:
-        """Every field but the content; a chained entry's header lacks `stack_declared`."""
-        header: dict[str, Any] = {
-            "record_id": self.record_id,
-            "part": self.part,
-            "tenant": self.tenant,
-            "created_at": format_timestamp(self.created_at),
-            "replica": self.replica,
-            "model": self.model,
-            "fingerprint": self.fingerprint,
-            "prompt_sha256": self.prompt_sha256,
-            "replay_of": self.replay_of,
-            "status": self.status,
-        }
-        if not chained:
-            header["stack_declared"] = self.stack_declared
-        return header
 
 
 def entry_text(fields: EntryFields) -> str:

@@ -12,8 +12,9 @@
     ├── NoSuchCheckpoint   the log signed no checkpoint of the size asked for (or none yet)
     └── LogDiverged        the stored tree no longer matches what the log signed: it will not sign more
 
-Invalid entries are rejected earlier, when `NewEntry` is built (pydantic's ValidationError); a proof that cannot
-exist (a leaf beyond the tree, sizes out of order) is `proxy.audit.merkle.ProofError`, a ValueError.
+Invalid entries are refused earlier, when `seal` makes them (`proxy.audit.sealed.InvalidEntry`, a ValueError naming
+the field); a proof that cannot exist (a leaf beyond the tree, sizes out of order) is
+`proxy.audit.merkle.ProofError`, a ValueError.
 """
 
 from __future__ import annotations

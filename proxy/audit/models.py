@@ -1,19 +1,23 @@
 """The audit database's tables as SQLAlchemy 2.0 typed declarative models.
 
 These models describe the schema that the Alembic migrations in `migrations/versions/` create; they never
-create it themselves (only the migrations do, and a test checks that both agree). An entry's bytes are
+create it themselves (only the migrations do, and a test checks that both agree). The `entries` table's header
+columns come from the declaration of an entry's header (header.py). An entry's bytes are
 `entries.py`'s business, the tree's hashing `merkle.py`'s; writing is `commit.py` (sequencing) and
 `integrate.py` (the tree and its checkpoints), reading `store.py` and `tree.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    Column,
     DateTime,
     Dialect,
     ForeignKey,
@@ -23,13 +27,14 @@ from sqlalchemy import (
     Sequence,
     SmallInteger,
     String,
+    Table,
     Text,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
-PARTS = ("answer", "opened", "closed", "flag")
+from proxy.audit.header import HEADER, HeaderField
 
 # Constraint names are fixed so that migrations can name what they drop.
 NAMING = {
@@ -94,46 +99,70 @@ SEQUENCE_BLOCK = 1024
 ENTRY_SEQUENCE = Sequence("entries_seq", increment=SEQUENCE_BLOCK, start=1, metadata=Base.metadata)
 
 
+def header_columns(fields: Iterable[HeaderField]) -> list[Column[Any]]:
+    """The `entries` columns of an entry's declared header fields (header.py), in their order."""
+    return [
+        Column(
+            f.name,
+            _column_type(f),
+            *([ForeignKey(f.references)] if f.references else []),
+            nullable=f.nullable,
+        )
+        for f in fields
+    ]
+
+
+def _column_type(field: HeaderField) -> TypeEngine[Any]:
+    if field.type is str:
+        return String(field.max_length)
+    if field.type is bool:
+        return Boolean()
+    return UTCDateTime()
+
+
+def choice_constraints(fields: Iterable[HeaderField]) -> list[CheckConstraint]:
+    """A field that allows only some values (a Literal) holds no other in its column either."""
+    return [
+        CheckConstraint(f"{f.name} IN ({', '.join(repr(choice) for choice in f.choices)})", name=f.name)
+        for f in fields
+        if f.choices is not None
+    ]
+
+
+ENTRIES = Table(
+    "entries",
+    Base.metadata,
+    Column("seq", BigInteger, primary_key=True, autoincrement=False),
+    *header_columns(HEADER),
+    Column("content", Text, nullable=False),
+    Column("sha256", String(64), nullable=False),
+    Column("prev_sha256", String(64), nullable=True),  # only on entries written as a hash chain
+    *choice_constraints(HEADER),
+    CheckConstraint("seq > 0", name="seq"),
+    Index("ix_entries_record_id", "record_id"),
+    # A record has at most one entry of each part, except flags, which may accumulate.
+    Index(
+        "uq_entries_record_part",
+        "record_id",
+        "part",
+        unique=True,
+        sqlite_where=text("part <> 'flag'"),
+        postgresql_where=text("part <> 'flag'"),
+    ),
+    Index("ix_entries_tenant_created", "tenant", "created_at"),
+    Index("ix_entries_fingerprint_created", "fingerprint", "created_at"),
+    Index("ix_entries_model_created", "model", "created_at"),
+    Index("ix_entries_replica_created", "replica", "created_at"),
+    Index("ix_entries_created_at", "created_at"),
+    Index("ix_entries_replay_of_created", "replay_of", "created_at"),
+)
+
+
 class Entry(Base):
-    """One entry of the log, written once; a record is the entries that share its record id."""
+    """One entry of the log, written once; a record is the entries that share its record id. Its header's columns
+    are the declared header fields (header.py), then its content, its `sha256`, and a chained entry's link."""
 
-    __tablename__ = "entries"
-
-    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
-    record_id: Mapped[str] = mapped_column(String(100), index=True)
-    part: Mapped[str] = mapped_column(String(16))
-    tenant: Mapped[str] = mapped_column(String(200))
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    replica: Mapped[str | None] = mapped_column(String(200))
-    model: Mapped[str | None] = mapped_column(String(200))
-    fingerprint: Mapped[str | None] = mapped_column(String(64), ForeignKey("stacks.fingerprint"))
-    prompt_sha256: Mapped[str | None] = mapped_column(String(64), ForeignKey("prompts.sha256"))
-    replay_of: Mapped[str | None] = mapped_column(String(100))
-    status: Mapped[str] = mapped_column(String(64))
-    stack_declared: Mapped[bool | None] = mapped_column(Boolean)
-    content: Mapped[str] = mapped_column(Text)
-    sha256: Mapped[str] = mapped_column(String(64))
-    prev_sha256: Mapped[str | None] = mapped_column(String(64))  # only on entries written as a hash chain
-
-    __table_args__ = (
-        CheckConstraint("part IN ('answer', 'opened', 'closed', 'flag')", name="part"),
-        CheckConstraint("seq > 0", name="seq"),
-        # A record has at most one entry of each part, except flags, which may accumulate.
-        Index(
-            "uq_entries_record_part",
-            "record_id",
-            "part",
-            unique=True,
-            sqlite_where=text("part <> 'flag'"),
-            postgresql_where=text("part <> 'flag'"),
-        ),
-        Index("ix_entries_tenant_created", "tenant", "created_at"),
-        Index("ix_entries_fingerprint_created", "fingerprint", "created_at"),
-        Index("ix_entries_model_created", "model", "created_at"),
-        Index("ix_entries_replica_created", "replica", "created_at"),
-        Index("ix_entries_created_at", "created_at"),
-        Index("ix_entries_replay_of_created", "replay_of", "created_at"),
-    )
+    __table__ = ENTRIES
 
 
 class LogQueue(Base):

@@ -1,48 +1,58 @@
 """The entries the store commits, sealed: every byte they will be hashed as, and both hashes, made once.
 
 An entry's canonical bytes and hashes do not depend on any other entry, so they are made before the group commit
-(commit.py), never inside its transaction, and never twice. `seal` is the request path's door: it takes values the
-proxy built itself (a stack already canonicalised and addressed by its fingerprint, a prompt already hashed),
-checks only what such values can still get wrong (content with no canonical form, NUL characters, lengths) with
-messages naming the field, and skips the validation `NewEntry` (values.py) gives whatever it is handed. This module
-knows nothing of the database.
+(commit.py), never inside its transaction, and never twice. `seal` is the door: it takes values the proxy
+built itself (a stack already canonicalised and addressed by its fingerprint, a prompt already hashed) and checks
+what such values can still get wrong (content with no canonical form, NUL characters, lengths, a part that is
+none of the parts), with messages naming the field; which fields there are, and their bounds, is header.py's
+declaration. This module knows nothing of the database.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 from datetime import UTC, datetime
-from typing import Any, get_args
+from typing import Any
 
-from proxy.audit.entries import EntryFields, Part, entry_bytes, sha256_hex
+from proxy.audit.entries import EntryFields, entry_bytes, sha256_hex
+from proxy.audit.header import Part, out_of_bounds
 from proxy.audit.merkle import leaf_hash
 from proxy.canonical import CanonicalDocument, NotCanonicalizable, canonical_json
 
 
-@dataclass(frozen=True, slots=True)
-class SealedEntry:
-    """An entry ready to commit: its fields, the canonical texts the store keeps, its bytes and their hashes,
-    each made once, outside the commit, since no other entry changes them."""
+class InvalidEntry(ValueError):
+    """An entry `seal` refuses, with the field and what is wrong with it."""
 
-    record_id: str
-    part: Part
-    tenant: str
-    created_at: datetime
-    replica: str | None
-    model: str | None
-    fingerprint: str | None
-    stack_declared: bool | None  # as its bytes hold it: None without a fingerprint
-    prompt_sha256: str | None
-    prompt_text: str | None
-    replay_of: str | None
-    status: str
-    content_json: str
-    stack_json: str | None  # the stack's canonical JSON, for the store to keep if it has not yet
-    encoded: bytes  # the entry's bytes (entries.py)
-    sha256: str
-    leaf_hash: bytes
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SealedEntry(EntryFields):
+    """An entry ready to commit: its fields (header.py, entries.py), the texts the store keeps beside it, its
+    bytes and their hashes, checked and made once, when it is made, outside the commit, since no other entry
+    changes them. Its `stack_declared` is as its bytes hold it: None without a fingerprint."""
+
+    stack_json: str | None = None  # the stack's canonical JSON, for the store to keep if it has not yet
+    prompt_text: str | None = None
+    # The canonical bytes content_json was decoded from, spliced into the entry's: not encoded a second time.
+    content_bytes: InitVar[bytes | None] = None
+    encoded: bytes = field(init=False)  # the entry's bytes (entries.py)
+    sha256: str = field(init=False)
+    leaf_hash: bytes = field(init=False)
+
+    def __post_init__(self, content_bytes: bytes | None) -> None:
+        # On values the proxy built itself: a NUL or an overlong value from a replica (its stack's model name)
+        # must fail its own entry, not a group commit shared with others.
+        if not self.within_bounds():
+            raise InvalidEntry(out_of_bounds(self) or "a field is out of its declared bounds")
+        content = self.content_json.encode("utf-8") if content_bytes is None else content_bytes
+        try:
+            encoded = entry_bytes(self, content)
+        except NotCanonicalizable as exc:  # a lone surrogate in a name: it has no UTF-8, so no entry bytes
+            raise InvalidEntry(f"the entry's fields: {exc}") from exc
+        object.__setattr__(self, "encoded", encoded)
+        object.__setattr__(self, "sha256", hashlib.sha256(encoded).hexdigest())
+        object.__setattr__(self, "leaf_hash", leaf_hash(encoded))
 
     @property
     def content(self) -> dict[str, Any]:
@@ -54,41 +64,6 @@ class SealedEntry:
     def stack(self) -> dict[str, Any] | None:
         """The stack document this entry carries to the store, if it carries one."""
         return None if self.stack_json is None else json.loads(self.stack_json)
-
-
-def sealed_from(
-    fields: EntryFields, content: bytes, stack_json: str | None, prompt_text: str | None
-) -> SealedEntry:
-    encoded = entry_bytes(fields, content)
-    return SealedEntry(
-        record_id=fields.record_id,
-        part=fields.part,  # type: ignore[arg-type]  (checked by the door that made the fields)
-        tenant=fields.tenant,
-        created_at=fields.created_at,
-        replica=fields.replica,
-        model=fields.model,
-        fingerprint=fields.fingerprint,
-        stack_declared=fields.stack_declared,
-        prompt_sha256=fields.prompt_sha256,
-        prompt_text=prompt_text,
-        replay_of=fields.replay_of,
-        status=fields.status,
-        content_json=fields.content_json,
-        stack_json=stack_json,
-        encoded=encoded,
-        sha256=hashlib.sha256(encoded).hexdigest(),
-        leaf_hash=leaf_hash(encoded),
-    )
-
-
-class InvalidEntry(ValueError):
-    """An entry `seal` refuses, with the field and what is wrong with it."""
-
-
-_PARTS = frozenset(get_args(Part))
-# The bounds NewEntry's fields declare, for the values the proxy built itself; a NUL or an overlong value from a
-# replica (its stack's model name) must fail its own entry, not a group commit shared with others.
-_BOUNDS = {"record_id": 100, "tenant": 200, "replica": 200, "model": 200, "replay_of": 100, "status": 64}
 
 
 def seal(
@@ -108,20 +83,11 @@ def seal(
     prompt_sha256: str | None = None,
     replay_of: str | None = None,
 ) -> SealedEntry:
-    """The request path's entry: values the proxy built, checked for what they can still get wrong; InvalidEntry
-    saying which field is wrong. `stack` is trusted to be the document its `sha256` addresses, and
-    `prompt_sha256` (when given) to be the address of `prompt_text`."""
-    if part not in _PARTS:
-        raise InvalidEntry(f"part must be one of {sorted(_PARTS)}, got {part!r}")
+    """An entry from values the proxy built, checked for what they can still get wrong; InvalidEntry saying
+    which field is wrong. `stack` is trusted to be the document its `sha256` addresses, and `prompt_sha256`
+    (when given) to be the address of `prompt_text`."""
     if created_at.tzinfo is None:
         raise InvalidEntry("created_at must carry a time zone")
-    given = {"record_id": record_id, "tenant": tenant, "replica": replica, "model": model}
-    given |= {"replay_of": replay_of, "status": status}
-    for name, value in given.items():
-        if value is not None and not 0 < len(value) <= _BOUNDS[name]:
-            raise InvalidEntry(f"{name} must be 1 to {_BOUNDS[name]} characters long")
-        if value is not None and "\x00" in value:
-            raise InvalidEntry(f"{name} must not contain NUL characters")
     if prompt_text is not None:
         if "\x00" in prompt_text:
             raise InvalidEntry("prompt_text must not contain NUL characters")
@@ -139,7 +105,7 @@ def seal(
         content_bytes = canonical_json(content)
     except ValueError as exc:
         raise InvalidEntry(f"content: {exc}") from exc
-    fields = EntryFields(
+    return SealedEntry(
         record_id=record_id,
         part=part,
         tenant=tenant,
@@ -150,10 +116,9 @@ def seal(
         prompt_sha256=prompt_sha256,
         replay_of=replay_of,
         status=status,
-        content_json=content_bytes.decode("utf-8"),
         stack_declared=stack_declared if fingerprint is not None else None,
+        content_json=content_bytes.decode("utf-8"),
+        content_bytes=content_bytes,
+        stack_json=None if stack is None else stack.json,
+        prompt_text=prompt_text,
     )
-    try:
-        return sealed_from(fields, content_bytes, None if stack is None else stack.json, prompt_text)
-    except NotCanonicalizable as exc:  # a lone surrogate in a name: it has no UTF-8, so no entry bytes
-        raise InvalidEntry(f"the entry's fields: {exc}") from exc

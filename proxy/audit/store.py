@@ -54,7 +54,6 @@ from proxy.audit.values import (
     ConsistencyProof,
     EntryCheck,
     EntryView,
-    NewEntry,
     OpenStream,
     RecordCounts,
     RecordProof,
@@ -159,9 +158,10 @@ class AuditStore:
             integrator.start()
         return cls(reader, writer, integration, committer, integrator)
 
-    async def append(self, entry: NewEntry | SealedEntry) -> StoredEntry:
-        """Appends `entry` to the log; returns only once it is committed (durably), before it is in the tree."""
-        return await self._committer.submit(entry if isinstance(entry, SealedEntry) else entry.sealed())
+    async def append(self, entry: SealedEntry) -> StoredEntry:
+        """Appends `entry` (made by `seal`) to the log; returns only once it is committed (durably), before it is
+        in the tree."""
+        return await self._committer.submit(entry)
 
     async def integrate(self) -> SignedCheckpoint | None:
         """Puts every committed entry in the tree now and signs the checkpoint (None: another proxy is at it)."""

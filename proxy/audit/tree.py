@@ -15,6 +15,7 @@ from sqlalchemy import Connection, func, select, tuple_
 
 from proxy.audit.entries import EntryFields, StoredFields
 from proxy.audit.errors import NoSuchCheckpoint
+from proxy.audit.header import HEADER_NAMES
 from proxy.audit.merkle import (
     Node,
     ProofError,
@@ -40,20 +41,7 @@ def b64(digest: bytes) -> str:
 
 def stored_fields(row: Mapping[str, Any]) -> StoredFields:
     """An `entries` row as the bytes it must hash to (entries.py)."""
-    fields = EntryFields(
-        record_id=row["record_id"],
-        part=row["part"],
-        tenant=row["tenant"],
-        created_at=row["created_at"],
-        replica=row["replica"],
-        model=row["model"],
-        fingerprint=row["fingerprint"],
-        prompt_sha256=row["prompt_sha256"],
-        replay_of=row["replay_of"],
-        status=row["status"],
-        content_json=row["content"],
-        stack_declared=row["stack_declared"],
-    )
+    fields = EntryFields(**{name: row[name] for name in HEADER_NAMES}, content_json=row["content"])
     chained = None if row["prev_sha256"] is None else (int(row["seq"]), str(row["prev_sha256"]))
     return StoredFields(fields=fields, sha256=row["sha256"], chained_at=chained)
 

@@ -1,140 +1,18 @@
-"""The values that cross the audit store's interface: what the proxy hands in and what it reads back.
+"""The values the audit store hands back: committed entries, records, listings, proofs and verification reports.
 
-`NewEntry` validates whatever it is given (pydantic), when it is built, so that one bad entry fails its own caller
-with a message saying what to fix, before it can reach a group commit shared with others. It is the door for
-callers outside the proxy's request path, whose own door is `sealed.seal`; both end in a `SealedEntry`, which
-the store (`store.py`, `commit.py`) trusts.
+What the proxy hands in is a `SealedEntry`, made by `sealed.seal`, which checks it; the store (`store.py`,
+`commit.py`) trusts it.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
-from pydantic import (
-    AwareDatetime,
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field
 
 from proxy.audit.checks import LogProblem
-from proxy.audit.entries import EntryFields, Part, prompt_sha256, sha256_hex
-from proxy.audit.sealed import SealedEntry, sealed_from
-from proxy.canonical import canonical_json
-
-HEX64 = r"^[0-9a-f]{64}$"
-
-
-class NewEntry(BaseModel):
-    """One entry the proxy asks to append. `stack` may be left out when its fingerprint was stored before."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    record_id: str = Field(min_length=1, max_length=100)
-    part: Part
-    tenant: str = Field(min_length=1, max_length=200)
-    created_at: AwareDatetime
-    replica: str | None = Field(default=None, max_length=200)
-    model: str | None = Field(default=None, max_length=200)
-    fingerprint: str | None = Field(default=None, pattern=HEX64)
-    stack: dict[str, Any] | None = None
-    stack_declared: bool = False
-    prompt_text: str | None = None
-    replay_of: str | None = Field(default=None, min_length=1, max_length=100)
-    status: str = Field(min_length=1, max_length=64)
-    content: dict[str, Any]
-
-    _content_json: str = PrivateAttr(default="")
-    _stack_json: str | None = PrivateAttr(default=None)
-    _sealed: SealedEntry | None = PrivateAttr(default=None)
-
-    @field_validator("created_at")
-    @classmethod
-    def _in_utc(cls, value: datetime) -> datetime:
-        return value.astimezone(UTC)
-
-    @field_validator("record_id", "tenant", "replica", "model", "replay_of", "status", "prompt_text")
-    @classmethod
-    def _no_nul(cls, value: str | None, info: ValidationInfo) -> str | None:
-        # PostgreSQL text cannot hold NUL: refused here, such a value would fail a whole group commit instead of
-        # its own caller. (Lone surrogates pydantic refuses itself.)
-        if value is not None and "\x00" in value:
-            raise ValueError(f"{info.field_name} must not contain NUL characters")
-        return value
-
-    @model_validator(mode="after")
-    def _canonical_forms(self) -> NewEntry:
-        try:
-            self._content_json = canonical_json(self.content).decode("utf-8")
-        except ValueError as exc:
-            raise ValueError(f"content: {exc}") from exc
-        if self.stack is not None:
-            try:
-                self._stack_json = canonical_json(self.stack).decode("utf-8")
-            except ValueError as exc:
-                raise ValueError(f"stack: {exc}") from exc
-            computed = sha256_hex(self._stack_json)
-            if self.fingerprint is None:
-                object.__setattr__(self, "fingerprint", computed)
-            elif self.fingerprint != computed:
-                raise ValueError(
-                    f"fingerprint {self.fingerprint} does not match the stack given, whose canonical JSON "
-                    f"hashes to {computed}"
-                )
-        return self
-
-    @property
-    def content_json(self) -> str:
-        return self._content_json
-
-    @property
-    def stack_json(self) -> str | None:
-        return self._stack_json
-
-    @property
-    def prompt_sha256(self) -> str | None:
-        return None if self.prompt_text is None else prompt_sha256(self.prompt_text)
-
-    def fields(self) -> EntryFields:
-        return EntryFields(
-            record_id=self.record_id,
-            part=self.part,
-            tenant=self.tenant,
-            created_at=self.created_at,
-            replica=self.replica,
-            model=self.model,
-            fingerprint=self.fingerprint,
-            prompt_sha256=self.prompt_sha256,
-            replay_of=self.replay_of,
-            status=self.status,
-            content_json=self.content_json,
-            stack_declared=self.stack_declared if self.fingerprint is not None else None,
-        )
-
-    def sealed(self) -> SealedEntry:
-        """The entry's bytes and both hashes, made once (entries.py, sealed.py)."""
-        if self._sealed is None:
-            self._sealed = sealed_from(
-                self.fields(), self.content_json.encode("utf-8"), self.stack_json, self.prompt_text
-            )
-        return self._sealed
-
-    @property
-    def text(self) -> str:
-        return self.sealed().encoded.decode("utf-8")
-
-    @property
-    def sha256(self) -> str:
-        return self.sealed().sha256
-
-    @property
-    def leaf_hash(self) -> bytes:
-        return self.sealed().leaf_hash
+from proxy.audit.header import Part
 
 
 class StoredEntry(BaseModel):

@@ -21,11 +21,12 @@ from sqlalchemy import insert, text
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from proxy.audit import AuditStore, NewEntry
+from proxy.audit import AuditStore, SealedEntry, seal
 from proxy.audit.batch import entry_row
 from proxy.audit.models import Entry
 from proxy.audit.note import COSIGNATURE, generate_signer
 from proxy.audit.schema import upgrade_database_async
+from proxy.canonical import CanonicalDocument
 
 POSTGRES_URL = os.environ.get(
     "STACKPIN_TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/test"
@@ -74,13 +75,13 @@ class AuditDatabase:
         finally:
             await engine.dispose()
 
-    async def insert_entry(self, seq: int, new: NewEntry) -> None:
+    async def insert_entry(self, seq: int, new: SealedEntry) -> None:
         """An entries row for `new`, as the store would write it, but outside the log: no queue, no leaf."""
         args = {"server_settings": {"search_path": self.schema}} if self.schema else {}
         engine = create_async_engine(self.url, poolclass=NullPool, connect_args=args)
         try:
             async with engine.begin() as connection:
-                await connection.execute(insert(Entry), [entry_row(new.sealed(), seq)])
+                await connection.execute(insert(Entry), [entry_row(new, seq)])
         finally:
             await engine.dispose()
 
@@ -137,8 +138,9 @@ def entry(
     replica: str | None = "replica-a",
     with_stack: bool = True,
     **overrides: Any,
-) -> NewEntry:
-    """A plausible entry, as the proxy would hand it over."""
+) -> SealedEntry:
+    """A plausible entry, sealed as the proxy seals its own; `stack` (a JSON object) is canonicalised here, as the
+    proxy's replica registry does once per stack."""
     values: dict[str, Any] = {
         "record_id": record_id,
         "part": part,
@@ -156,7 +158,9 @@ def entry(
         },
     }
     values.update(overrides)
-    return NewEntry(**values)
+    if values["stack"] is not None:
+        values["stack"] = CanonicalDocument.of(values["stack"])
+    return seal(**values)
 
 
 class StoreLogSource:
