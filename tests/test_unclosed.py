@@ -17,7 +17,7 @@ pytestmark = pytest.mark.postgres
 
 
 def closed(record_id: str) -> SealedEntry:
-    return entry(record_id, part="closed", status="interrupted").sealed()
+    return entry(record_id, part="closed", status="interrupted")
 
 
 async def test_ends_are_held_while_the_store_is_away_and_committed_once_it_is_back(tmp_path: Path) -> None:
