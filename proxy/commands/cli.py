@@ -194,8 +194,15 @@ def _parser() -> argparse.ArgumentParser:
     heartbeat = fleet_commands.add_parser(
         "heartbeat",
         parents=[config],
-        help="beside a backend: prove its stack at GET /v1/stack and renew its lease in Redis",
+        help="beside a replica: describe its stack as its kind does and renew its lease in Redis",
     )
+    heartbeat.add_argument(
+        "--kind",
+        default="stackpin",
+        choices=["stackpin", "vllm", "sglang", "llamacpp", "ollama"],
+        help="the replica's kind (default stackpin: a pinned_backend proving its stack at GET /v1/stack)",
+    )
+    heartbeat.add_argument("--model", help="for an ollama replica: the model it serves")
     heartbeat.add_argument(
         "--replica-url", required=True, help="the backend's base URL, e.g. http://127.0.0.1:8000"
     )
@@ -416,6 +423,7 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
     from proxy.app import utc_now
     from proxy.fleet.heartbeat import run_sidecar
     from proxy.logs import configure_logging
+    from proxy.replicas.kinds import kind_named
 
     settings = _settings(args)
     redis_url = _fleet_redis_url(args, settings, "heartbeat")
@@ -423,6 +431,9 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
         raise ConfigError(f"--replica-url must start with http:// or https://, got {args.replica_url!r}")
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", args.name):
         raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {args.name!r}")
+    kind = kind_named(args.kind)
+    if (args.model is None) == (args.kind == "ollama"):
+        raise ConfigError("--model names the model of an ollama replica, and only of one")
     interval_s = args.interval_s if args.interval_s is not None else args.lease_s / 3
     if args.lease_s <= 0 or not 0 < interval_s < args.lease_s:
         raise ConfigError("--lease-s must be positive and --interval-s shorter than the lease")
@@ -437,6 +448,8 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
             interval_s=interval_s,
             timeout_s=min(settings.fleet.timeout_s, interval_s),
             clock=utc_now,
+            kind=kind,
+            model=args.model,
         )
     )
     return EXIT_OK
