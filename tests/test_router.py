@@ -18,7 +18,15 @@ DEFAULT = Stack.model_validate(tiny_stack(kernel_mode="default"))
 
 def replica(name: str, stack: Stack, outstanding: int = 0, reachable: bool = True) -> Replica:
     return Replica(
-        name, f"http://127.0.0.1/{name}", STACKPIN, stack, stack.fingerprint, reachable, None, None, outstanding
+        name,
+        f"http://127.0.0.1/{name}",
+        STACKPIN,
+        stack,
+        stack.fingerprint,
+        reachable,
+        None,
+        None,
+        outstanding,
     )
 
 
