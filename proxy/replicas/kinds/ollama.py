@@ -27,7 +27,7 @@ class Ollama(Engine):
     needs_model = True
     documents = (
         Fetch("/api/version"),
-        Fetch("/api/show", body=lambda target: {"model": target.model}),
+        Fetch("/api/show", body=lambda target, _: {"model": target.model}),
         Fetch("/api/tags", optional=True),
     )
 
