@@ -61,12 +61,13 @@ async def fetch_all(
     return documents
 
 
-async def _fetch_one(session: aiohttp.ClientSession, target: Target, fetch: Fetch) -> Any:
+async def _fetch_one(
+    session: aiohttp.ClientSession, target: Target, fetch: Fetch, documents: Documents
+) -> Any:
     url = target.url + fetch.path
     if fetch.body is not None:
-        answer = await post_json(
-            session, url, fetch.body(target), api_key=target.api_key, timeout_s=target.timeout_s
-        )
+        body = fetch.body(target, documents)
+        answer = await post_json(session, url, body, api_key=target.api_key, timeout_s=target.timeout_s)
         return answer.body
     raw = await get_bytes(session, url, timeout_s=target.timeout_s, api_key=target.api_key)
     if fetch.text:
