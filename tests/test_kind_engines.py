@@ -172,3 +172,18 @@ async def test_a_reporting_replica_is_served_with_its_token_ids_and_logprobs_rec
         assert (
             stacks["replicas"][0]["kind"] == "llamacpp" and stacks["stacks"][0]["stack_source"] == "reported"
         )
+
+
+@pytest.mark.parametrize("engine", ["ollama"], indirect=True)
+async def test_an_engine_that_no_longer_knows_its_model_fails_as_a_replica_not_as_the_client(
+    engine: EngineDocuments, tmp_path: Path
+) -> None:
+    replicas = [{"name": "ol", "kind": "ollama", "url": engine.url, "model": "smollm2:135m"}]
+    async with running_proxy([], tmp_path, replicas=replicas) as proxy:
+        chat = {"model": "smollm2:135m", "messages": [{"role": "user", "content": "hi"}]}
+        status, body, _ = await proxy.post("/v1/chat/completions", chat)  # the fixture serves no chat: 404
+    assert status == 502 and body["error"]["code"] == "replica_failed"
+    assert (
+        "ollama no longer serves the model it reported: no /v1/chat/completions here"
+        in body["error"]["message"]
+    )

@@ -199,8 +199,8 @@ def _parser() -> argparse.ArgumentParser:
     heartbeat.add_argument(
         "--kind",
         default="stackpin",
-        choices=["stackpin", "vllm", "sglang", "llamacpp", "ollama"],
-        help="the replica's kind (default stackpin: a pinned_backend proving its stack at GET /v1/stack)",
+        help="the replica's kind (default stackpin: a pinned_backend proving its stack at GET /v1/stack; "
+        "an engine's: vllm, sglang, llamacpp, ollama)",
     )
     heartbeat.add_argument("--model", help="for an ollama replica: the model it serves")
     heartbeat.add_argument(
@@ -423,7 +423,7 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
     from proxy.app import utc_now
     from proxy.fleet.heartbeat import run_sidecar
     from proxy.logs import configure_logging
-    from proxy.replicas.kinds import kind_named
+    from proxy.replicas.kinds import StackSource, kind_named
 
     settings = _settings(args)
     redis_url = _fleet_redis_url(args, settings, "heartbeat")
@@ -431,7 +431,14 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
         raise ConfigError(f"--replica-url must start with http:// or https://, got {args.replica_url!r}")
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", args.name):
         raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {args.name!r}")
-    kind = kind_named(args.kind)
+    try:
+        kind = kind_named(args.kind)
+    except ValueError as e:
+        raise ConfigError(f"--kind: {e}") from e
+    if kind.source is StackSource.DECLARED:
+        raise ConfigError(
+            f"--kind {args.kind}: its stack is declared in configuration; no sidecar describes it"
+        )
     if (args.model is None) == (args.kind == "ollama"):
         raise ConfigError("--model names the model of an ollama replica, and only of one")
     interval_s = args.interval_s if args.interval_s is not None else args.lease_s / 3

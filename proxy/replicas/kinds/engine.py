@@ -23,7 +23,7 @@ import orjson
 from pydantic import ValidationError
 
 from proxy.endpoints import CHAT, COMPLETIONS, RESPONSES
-from proxy.errors import ReplicaGarbage, ReplicaRejected, ReplicaUnavailable, StackpinError
+from proxy.errors import ReplicaGarbage, ReplicaRejected, ReplicaUnavailable, StackpinError, relayed_error
 from proxy.replicas.forward import Described, get_bytes, post_json
 from proxy.replicas.kinds.base import KindSettings, StackSource, Target
 from proxy.stack import SOFTWARE_KEYS, UNKNOWN, Stack, fingerprint
@@ -184,6 +184,19 @@ class Engine:
         return None  # an engine's answers name no stack; its health checks watch it
 
     def rejected(self, error: ReplicaRejected) -> StackpinError:
+        """A 404 is the engine's fault, not the client's: the proxy names the model the engine reported, so an
+        engine that no longer knows it (unloaded, or replaced under another name) is failing, and a twin may not be.
+        Ollama's errors are a bare string; it becomes the message."""
+        message = error.replica_body.get("error")
+        if isinstance(message, str):
+            error = ReplicaRejected(
+                error.status, {"error": {"message": message, "type": "invalid_request_error"}}
+            )
+        if error.status == 404:
+            text = relayed_error(error.replica_body)["error"]["message"]
+            return ReplicaUnavailable(
+                f"{self.name} no longer serves the model it reported: {text}", down=False
+            )
         return error
 
 

@@ -17,6 +17,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import orjson
+
+from proxy.errors import ReplicaRejected, StackpinError, relayed_error
 from proxy.replicas.kinds.base import Target
 from proxy.replicas.kinds.engine import Documents, Engine, Fetch, reported_stack
 from proxy.stack import Stack
@@ -30,6 +33,19 @@ class Ollama(Engine):
         Fetch("/api/show", body=lambda target, _: {"model": target.model}),
         Fetch("/api/tags", optional=True),
     )
+
+    def rejected(self, error: ReplicaRejected) -> StackpinError:
+        """Its errors are `{"error": "<text>"}`, which the transport quotes whole: the text is the message."""
+        message = relayed_error(error.replica_body)["error"]["message"]
+        try:
+            text = orjson.loads(message).get("error")
+        except (orjson.JSONDecodeError, AttributeError):
+            text = None
+        if isinstance(text, str):
+            error = ReplicaRejected(
+                error.status, {"error": {"message": text, "type": "invalid_request_error"}}
+            )
+        return super().rejected(error)
 
     def stack_of(self, documents: Documents, target: Target) -> Stack:
         assert target.model is not None  # validate() requires it
