@@ -117,7 +117,7 @@ async def test_the_real_server_describes_the_stack_the_fixture_was_captured_from
     assert stack.batching == vllm_stack(DOCUMENTS).batching
 
 
-async def test_stackpin_serve_routes_records_and_replays_through_vllm_bit_for_bit(
+async def test_stackpin_serve_routes_records_and_replays_through_vllm_bit_for_bit_streamed_or_not(
     vllm_server: VllmServer, tmp_path: Path
 ) -> None:
     replicas = [{"name": "vllm-0", "kind": "vllm", "url": vllm_server.url}]
@@ -133,6 +133,15 @@ async def test_stackpin_serve_routes_records_and_replays_through_vllm_bit_for_bi
         status, replay, _ = await proxy.post(f"/v1/records/{headers['Stackpin-Record']}/replay", {})
         assert status == 200, replay
         assert (replay["outcome"], replay["compared"]) == ("reproduced", "tokens")
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(proxy.url + CHAT, json={**CHAT_BODY, "stream": True}) as streamed,
+        ):
+            events = await streamed.text()
+            streamed_record = streamed.headers["Stackpin-Record"]
+        assert events.rstrip().endswith("data: [DONE]") and '"token_ids"' in events
+        status, replay, _ = await proxy.post(f"/v1/records/{streamed_record}/replay", {})
+        assert (replay["outcome"], replay["compared"]) == ("reproduced", "tokens"), replay
 
 
 async def test_a_restart_with_another_max_model_len_quarantines_the_replica_and_marks_its_records(

@@ -47,6 +47,10 @@ class ReplicaSnapshot:
     def stack_source(self) -> StackSource:
         return self.kind.source
 
+    @property
+    def self_described(self) -> bool:
+        return self.kind.source is not StackSource.DECLARED
+
     def natively(self, endpoint: str) -> bool:
         return endpoint in self.endpoints
 

@@ -70,8 +70,9 @@ async def dispatch(
             last_failure = f"{replica.name}: {e}"
             log.warning("replica_failed", replica=replica.name, error=str(e))
             # A self-described replica comes back when the health monitor reaches it again; a declared upstream
-            # has no stack to describe, so no check would ever bring it back: it stays in rotation on its declaration.
-            if e.down and registry.replicas[replica.name].self_described:
+            # has no stack to describe, so no check would ever bring it back: it stays in rotation on its
+            # declaration.
+            if e.down and replica.self_described:
                 registry.unreachable(replica.name)
         except StackMismatch as e:
             last_failure = str(e)
