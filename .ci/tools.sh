@@ -8,6 +8,7 @@
 #   - promql-parser, into .venv: the dashboards' queries are parsed as Prometheus would parse them.
 #   - cloudcoil-models-prometheus-operator, into .venv: typed models of the Prometheus Operator's CRDs, against
 #     which the chart's ServiceMonitor is validated (kubernetes-validate knows only the built-in kinds).
+#   - vLLM's CPU build in .vllm/venv and SmolLM2 as a folder it serves (tests/support/vllm_server.py).
 #   - chromium, from Debian's packages (as root; otherwise it says what to run): the browser that the audit page's
 #     tests drive through Playwright, whose own browser download cannot work here.
 set -euo pipefail
@@ -67,3 +68,7 @@ fi
 if ! .venv/bin/python -c "import kubernetes_validate, promql_parser, cloudcoil.models.prometheus_operator" 2>/dev/null; then
   .venv/bin/pip install -q "${PYTHON_TOOLS[@]}" </dev/null
 fi
+
+# vLLM's CPU server for the engine tests (tests/test_kind_vllm.py), in a venv of its own, and SmolLM2 as a folder it
+# serves; both made once. A failure here is not fatal: those tests then skip, saying why.
+.venv/bin/python -m tests.support.vllm_server </dev/null >/dev/null || echo "tools.sh: vLLM could not be prepared; its tests will skip" >&2

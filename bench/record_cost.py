@@ -94,13 +94,14 @@ def measure(case: str, entries: int) -> list[float]:
     """`--worker`: microseconds per entry, `entries` times, with the `proxy` package found on sys.path."""
     from proxy.audit.batch import entry_row
     from proxy.pins import Pin
+    from proxy.replicas.kinds import STACKPIN
     from proxy.replicas.registry import Replica
     from proxy.serving.prompts import PromptVersion
     from proxy.serving.records import Served, answer_entry, closed_entry
     from proxy.stack import Stack
 
     stack = Stack.model_validate(STACK)
-    replica = Replica("replica-0", "http://127.0.0.1:1", False, stack=stack, fingerprint=stack.fingerprint)
+    replica = Replica("replica-0", "http://127.0.0.1:1", STACKPIN, stack=stack, fingerprint=stack.fingerprint)
     prompt = PromptVersion("support", 3, "Be terse.")
     rng = random.Random(7)
     tokens = [_token(rng, i) for i in range(64)]

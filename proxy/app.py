@@ -55,6 +55,7 @@ from proxy.fleet.resource import fleet_for, fleet_link
 from proxy.metrics import ProxyMetrics
 from proxy.process.sweep import mark_interrupted_streams
 from proxy.replicas.health import HealthMonitor
+from proxy.replicas.kinds import STACKPIN, kind_named
 from proxy.replicas.local_backend import BackendProcess
 from proxy.replicas.registry import OutstandingCounter, Registry, Replica
 from proxy.serving.handlers import routes
@@ -74,19 +75,21 @@ def utc_now() -> datetime:
 
 
 def registry_from(settings: Settings, *, counter: OutstandingCounter | None = None) -> Registry:
-    """The configured replicas; a declared one is in rotation on its declaration, a proved one once it proves."""
+    """The configured replicas; a declared one is in rotation on its declaration, any other once it describes its
+    stack."""
     registry = Registry(counter=counter)
     for replica in settings.replicas:
-        declared = replica.stack is not None
+        kind = kind_named(replica.kind_name)
         registry.add(
             Replica(
                 name=replica.name,
                 url=replica.url,
-                declared=declared,
+                kind=kind,
                 stack=replica.stack,
                 fingerprint=replica.stack.fingerprint if replica.stack else None,
-                reachable=declared,
-                endpoints=replica.served_endpoints(),
+                reachable=replica.stack is not None,
+                endpoints=kind.endpoints(replica.endpoints),
+                model=replica.model,
             )
         )
     return registry
@@ -179,7 +182,7 @@ async def local_replica(local_backend: BackendProcess | None, app: web.Applicati
     try:
         url = await local_backend.start()
         # It proves its stack like any pinned_backend: the health monitor's first check puts it in rotation.
-        app[LOCAL_REPLICA] = Replica(name=local_backend.name, url=url, declared=False)
+        app[LOCAL_REPLICA] = Replica(name=local_backend.name, url=url, kind=STACKPIN)
         yield
     finally:
         await local_backend.stop()
@@ -208,6 +211,7 @@ async def replicas(app: web.Application, *, clock: Callable[[], datetime]) -> As
         timeout_s=settings.health.timeout_s,
         clock=clock,
         board=link,
+        replica_keys=app[SECRETS].replica_keys,
     )
     await health.check_all()
     for replica in registry.all():
@@ -216,7 +220,8 @@ async def replicas(app: web.Application, *, clock: Callable[[], datetime]) -> As
             replica=replica.name,
             in_rotation=replica.in_rotation,
             fingerprint=replica.fingerprint,
-            declared=replica.declared,
+            kind=replica.kind.name,
+            stack_source=replica.stack_source,
         )
     app[REGISTRY], app[HEALTH] = registry, health
     monitor = asyncio.create_task(health.run(settings.health.interval_s), name="health-monitor")

@@ -33,9 +33,10 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from proxy.audit.database import parse_url
 from proxy.audit.note import NoteError, parse_vkey
-from proxy.endpoints import DECLARED_DEFAULT, ENDPOINTS
+from proxy.endpoints import ENDPOINTS
 from proxy.errors import BadRequest, ConfigError
 from proxy.pins import PIN_KEYS, Pin, parse_prompt_ref
+from proxy.replicas.kinds import kind_named
 from proxy.stack import Stack
 
 DEFAULT_CONFIG_FILE = Path("stackpin.toml")
@@ -149,12 +150,22 @@ class FleetSettings(_Section):
 
 
 class ReplicaSettings(_Section):
+    """One `[[replicas]]` entry. Its `kind` (proxy/replicas/kinds/) judges the rest: `stackpin` (a pinned_backend)
+    and the engines (`vllm`, `sglang`, `llamacpp`, `ollama`) describe their own stack; `upstream` declares it."""
+
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    # Unset: `upstream` when a stack is declared, else `stackpin` (what a replica was before kinds were named).
+    kind: str | None = None
     url: str
     api_key_env: str | None = None
-    stack: Stack | None = None  # declared stack of an upstream API; absent means the replica proves its own
-    # The routes a declared upstream serves (default: chat and completions); a pinned_backend's are known.
+    stack: Stack | None = None  # the declared stack of an upstream API
+    # The routes a declared upstream serves (default: chat and completions); every other kind knows its own.
     endpoints: list[str] | None = None
+    model: str | None = None  # for an engine that serves several models (Ollama): the one this replica is
+
+    @property
+    def kind_name(self) -> str:
+        return self.kind or ("upstream" if self.stack is not None else "stackpin")
 
     @field_validator("endpoints")
     @classmethod
@@ -165,18 +176,12 @@ class ReplicaSettings(_Section):
         return endpoints
 
     @model_validator(mode="after")
-    def _endpoints_are_declared(self) -> ReplicaSettings:
-        if self.endpoints is not None and self.stack is None:
-            raise ValueError(
-                f"replica {self.name!r}: endpoints are declared with a stack; a pinned_backend proves its own"
-            )
+    def _fits_its_kind(self) -> ReplicaSettings:
+        try:
+            kind_named(self.kind_name).validate(self)
+        except ValueError as e:
+            raise ValueError(f"replica {self.name!r}: {e}") from e
         return self
-
-    def served_endpoints(self) -> frozenset[str] | None:
-        """What it answers itself: None for a pinned_backend (its routes are known)."""
-        if self.stack is None:
-            return None
-        return frozenset(self.endpoints if self.endpoints is not None else DECLARED_DEFAULT)
 
     @field_validator("url")
     @classmethod

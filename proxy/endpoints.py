@@ -5,9 +5,10 @@
     /v1/responses                           `output` (the Responses API); streamed as named events (`event:
                                             response.created` ...), ending with the response's terminal event
 
-A pinned_backend replica serves the first three itself, and the Responses API through the proxy's translation to
-chat (proxy/serving/responses_api.py); an upstream API serves what its configuration declares (chat and completions
-unless it says more). The proxy checks only what it acts on; every other field is the replica's to judge. Pure.
+Which of them a replica answers itself, and which through the proxy's translation of the Responses API to chat
+(proxy/serving/responses_api.py), its kind says (proxy/replicas/kinds/): a pinned_backend the first three itself and
+the Responses API translated, an engine chat and completions, an upstream API what its configuration declares (chat
+and completions unless it says more). The proxy checks only what it acts on; every other field is the replica's to judge. Pure.
 """
 
 from __future__ import annotations

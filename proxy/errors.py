@@ -12,7 +12,7 @@
       ReplicaFailed (502)          the replica failed, timed out or answered garbage; nothing was recorded
         ReplicaUnavailable         unreachable, timed out or a 5xx: worth a retry on a twin of the same fingerprint
         ReplicaGarbage             an answer that is not what the OpenAI wire format promises
-        StackMismatch              an answer under another fingerprint than the replica proved
+        StackMismatch              an answer from another stack than the replica described (its kind judges)
       ReplicaRejected (4xx)        the replica refused the request as the client's fault: its status and error
                                    body, relayed in OpenAI's shape
       RateLimited (429)            the tenant's requests or tokens per minute are used up; says when to retry

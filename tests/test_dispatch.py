@@ -19,8 +19,9 @@ import pytest
 from proxy.errors import NoLiveReplica, NoMatchingStack, ReplicaFailed
 from proxy.pins import Pin
 from proxy.replicas.forward import Answer, ReplicaGarbage, ReplicaRejected, describe, post_json
-from proxy.replicas.registry import Registry, Replica
-from proxy.serving.dispatch import Dispatched, StackMismatch, check_fingerprint, dispatch
+from proxy.replicas.kinds import STACKPIN, UPSTREAM
+from proxy.replicas.registry import Registry, Replica, ReplicaSnapshot
+from proxy.serving.dispatch import Dispatched, StackMismatch, dispatch
 from proxy.stack import short
 from tests.support.fake_replica import FakeReplica, tiny_stack
 
@@ -48,7 +49,7 @@ class Dispatcher:
 
     async def register(self, fake: FakeReplica, *, declared: bool = False) -> str:
         name = f"replica-{len(self.registry.all())}"
-        self.registry.add(Replica(name, fake.url, declared))
+        self.registry.add(Replica(name, fake.url, UPSTREAM if declared else STACKPIN))
         described = await describe(self.session, fake.url, timeout_s=TIMEOUT_S)
         self.registry.observe(name, described.stack, described.fingerprint, NOW)
         return name
@@ -58,9 +59,9 @@ class Dispatcher:
         assert found is not None
         return found
 
-    async def send(self, replica: Replica, body: dict[str, Any]) -> Answer:
+    async def send(self, replica: ReplicaSnapshot, body: dict[str, Any]) -> Answer:
         answer = await post_json(self.session, replica.url + CHAT, body, api_key=None, timeout_s=TIMEOUT_S)
-        check_fingerprint(replica, answer.stack_header)
+        replica.kind.check_answer(replica, answer.stack_header, None)
         return answer
 
     async def mismatched(self, mismatch: StackMismatch) -> None:
@@ -250,11 +251,12 @@ async def test_no_retry_starts_once_the_deadline_has_passed(
 async def test_a_proved_replica_must_answer_under_its_fingerprint_and_a_declared_one_cannot_prove(
     dispatcher: Dispatcher, replica: FakeReplica
 ) -> None:
-    proved = dispatcher.replica(await dispatcher.register(replica))
-    declared = dispatcher.replica(await dispatcher.register(replica, declared=True))
-    check_fingerprint(proved, replica.fingerprint)
+    proved = dispatcher.replica(await dispatcher.register(replica)).snapshot()
+    declared = dispatcher.replica(await dispatcher.register(replica, declared=True)).snapshot()
+    proved.kind.check_answer(proved, replica.fingerprint, None)
+    proved.kind.check_answer(proved, None, {"system_fingerprint": replica.fingerprint})
     for claimed in (None, "f" * 64):
         with pytest.raises(StackMismatch) as raised:
-            check_fingerprint(proved, claimed)
+            proved.kind.check_answer(proved, claimed, None)
         assert raised.value.replica is proved and raised.value.claimed == claimed
-        check_fingerprint(declared, claimed)
+        declared.kind.check_answer(declared, claimed, None)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
 from proxy.commands.cli import main as stackpin
 from proxy.fleet.documents import FleetKeys, Lease, Quarantine
-from proxy.fleet.heartbeat import Beat
+from proxy.fleet.heartbeat import Beat, Heartbeat
 from proxy.fleet.state import FleetState, connect
+from proxy.replicas.kinds import kind_named
+from tests.support.engine_documents import EngineDocuments, documents_of
 from tests.support.fake_replica import FakeReplica, fingerprint_of
 from tests.support.fleet import REDIS_URL, Clock, heartbeat_for, redis_prefix
 
@@ -117,3 +120,33 @@ def test_the_command_refuses_without_redis_or_with_a_bad_url(
     assert "needs Redis" in capsys.readouterr().err
     assert stackpin([*argv, "--replica-url", "127.0.0.1:9", "--redis", REDIS_URL]) == 2
     assert "--replica-url must start with http" in capsys.readouterr().err
+
+
+async def test_beside_an_engine_the_sidecar_leases_the_stack_it_reports_under_its_kind() -> None:
+    engine = EngineDocuments(documents_of("llamacpp"))
+    await engine.start()
+    clock = Clock()
+    try:
+        async with redis_prefix() as prefix, aiohttp.ClientSession() as session:
+            keys = FleetKeys(prefix)
+            state = FleetState(connect(REDIS_URL, timeout_s=2), keys)
+            heartbeat = Heartbeat(
+                state, session, name="cpp", replica_url=engine.url, lease_s=15, timeout_s=2.0, clock=clock,
+                kind=kind_named("llamacpp"),
+            )  # fmt: skip
+            assert await heartbeat.beat() is Beat.PROVED
+            lease = Lease.model_validate_json(await state.client.get(keys.lease("cpp")))
+            assert lease.kind == "llamacpp" and lease.stack["engine"]["name"] == "llama.cpp"
+            engine.documents["/props"] = {**engine.documents["/props"], "total_slots": 8}
+            assert await heartbeat.beat() is Beat.CHANGED, "a restart with more slots is another stack"
+            await state.close()
+    finally:
+        await engine.stop()
+
+
+def test_the_sidecar_refuses_a_kind_whose_stack_is_declared(capsys: pytest.CaptureFixture[str]) -> None:
+    code = stackpin(
+        ["fleet", "heartbeat", "--replica-url", "http://127.0.0.1:1", "--name", "r", "--kind", "upstream",
+         "--redis", REDIS_URL]
+    )  # fmt: skip
+    assert code == 2 and "its stack is declared in configuration" in capsys.readouterr().err

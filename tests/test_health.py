@@ -24,6 +24,7 @@ from proxy.fleet.link import FleetLink
 from proxy.fleet.state import FleetState, connect
 from proxy.metrics import ProxyMetrics
 from proxy.replicas.health import HealthMonitor, QuarantineBoard
+from proxy.replicas.kinds import STACKPIN, UPSTREAM
 from proxy.replicas.registry import Registry, Replica
 from proxy.stack import Stack
 from tests.support.audit_databases import KINDS, T0, audit_database, entry
@@ -72,7 +73,7 @@ async def monitoring(
 
 
 def backend(fake: FakeReplica, name: str = "backend") -> Replica:
-    return Replica(name=name, url=fake.url, declared=False)
+    return Replica(name=name, url=fake.url, kind=STACKPIN)
 
 
 async def test_a_backend_enters_rotation_when_it_first_proves_its_stack(
@@ -108,7 +109,7 @@ async def test_an_unreachable_backend_leaves_rotation_and_returns_when_it_answer
 async def test_a_declared_upstream_is_never_asked_and_stays_in_rotation(tmp_path: Path) -> None:
     stack = Stack.model_validate(tiny_stack())
     # Nothing listens there: a check would find it unreachable.
-    nowhere = Replica("upstream", "http://127.0.0.1:9", True, stack, stack.fingerprint, reachable=True)
+    nowhere = Replica("upstream", "http://127.0.0.1:9", UPSTREAM, stack, stack.fingerprint, reachable=True)
     async with store_of("sqlite", tmp_path) as store, monitoring(store, nowhere) as watched:
         await watched.health.check_all()
         assert [r.name for r in watched.registry.live()] == ["upstream"]

@@ -61,6 +61,11 @@ TINY = {
             {"upstreams": [{"name": "tiny-cpu", "url": "https://api.example", "stack": {"model": "m"}}]},
             "name of a stack",
         ),
+        ({"upstreams": [{"name": "api", "url": "https://api.example"}]}, "upstreams.0: stack is required"),
+        (
+            {"upstreams": [{"name": "v", "kind": "vllm", "url": "http://v:8000", "stack": {"model": "m"}}]},
+            "upstreams.0: Must not validate the schema (not)",
+        ),
         ({"stacks": [{**TINY, "kernel_mode": "default"}]}, "Additional property kernel_mode is not allowed"),
         ({"stack": [TINY]}, "Additional property stack is not allowed"),
     ],
@@ -367,3 +372,17 @@ def test_alert_rules_parse_and_query_only_exported_metrics(rendered: dict[str, l
         assert queried, f"{rule['alert']} selects no metric"
         assert queried <= exported & documented.keys(), f"{rule['alert']}: {sorted(queried - exported)}"
         assert rule["labels"]["severity"] in {"warning", "critical"} and rule["annotations"]["summary"]
+
+
+def test_an_engine_among_the_upstreams_reaches_the_proxy_with_its_kind_and_no_declared_stack(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "values.yaml"
+    engines = [
+        {"name": "vllm-a", "kind": "vllm", "url": "http://vllm-a:8000"},
+        {"name": "ollama-a", "kind": "ollama", "url": "http://ollama-a:11434", "model": "smollm2:135m"},
+    ]
+    path.write_text(yaml.safe_dump({"upstreams": engines}))
+    replicas = {r["name"]: r for r in proxy_config(render(path))["replicas"]}
+    assert replicas["vllm-a"] == {"name": "vllm-a", "kind": "vllm", "url": "http://vllm-a:8000"}
+    assert replicas["ollama-a"]["model"] == "smollm2:135m" and "stack" not in replicas["ollama-a"]

@@ -14,6 +14,7 @@ import pytest
 
 from proxy.audit import InvalidEntry, OpenStream, SealedEntry
 from proxy.pins import Pin
+from proxy.replicas.kinds import STACKPIN, UPSTREAM
 from proxy.replicas.registry import Registry, Replica, ReplicaSnapshot
 from proxy.serving.prompts import PromptBook
 from proxy.serving.records import (
@@ -55,7 +56,7 @@ EVENTS = ['data: {"choices": [{"index": 0, "delta": {"content": "the"}}]}\n\n']
 
 def replica(*, declared: bool = False) -> ReplicaSnapshot:
     """A replica in rotation with STACK, proved (or declared, as an upstream's configuration does)."""
-    registry = Registry.of([Replica("replica-0", "http://127.0.0.1:9", declared)])
+    registry = Registry.of([Replica("replica-0", "http://127.0.0.1:9", UPSTREAM if declared else STACKPIN)])
     registry.observe("replica-0", STACK, STACK.fingerprint, RECEIVED)
     served_by = registry.get("replica-0")
     assert served_by is not None
@@ -112,6 +113,7 @@ def test_an_answers_content_is_the_request_as_forwarded_and_the_whole_body_the_c
         "prompt": None,
         "decoding": {"temperature": 0, "seed": 7, "max_tokens": 3},
         "stack_declared": False,
+        "stack_source": "proven",
         "received_at": RECEIVED.isoformat(),
         "stream": False,
         "response": RESPONSE,
@@ -169,6 +171,8 @@ def test_a_replay_is_recorded_as_its_original_was_linked_to_it_with_its_outcome(
 def test_a_declared_stack_says_so_in_the_entry_and_its_content() -> None:
     entry = answer_entry(served(declared=True), RESPONSE, NOW)
     assert entry.stack_declared and entry.content["stack_declared"] is True
+    assert entry.content["stack_source"] == "declared"
+    assert answer_entry(served(), RESPONSE, NOW).content["stack_source"] == "proven"
     assert entry.stack == STACK.document()
 
 

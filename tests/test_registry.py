@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from proxy.replicas.kinds import STACKPIN, UPSTREAM
 from proxy.replicas.registry import Observation, Registry, Replica
 from proxy.stack import Stack
 from tests.support.fake_replica import fingerprint_of, tiny_stack
@@ -19,14 +20,14 @@ CHANGED = Stack.model_validate(tiny_stack(quantisation="bf16"))
 
 
 def proved(name: str = "backend") -> Replica:
-    return Replica(name=name, url=f"http://127.0.0.1:1/{name}", declared=False)
+    return Replica(name=name, url=f"http://127.0.0.1:1/{name}", kind=STACKPIN)
 
 
-def declared(name: str = "upstream", endpoints: frozenset[str] | None = frozenset({CHAT})) -> Replica:
+def declared(name: str = "upstream", endpoints: frozenset[str] = frozenset({CHAT})) -> Replica:
     return Replica(
         name=name,
         url=f"http://127.0.0.1:1/{name}",
-        declared=True,
+        kind=UPSTREAM,
         stack=PROVED,
         fingerprint=fingerprint_of(tiny_stack()),
         reachable=True,
@@ -145,7 +146,7 @@ def test_a_snapshot_is_what_the_replica_was_whatever_happens_to_it_after() -> No
     registry.lease("backend", "http://127.0.0.1:2/elsewhere")
     registry.observe("backend", CHANGED, fingerprint_of(tiny_stack(quantisation="bf16")), T0)
     assert snapshot.stack == PROVED and snapshot.fingerprint == fingerprint_of(tiny_stack())
-    assert snapshot.url == "http://127.0.0.1:1/backend" and not snapshot.declared
+    assert snapshot.url == "http://127.0.0.1:1/backend" and snapshot.stack_source == "proven"
     with pytest.raises(dataclasses.FrozenInstanceError):
         snapshot.fingerprint = "0" * 64  # type: ignore[misc]
 

@@ -6,6 +6,7 @@ import pytest
 
 from proxy.errors import ModelNotFound, NoLiveReplica, NoMatchingStack
 from proxy.pins import Pin
+from proxy.replicas.kinds import STACKPIN, UPSTREAM
 from proxy.replicas.registry import Replica
 from proxy.serving.router import choose, live_stacks
 from proxy.stack import Stack
@@ -17,7 +18,15 @@ DEFAULT = Stack.model_validate(tiny_stack(kernel_mode="default"))
 
 def replica(name: str, stack: Stack, outstanding: int = 0, reachable: bool = True) -> Replica:
     return Replica(
-        name, f"http://127.0.0.1/{name}", False, stack, stack.fingerprint, reachable, None, None, outstanding
+        name,
+        f"http://127.0.0.1/{name}",
+        STACKPIN,
+        stack,
+        stack.fingerprint,
+        reachable,
+        None,
+        None,
+        outstanding,
     )
 
 
@@ -65,7 +74,7 @@ def test_live_stacks_groups_replicas_by_fingerprint() -> None:
 
 
 def test_only_replicas_that_serve_the_route_are_chosen_and_none_is_a_409_naming_it() -> None:
-    upstream = Replica("up", "http://127.0.0.1/up", True, INVARIANT, INVARIANT.fingerprint, True,
+    upstream = Replica("up", "http://127.0.0.1/up", UPSTREAM, INVARIANT, INVARIANT.fingerprint, True,
                        endpoints=frozenset({"/v1/chat/completions"}))  # fmt: skip
     backend = replica("backend", INVARIANT)
     assert choose([upstream], Pin(), endpoint="/v1/chat/completions").name == "up"

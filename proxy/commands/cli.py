@@ -45,6 +45,7 @@ from proxy.fleet.heartbeat import run_sidecar
 from proxy.fleet.state import FleetState, FleetUnavailable, connect
 from proxy.logs import configure_logging
 from proxy.process.launch import serve
+from proxy.replicas.kinds import StackSource, kind_named
 from proxy.replicas.local_backend import SMOLLM2_NAME
 
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
@@ -216,8 +217,15 @@ def _parser() -> argparse.ArgumentParser:
     heartbeat = fleet_commands.add_parser(
         "heartbeat",
         parents=[config],
-        help="beside a backend: prove its stack at GET /v1/stack and renew its lease in Redis",
+        help="beside a replica: describe its stack as its kind does and renew its lease in Redis",
     )
+    heartbeat.add_argument(
+        "--kind",
+        default="stackpin",
+        help="the replica's kind (default stackpin: a pinned_backend proving its stack at GET /v1/stack; "
+        "an engine's: vllm, sglang, llamacpp, ollama)",
+    )
+    heartbeat.add_argument("--model", help="for an ollama replica: the model it serves")
     heartbeat.add_argument(
         "--replica-url", required=True, help="the backend's base URL, e.g. http://127.0.0.1:8000"
     )
@@ -424,6 +432,16 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
         raise ConfigError(f"--replica-url must start with http:// or https://, got {args.replica_url!r}")
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", args.name):
         raise ConfigError(f"--name must be letters, digits, '.', '_' or '-', got {args.name!r}")
+    try:
+        kind = kind_named(args.kind)
+    except ValueError as e:
+        raise ConfigError(f"--kind: {e}") from e
+    if kind.source is StackSource.DECLARED:
+        raise ConfigError(
+            f"--kind {args.kind}: its stack is declared in configuration; no sidecar describes it"
+        )
+    if (args.model is None) == (args.kind == "ollama"):
+        raise ConfigError("--model names the model of an ollama replica, and only of one")
     interval_s = args.interval_s if args.interval_s is not None else args.lease_s / 3
     if args.lease_s <= 0 or not 0 < interval_s < args.lease_s:
         raise ConfigError("--lease-s must be positive and --interval-s shorter than the lease")
@@ -438,6 +456,8 @@ def _fleet_heartbeat(args: argparse.Namespace) -> int:
             interval_s=interval_s,
             timeout_s=min(settings.fleet.timeout_s, interval_s),
             clock=utc_now,
+            kind=kind,
+            model=args.model,
         )
     )
     return EXIT_OK

@@ -26,7 +26,8 @@ DEFAULT_PREFIX = "stackpin:"
 
 
 class Lease(BaseModel):
-    """A replica's proof of life: the stack its backend described at `GET /v1/stack`, and when."""
+    """A replica's proof of life: the stack it described (a pinned_backend at `GET /v1/stack`, an engine as its
+    kind reads it), when, and its kind, which the proxies serve it as."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -37,6 +38,7 @@ class Lease(BaseModel):
     registered: str
     proved_at: datetime
     lease_s: float
+    kind: str = "stackpin"
 
 
 class Quarantine(BaseModel):

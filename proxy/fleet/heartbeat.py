@@ -1,7 +1,8 @@
 """The heartbeat sidecar: runs beside one backend, proves its stack, and renews its lease in Redis.
 
-`stackpin fleet heartbeat --replica-url URL --name NAME` polls the backend's `GET /v1/stack`, recomputes the
-fingerprint from the document (docs/protocol.md), and renews the lease with the stack it proved, so the backend
+`stackpin fleet heartbeat --replica-url URL --name NAME [--kind KIND]` asks the replica's kind for its stack (a
+pinned_backend's `GET /v1/stack`, whose fingerprint it recomputes from the document, docs/protocol.md; an engine's
+self-description, proxy/replicas/kinds/), and renews the lease with the stack it found and the kind, so the backend
 itself never speaks to Redis. A backend that stops answering stops being renewed: its lease expires and it leaves
 rotation for every proxy. A backend whose stack differs from the one it registered with, or whose claimed
 fingerprint is not the one its document hashes to, is quarantined for every proxy; marking the records it served
@@ -22,7 +23,8 @@ import structlog
 from proxy.errors import ReplicaUnavailable
 from proxy.fleet.documents import FleetKeys, Lease, Quarantine
 from proxy.fleet.state import FleetState, FleetUnavailable, connect
-from proxy.replicas.forward import describe
+from proxy.replicas.kinds import STACKPIN, ReplicaKind
+from proxy.replicas.kinds.base import Target
 
 log = structlog.get_logger("stackpin.heartbeat")
 
@@ -46,8 +48,12 @@ class Heartbeat:
         lease_s: float,
         timeout_s: float,
         clock: Callable[[], datetime],
+        kind: ReplicaKind = STACKPIN,
+        model: str | None = None,
     ) -> None:
         self.state = state
+        self.kind = kind
+        self.model = model
         self.session = session
         self.name = name
         self.replica_url = replica_url.rstrip("/")
@@ -58,7 +64,8 @@ class Heartbeat:
     async def beat(self) -> Beat:
         now = self.clock()
         try:
-            described = await describe(self.session, self.replica_url, timeout_s=self.timeout_s)
+            target = Target(self.replica_url, self.timeout_s, model=self.model)
+            described = await self.kind.describe(self.session, target)
         except ReplicaUnavailable as e:
             log.warning("replica_unreachable", replica=self.name, error=str(e))
             return Beat.UNREACHABLE
@@ -82,6 +89,7 @@ class Heartbeat:
             registered=registered,
             proved_at=now,
             lease_s=self.lease_s,
+            kind=self.kind.name,
         )
         if not good:
             await self._quarantine("stack_changed", registered=registered, observed=computed, now=now)
@@ -125,6 +133,8 @@ async def run_sidecar(
     interval_s: float,
     timeout_s: float,
     clock: Callable[[], datetime],
+    kind: ReplicaKind = STACKPIN,
+    model: str | None = None,
 ) -> None:
     """`stackpin fleet heartbeat`: beats until it is stopped; its lease runs out on its own after that."""
     state = FleetState(connect(redis_url, timeout_s=timeout_s), FleetKeys(key_prefix))
@@ -138,6 +148,8 @@ async def run_sidecar(
                 lease_s=lease_s,
                 timeout_s=timeout_s,
                 clock=clock,
+                kind=kind,
+                model=model,
             )
             log.info(
                 "heartbeat_started", replica=name, url=replica_url, lease_s=lease_s, interval_s=interval_s

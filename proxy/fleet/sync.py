@@ -32,6 +32,7 @@ from proxy.fleet.link import FleetLink
 from proxy.fleet.state import FleetUnavailable, FleetView
 from proxy.metrics import ProxyMetrics
 from proxy.replicas.health import HealthMonitor
+from proxy.replicas.kinds import KINDS
 from proxy.replicas.registry import Observation, Registry, Replica
 from proxy.stack import Stack
 
@@ -127,10 +128,13 @@ class FleetSync:
             if replica is None:
                 if lease is None:
                     continue
-                replica = Replica(name=name, url=lease.url, declared=False, leased=True)
+                if lease.kind not in KINDS:
+                    log.error("lease_of_unknown_kind", replica=name, kind=lease.kind)
+                    continue
+                replica = Replica(name=name, url=lease.url, kind=KINDS[lease.kind], leased=True)
                 self.registry.add(replica)
                 log.info("replica_leased", replica=name, url=lease.url, fingerprint=lease.fingerprint)
-            elif lease is not None and not replica.leased and not replica.declared:
+            elif lease is not None and not replica.leased and replica.self_described:
                 self.registry.lease(name, lease.url)  # its sidecar now speaks for it
             if note is not None:
                 self._seen_in_fleet.add(name)

@@ -74,14 +74,27 @@ async def post_json(
     return Answer(_parse_object(raw), response.headers.get(STACK_HEADER))
 
 
-async def get_json(session: aiohttp.ClientSession, url: str, *, timeout_s: float) -> dict[str, Any]:
+async def get_json(
+    session: aiohttp.ClientSession, url: str, *, timeout_s: float, api_key: SecretStr | None = None
+) -> dict[str, Any]:
+    return _parse_object(await get_bytes(session, url, timeout_s=timeout_s, api_key=api_key))
+
+
+async def get_bytes(
+    session: aiohttp.ClientSession, url: str, *, timeout_s: float, api_key: SecretStr | None = None
+) -> bytes:
+    """A GET's body, with the failures sorted as every call's are."""
+    headers = {**replica_headers(api_key), "Accept": "*/*"}
+    del headers["Content-Type"]
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        async with session.get(
+            url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
             raw = await response.read()
     except TRANSPORT_ERRORS as e:
         raise _unavailable(e) from e
     _raise_for_status(response.status, raw)
-    return _parse_object(raw)
+    return raw
 
 
 @dataclass(frozen=True)

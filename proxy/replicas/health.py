@@ -1,25 +1,28 @@
-"""The health monitor: asks every self-describing replica for its stack, at start and then periodically.
+"""The health monitor: asks every self-describing replica's kind for its stack, at start and then periodically.
 
 A replica enters rotation when it first proves its stack, leaves it while unreachable, and is quarantined when
 the stack it proves differs from the one registered (or when an answer arrives under another fingerprint). Then
-every record it produced since its last good check gets a `flag` entry in the audit log (invariant 3). Declared
-upstream replicas cannot prove anything: they stay in rotation on their declaration.
+every record it produced since its last good check gets a `flag` entry in the audit log (invariant 3). A stack an
+engine reports is checked the same way as one a pinned_backend proves: a restart with another model, dtype or
+length limit shows as a changed stack. Declared upstream replicas cannot describe anything: they stay in rotation
+on their declaration.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Protocol
 
 import aiohttp
 import structlog
+from pydantic import SecretStr
 
 from proxy.audit import AuditStore
 from proxy.errors import ReplicaUnavailable, StackMismatch
 from proxy.metrics import ProxyMetrics
-from proxy.replicas.forward import describe
+from proxy.replicas.kinds.base import Target
 from proxy.replicas.registry import Observation, Registry, Replica
 from proxy.serving.records import flag_entry
 
@@ -45,6 +48,7 @@ class HealthMonitor:
         timeout_s: float,
         clock: Callable[[], datetime],
         board: QuarantineBoard | None = None,
+        replica_keys: Mapping[str, SecretStr] | None = None,
     ) -> None:
         self.registry = registry
         self.store = store
@@ -53,10 +57,11 @@ class HealthMonitor:
         self.timeout_s = timeout_s
         self.clock = clock
         self.board = board  # fleet mode: where quarantines are shared (proxy/fleet/link.py)
+        self.replica_keys = replica_keys or {}  # an engine's describing routes may want its key
 
     async def check_all(self) -> None:
         replicas = [
-            r for r in self.registry.all() if not r.declared and not r.leased and r.quarantined is None
+            r for r in self.registry.all() if r.self_described and not r.leased and r.quarantined is None
         ]
         await asyncio.gather(*(self.check(r) for r in replicas))
         self.metrics.observe_replicas(self.registry.all())
@@ -64,7 +69,8 @@ class HealthMonitor:
     async def check(self, replica: Replica) -> None:
         now = self.clock()
         try:
-            described = await describe(self.session, replica.url, timeout_s=self.timeout_s)
+            target = Target(replica.url, self.timeout_s, self.replica_keys.get(replica.name), replica.model)
+            described = await replica.kind.describe(self.session, target)
         except ReplicaUnavailable as e:
             if replica.reachable:
                 log.warning("replica_unreachable", replica=replica.name, error=str(e))
@@ -76,7 +82,12 @@ class HealthMonitor:
         stack, computed = described.stack, described.fingerprint
         outcome = self.registry.observe(replica.name, stack, computed, now)
         if outcome is Observation.FIRST:
-            log.info("replica_proved_stack", replica=replica.name, fingerprint=computed)
+            log.info(
+                "replica_described_stack",
+                replica=replica.name,
+                fingerprint=computed,
+                source=replica.stack_source,
+            )
         elif outcome is Observation.CHANGED:
             await self.quarantine(replica, "stack_changed", claimed=computed)
 

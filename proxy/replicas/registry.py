@@ -1,10 +1,10 @@
-"""The replica registry: which replicas exist, which stack each has proved or declared, and which are in rotation.
+"""The replica registry: which replicas exist, of which kind, which stack each has, and which are in rotation.
 
 This is the in-process registry, the embedded default. It holds state only; the health monitor feeds it what the
 replicas say, and the router reads it. Every change to a replica goes through a `Registry` method; what a request
 was served by is a `ReplicaSnapshot`, taken at dispatch, which no later change to the replica reaches. A replica enters rotation only once its stack is known: declared in
-configuration for an upstream API, or proved at `GET /v1/stack` for a pinned_backend. A replica whose proved stack
-changes is quarantined: out of rotation until an operator restarts the proxy (in fleet mode: lifts the quarantine,
+configuration for an upstream API, proved at `GET /v1/stack` for a pinned_backend, reported by an engine (its kind
+says which, proxy/replicas/kinds/). A replica whose proven or reported stack changes is quarantined: out of rotation until an operator restarts the proxy (in fleet mode: lifts the quarantine,
 `stackpin fleet lift`), because every answer it gave since its last good check is now suspect (invariant 3,
 docs/invariants.md). A lift returns it as if new; the records it marked stay marked.
 
@@ -20,7 +20,8 @@ from datetime import datetime
 from enum import Enum
 from typing import Protocol
 
-from proxy.endpoints import BACKEND_ENDPOINTS, RESPONSES
+from proxy.endpoints import RESPONSES
+from proxy.replicas.kinds import ReplicaKind, StackSource
 from proxy.stack import Stack
 
 
@@ -30,12 +31,6 @@ class Observation(Enum):
     CHANGED = "changed"  # the stack differs from the one registered: quarantine
 
 
-def answers_natively(endpoints: frozenset[str] | None, endpoint: str) -> bool:
-    """Whether a replica serving `endpoints` (None: a pinned_backend's) answers `endpoint` itself, rather than
-    through the proxy's translation."""
-    return endpoint in (endpoints if endpoints is not None else BACKEND_ENDPOINTS)
-
-
 @dataclass(frozen=True)
 class ReplicaSnapshot:
     """A replica as it was when a request was dispatched to it: what the request's records and answer say it was
@@ -43,20 +38,28 @@ class ReplicaSnapshot:
 
     name: str
     url: str
-    declared: bool
+    kind: ReplicaKind
     stack: Stack
     fingerprint: str
-    endpoints: frozenset[str] | None
+    endpoints: frozenset[str]
+
+    @property
+    def stack_source(self) -> StackSource:
+        return self.kind.source
+
+    @property
+    def self_described(self) -> bool:
+        return self.kind.source is not StackSource.DECLARED
 
     def natively(self, endpoint: str) -> bool:
-        return answers_natively(self.endpoints, endpoint)
+        return endpoint in self.endpoints
 
 
 @dataclass
 class Replica:
     name: str
     url: str
-    declared: bool
+    kind: ReplicaKind
     stack: Stack | None = None
     fingerprint: str | None = None
     reachable: bool = False
@@ -66,8 +69,22 @@ class Replica:
     leased: bool = (
         False  # fleet mode: its heartbeat sidecar proves its stack, not this proxy's health monitor
     )
-    # The routes it answers itself: what a declared upstream's configuration says; None for a pinned_backend.
-    endpoints: frozenset[str] | None = None
+    # The routes it answers itself; unset: its kind's (an upstream's come from its configuration).
+    endpoints: frozenset[str] = frozenset()
+    model: str | None = None  # the model it is asked about, for an engine that serves several (Ollama)
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            self.endpoints = self.kind.endpoints(None)
+
+    @property
+    def stack_source(self) -> StackSource:
+        return self.kind.source
+
+    @property
+    def self_described(self) -> bool:
+        """Whether its stack comes from the replica itself (proven or reported), so a check can reach it."""
+        return self.kind.source is not StackSource.DECLARED
 
     @property
     def in_rotation(self) -> bool:
@@ -75,18 +92,15 @@ class Replica:
 
     def natively(self, endpoint: str) -> bool:
         """Whether it answers `endpoint` itself, rather than through the proxy's translation."""
-        return answers_natively(self.endpoints, endpoint)
+        return endpoint in self.endpoints
 
     def serves(self, endpoint: str) -> bool:
-        # A pinned_backend serves the Responses API through the proxy's translation to chat.
-        return self.natively(endpoint) or (endpoint == RESPONSES and self.endpoints is None)
+        return self.natively(endpoint) or (endpoint == RESPONSES and RESPONSES in self.kind.translated())
 
     def snapshot(self) -> ReplicaSnapshot:
         """What it is now, frozen; only a replica whose stack is known (one in rotation) can be served by."""
         assert self.stack is not None and self.fingerprint is not None
-        return ReplicaSnapshot(
-            self.name, self.url, self.declared, self.stack, self.fingerprint, self.endpoints
-        )
+        return ReplicaSnapshot(self.name, self.url, self.kind, self.stack, self.fingerprint, self.endpoints)
 
 
 class OutstandingCounter(Protocol):
@@ -133,12 +147,12 @@ class Registry:
         self.replicas[name].quarantined = reason
 
     def lift(self, name: str, now: datetime) -> None:
-        """Back from quarantine. A proved replica comes back as if new: the next stack it proves is the one it is
-        registered with, and nothing it served before `now` is its to answer for again. A declared one keeps the
-        stack its configuration declares."""
+        """Back from quarantine. A proven or reported one comes back as if new: the next stack it describes is the
+        one it is registered with, and nothing it served before `now` is its to answer for again. A declared one
+        keeps the stack its configuration declares."""
         replica = self.replicas[name]
         replica.quarantined = None
-        if not replica.declared:
+        if replica.self_described:
             replica.stack = replica.fingerprint = None
             replica.reachable, replica.last_good_check = False, now
 

@@ -34,12 +34,6 @@ class Dispatched(Generic[T]):
     result: T
 
 
-def check_fingerprint(replica: ReplicaSnapshot, claimed: str | None) -> None:
-    """A replica that proves its stack must answer under that stack's fingerprint; a declared one cannot prove."""
-    if not replica.declared and claimed != replica.fingerprint:
-        raise StackMismatch(replica, claimed)
-
-
 async def dispatch(
     registry: Registry,
     pin: Pin,
@@ -75,9 +69,10 @@ async def dispatch(
         except ReplicaUnavailable as e:
             last_failure = f"{replica.name}: {e}"
             log.warning("replica_failed", replica=replica.name, error=str(e))
-            # A proved replica comes back when the health monitor reaches it again; a declared upstream has no
-            # stack to prove, so no check would ever bring it back: it stays in rotation on its declaration.
-            if e.down and not replica.declared:
+            # A self-described replica comes back when the health monitor reaches it again; a declared upstream
+            # has no stack to describe, so no check would ever bring it back: it stays in rotation on its
+            # declaration.
+            if e.down and replica.self_described:
                 registry.unreachable(replica.name)
         except StackMismatch as e:
             last_failure = str(e)

@@ -145,7 +145,9 @@ async def stacks(request: web.Request) -> web.Response:
         {
             "name": r.name,
             "fingerprint": r.fingerprint,
-            "declared": r.declared,
+            "kind": r.kind.name,
+            "declared": r.stack_source == "declared",
+            "stack_source": r.stack_source.value,
             "leased": r.leased,
             "in_rotation": r.in_rotation,
             "reachable": r.reachable,

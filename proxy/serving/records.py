@@ -79,7 +79,7 @@ def _base(served: Served, part: str, status: str, now: datetime, content: dict[s
         model=replica.stack.model,
         fingerprint=served.fingerprint,
         stack=replica.stack.canonical,
-        stack_declared=replica.declared,
+        stack_declared=replica.stack_source == "declared",
         prompt_text=prompt.text if prompt else None,
         prompt_sha256=prompt.sha256 if prompt else None,
         replay_of=served.replay_of,
@@ -100,7 +100,8 @@ def _request_content(served: Served) -> dict[str, Any]:
             else None
         ),
         "decoding": decoding_settings(served.forwarded),
-        "stack_declared": served.replica.declared,
+        "stack_declared": served.replica.stack_source == "declared",
+        "stack_source": served.replica.stack_source.value,  # proven, reported or declared
         "received_at": served.received_at.isoformat(),
     }
     if served.replica_endpoint is not None:

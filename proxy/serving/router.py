@@ -80,7 +80,8 @@ def live_stacks(replicas: list[Replica]) -> list[dict[str, Any]]:
             {
                 "fingerprint": replica.fingerprint,
                 "short": short(replica.fingerprint),
-                "declared": replica.declared,
+                "declared": replica.stack_source == "declared",
+                "stack_source": replica.stack_source.value,
                 "stack": replica.stack.document(),
                 "replicas": [],
                 "serves": [e for e in ENDPOINTS if replica.serves(e)],

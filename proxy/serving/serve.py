@@ -28,7 +28,15 @@ from pydantic import SecretStr, ValidationError
 from proxy.audit import AuditError, AuditRecord, AuditStore, InvalidEntry, SealedEntry, StoreUnavailable
 from proxy.config import ServerSettings
 from proxy.endpoints import CHAT, RESPONSES, answer_problem
-from proxy.errors import AuditStoreUnavailable, BadRequest, ReplicaFailed, ReplicaGarbage, ReplicaUnavailable
+from proxy.errors import (
+    AuditStoreUnavailable,
+    BadRequest,
+    ReplicaFailed,
+    ReplicaGarbage,
+    ReplicaRejected,
+    ReplicaUnavailable,
+    StackMismatch,
+)
 from proxy.evidence.compare import Comparison
 from proxy.evidence.replay import Answered, Replaying, recorded, replay_request
 from proxy.fleet.limits import RateLimiter
@@ -37,7 +45,7 @@ from proxy.pins import Pin
 from proxy.replicas.forward import Answer, Event, Stream, open_stream, post_json
 from proxy.replicas.health import HealthMonitor
 from proxy.replicas.registry import Registry, ReplicaSnapshot
-from proxy.serving.dispatch import Dispatched, check_fingerprint, dispatch
+from proxy.serving.dispatch import Dispatched, dispatch
 from proxy.serving.records import Served, answer_entry, closed_entry, opened_entry
 from proxy.serving.redact import Redactor
 from proxy.serving.relay import Relay
@@ -139,16 +147,21 @@ class Proxy:
 
         async def send(replica: ReplicaSnapshot, body: dict[str, Any]) -> Sent:
             endpoint, sent = self._route(request, replica, body)
-            stream = await open_stream(
-                self.session,
-                replica.url + endpoint,
-                sent,
-                api_key=self.replica_keys.get(replica.name),
-                timeout_s=self.server.replica_timeout_s,
-            )
-            if not replica.declared and stream.stack_header != replica.fingerprint:
+            try:
+                stream = await open_stream(
+                    self.session,
+                    replica.url + endpoint,
+                    sent,
+                    api_key=self.replica_keys.get(replica.name),
+                    timeout_s=self.server.replica_timeout_s,
+                )
+            except ReplicaRejected as e:
+                raise replica.kind.rejected(e) from e
+            try:
+                replica.kind.check_answer(replica, stream.stack_header, None)
+            except StackMismatch:
                 stream.close()
-                check_fingerprint(replica, stream.stack_header)
+                raise
             return Sent(endpoint, sent, stream)
 
         dispatched = await self._dispatch(request, send)
@@ -190,12 +203,15 @@ class Proxy:
         self, request: ClientRequest, replica: ReplicaSnapshot, body: dict[str, Any]
     ) -> tuple[str, dict[str, Any]]:
         """Where a replica is sent a request, and what exactly: a Responses request it does not serve itself
-        goes to its chat route, translated."""
+        goes to its chat route, translated; its kind adds what it must be asked for (token ids, logprobs)."""
+        endpoint = request.endpoint
         if request.endpoint == RESPONSES and not replica.natively(RESPONSES):
+            endpoint = CHAT
             if request.translated is not None:
-                return CHAT, {**request.translated, "model": body["model"]}
-            return CHAT, to_chat(body)
-        return request.endpoint, body
+                body = {**request.translated, "model": body["model"]}
+            else:
+                body = to_chat(body)
+        return endpoint, replica.kind.forwarded(endpoint, body)
 
     async def _send_json(self, replica: ReplicaSnapshot, endpoint: str, body: dict[str, Any]) -> Answer:
         """One non-streamed call, counted among the replica's outstanding requests while it runs."""
@@ -208,11 +224,13 @@ class Proxy:
                 api_key=self.replica_keys.get(replica.name),
                 timeout_s=self.server.replica_timeout_s,
             )
+        except ReplicaRejected as e:
+            raise replica.kind.rejected(e) from e
         finally:
             self.registry.release(replica.name)
-        if self.redactor:
-            answer = Answer(self.redactor.value(answer.body), answer.stack_header)
-        check_fingerprint(replica, answer.stack_header or _body_fingerprint(answer.body))
+        body = answer.body if not self.redactor else self.redactor.value(answer.body)
+        answer = Answer(replica.kind.answered(endpoint, body), answer.stack_header)
+        replica.kind.check_answer(replica, answer.stack_header, answer.body)
         problem = answer_problem(endpoint, answer.body)
         if problem is not None:
             raise ReplicaGarbage(problem)
@@ -258,7 +276,7 @@ class Proxy:
                 }
             )
             async for event in upstream.events():
-                for text in relay.feed(self._redacted(event)):
+                for text in relay.feed(self._read(served, event)):
                     await sink.write(text.encode())
                 # Events already buffered are relayed without waiting, so a fast stream would hold the event
                 # loop to its end and every other client would wait: let them in between events.
@@ -319,8 +337,11 @@ class Proxy:
             return "unrecorded", sent
         return closed.status, terminal
 
-    def _redacted(self, event: Event) -> Event:
-        return Event(event.name, self.redactor.value(event.data)) if self.redactor else event
+    def _read(self, served: Served, event: Event) -> Event:
+        """An event as relayed and recorded: redacted, its tokens where its replica's kind puts them read."""
+        data = self.redactor.value(event.data) if self.redactor else event.data
+        endpoint = served.replica_endpoint or served.endpoint
+        return Event(event.name, served.replica.kind.answered(endpoint, data))
 
     def _relay_for(self, served: Served, request: ClientRequest) -> Relay:
         if served.endpoint != RESPONSES:

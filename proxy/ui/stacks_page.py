@@ -39,6 +39,7 @@ class ReplicaRow:
     state: str  # "in rotation", "quarantined", "unreachable", "waiting for its stack"
     why: str | None
     declared: bool
+    stack_source: str  # proven, reported or declared
     leased: bool
     outstanding: int
     last_good_check: Any
@@ -60,7 +61,8 @@ def replica_row(replica: Replica) -> ReplicaRow:
         kernel_mode=replica.stack.kernel_mode if replica.stack else None,
         state=state,
         why=why,
-        declared=replica.declared,
+        declared=replica.stack_source == "declared",
+        stack_source=replica.stack_source.value,
         leased=replica.leased,
         outstanding=replica.outstanding,
         last_good_check=replica.last_good_check,

@@ -92,6 +92,15 @@ Helm reads numbers from values as floats: the integers the chart writes go throu
 {{- end }}
 {{- range .Values.upstreams }}
 {{- $replica := dict "name" .name "url" .url }}
+{{- if .kind }}
+{{- $_ := set $replica "kind" .kind }}
+{{- end }}
+{{- if .model }}
+{{- $_ := set $replica "model" .model }}
+{{- end }}
+{{- if .endpoints }}
+{{- $_ := set $replica "endpoints" .endpoints }}
+{{- end }}
 {{- if .apiKey }}
 {{- $_ := set $replica "api_key_env" (include "stackpin.upstreamKeyEnv" .) }}
 {{- end }}
