@@ -6,7 +6,7 @@ entry committed before its first byte and a `closed` entry at its end (complete 
 the client read, byte for byte, the one sent after the record (`data: [DONE]`, or the response's terminal event),
 and the answer those events assemble into. A replay is recorded as its original was, linked to it, with its outcome.
 A stream left open by a proxy that stopped without closing it is closed as interrupted at the next start
-(`marked_at_start`). A `flag` entry marks an earlier record, e.g. because the stack that served it was later found
+(`marked_at_start`). A request's tag, when it carries one, is kept beside its request. A `flag` entry marks an earlier record, e.g. because the stack that served it was later found
 changed. Entries carry the exact forwarded request; never a client or upstream key (those travel only in headers).
 """
 
@@ -56,6 +56,7 @@ class Served:
     translated_from: dict[str, Any] | None = None  # the client's request the forwarded one translates
     continues: str | None = None  # the record whose response this request continues (previous_response_id)
     replay_of: str | None = None
+    tag: str | None = None  # the client's label for the request (proxy/serving/request.py)
 
     @property
     def fingerprint(self) -> str:
@@ -108,6 +109,8 @@ def _request_content(served: Served) -> dict[str, Any]:
         content["translated_from"] = served.translated_from
     if served.continues is not None:
         content["continues"] = served.continues
+    if served.tag is not None:
+        content["tag"] = served.tag
     return content
 
 
