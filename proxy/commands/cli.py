@@ -34,7 +34,7 @@ from proxy.audit.note import (
     parse_signer,
     parse_vkey,
 )
-from proxy.commands import prove
+from proxy.commands import prove, study_command
 from proxy.commands.auditor import audit, list_records, verify
 from proxy.commands.proxy_client import probe, replay
 from proxy.commands.witness import HttpLogSource, WitnessStore, follow
@@ -172,6 +172,8 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--temperature", type=float, default=0.0)
     probe.add_argument("--json", action="store_true")
     probe.set_defaults(run=_probe)
+
+    study_command.add_parser(commands, client, SMOLLM2_NAME, _study)
 
     prove = commands.add_parser(
         "prove", parents=[client, log_key], help="show and check that a record's entries are in the log"
@@ -405,6 +407,11 @@ def _replay(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> int:
 
     return asyncio.run(probe(_client_target(args, _settings(args)), args))
+
+
+def _study(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    return study_command.run(args, settings, _client_target(args, settings))
 
 
 def _fleet_redis_url(args: argparse.Namespace, settings: Settings, command: str) -> str:

@@ -123,6 +123,18 @@ class Tally:
         if record is not None and len(variant.records) < SAMPLE_RECORDS:
             variant.records.append(record)
 
+    def merge(self, other: Tally) -> None:
+        """Counts what `other` counted as well, grouped alike (a prompt's answers at several loads, as one)."""
+        for key, theirs in other.variants.items():
+            mine = self.variants.get(key)
+            if mine is None:
+                self.variants[key] = Variant(theirs.tokens, theirs.count, theirs.view, list(theirs.records))
+                continue
+            mine.count += theirs.count
+            mine.records.extend(theirs.records[: max(0, SAMPLE_RECORDS - len(mine.records))])
+        self.stacks |= other.stacks
+        self.failures.update(other.failures)
+
     def result(self, requests: int, concurrency: int) -> ProbeResult:
         return ProbeResult(
             requests=requests,
@@ -134,8 +146,11 @@ class Tally:
 
 
 def rank(variants: list[Variant]) -> list[Variant]:
-    """Most common first (ties: first seen); each compared with the first, and numbered by its tokens."""
-    ordered = sorted(variants, key=lambda v: -v.count)  # stable: ties keep their arrival order
+    """Most common first; each compared with the first, and numbered by its tokens.
+
+    Ties go by the answers themselves (their tokens, then bits), never by when they arrived: the same answers give
+    the same ranking whether they are tallied as they come or read back from the log, newest first."""
+    ordered = sorted(variants, key=lambda v: (-v.count, _bitwise_key(v.tokens)))
     if not ordered:
         return ordered
     reference = ordered[0]
