@@ -230,7 +230,7 @@ def _report(
     shape = Shape(plan.sides, plan.loads, {p.index: p.label for p in plan.prompts})
     report = study_report(tally, shape, meta)
     _write(folder / STATE, {**state, "resumed": True, "report": report})
-    (folder / REPORT).write_text(standalone_report(report), encoding="utf-8")
+    (folder / REPORT).write_text(standalone_report(report, f"{url}/ui/records/"), encoding="utf-8")
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
