@@ -292,3 +292,39 @@ def test_a_study_run_against_the_proxy_is_read_back_from_the_log_as_its_report(
         other.close()
     page.goto(site.url + "/ui/studies/not-a-study")
     assert "is not a study id" in page.inner_text(".problems")
+
+
+def test_a_slice_replayed_from_the_page_is_gated_by_its_requirement(site: Site, page: Page) -> None:
+    before = site.call(_now())
+    for k in range(3):
+        site.ask("acme", f"Slice question {k}.")
+    theirs = site.ask("globex", "Not in acme's slice.")
+    log_in(page, site, then="/ui/replays")
+    page.fill("input[name=since]", before)
+    page.click("form[action='/ui/replays'] button[type=submit]")
+    assert page.inner_text("#slice-verdict .word") == "met"
+    assert page.inner_text("#level-identical .count") == "3", "acme's three records, not globex's"
+    shot(page, "slice_met")
+
+    page.select_option("select[name=on]", site.other.fingerprint)
+    page.fill("input[name=require]", "same_text>=0.9")
+    page.click("form[action='/ui/replays'] button[type=submit]")
+    assert page.inner_text("#slice-verdict .word") == "not met"
+    assert page.inner_text("#level-diverged .count") == "3", "the other stack's words differ from these"
+    assert page.locator("#divergences tbody tr").count() == 3
+    shot(page, "slice_not_met")
+    page.locator("#divergences tbody tr a[href$='/diff']").first.click()
+    page.wait_for_url("**/diff")
+    assert page.inner_text("#verdict .word") == "diverged"
+    assert theirs not in page.content()
+
+    page.goto(site.url + "/ui/replays")
+    page.fill("input[name=since]", "yesterday")
+    page.click("form[action='/ui/replays'] button[type=submit]")
+    assert "is not a time" in page.inner_text(".problems")
+
+
+async def _now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S")
