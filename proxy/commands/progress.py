@@ -39,7 +39,8 @@ class Bar:
 
 
 class Lines:
-    """`what: 120/400 (30%) at c8+b4, side a; 4.1 req/s, about 68 s left`, at most every `interval_s`, and at the end."""
+    """`what: 120/400 (30%) at c8+b4, side a; 4.1 req/s, about 68 s left`, at most every `interval_s`, and at
+    the end."""
 
     def __init__(
         self,
