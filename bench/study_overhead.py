@@ -167,7 +167,7 @@ def report(args: argparse.Namespace, rounds: list[Round], extra: dict[str, Any],
     lines = [
         "# A study's cost over its requests",
         "",
-        f"Command: `python -m bench.study_overhead {' '.join(argv)}`".rstrip() + "  ",
+        f"Command: `{' '.join(['python -m bench.study_overhead', *argv])}`  ",
         f"Commit: {commit()}; date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC  ",
         f"Machine: {host['cpu']}, {host['cores']} cores, Python {host['python']}, {host['system']}",
         "",

@@ -76,3 +76,23 @@ def test_merged_tallies_count_the_same_answer_once_with_both_counts() -> None:
     assert result.failures == {"busy": 1} and low.variants[next(iter(low.variants))].count == 1, (
         "merging leaves the tallies it read alone"
     )
+
+
+def test_without_the_extension_the_logprobs_openai_gives_are_the_bits_compared() -> None:
+    def upstream(text: str, logprobs: list[float]) -> Any:
+        content = [
+            {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(text.split(), logprobs, strict=True)
+        ]
+        body = {"choices": [{"index": 0, "message": {"content": text}, "logprobs": {"content": content}}]}
+        return 200, {"Stackpin-Record": "rec_u", "Stackpin-Stack": "declared"}, body
+
+    tally = Tally()
+    tally.add(upstream("Paris is", [-0.5, -0.25]))
+    tally.add(upstream("Paris is", [-0.5, -0.25]))
+    tally.add(upstream("Paris is", [-0.5, -0.25000000000000006]))
+    tally.add((200, {}, {"choices": [{"index": 0, "message": {"content": "Paris is"}}]}))
+    summary = tally.result(4, 1).summary()
+    assert summary["distinct_completions"] == 1 and summary["distinct_bitwise"] == 3, (
+        "by the text; then the bits where given, and an answer without logprobs apart"
+    )

@@ -1,7 +1,8 @@
 """Probing: send one request N times at concurrency C and count the distinct answers that come back.
 
 Answers are grouped twice: by their tokens (token ids, or the text where a replica gives no ids), which is what a
-reader sees, and by their tokens and the bits of every logprob, which is what reproducibility means. Each distinct
+reader sees, and by their tokens and the bits of every logprob, which is what reproducibility means (the logprobs of
+the `stackpin` extension, or else those of OpenAI's `logprobs` field when the request asked for them). Each distinct
 answer is compared with the most common one by the replay comparison (`proxy/evidence/compare.py`), which says where it
 diverged. How a request is sent is the caller's: `stackpin probe` posts to a proxy over HTTP, the audit page
 calls the proxy's serving path in process. Everything here but `run_probe` is pure.
@@ -13,7 +14,7 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.endpoints import CHAT
@@ -116,6 +117,10 @@ class Tally:
         except (KeyError, IndexError, TypeError):
             self.failures["the answer holds no choice"] += 1
             return
+        if (
+            tokens.token_logprobs is None
+        ):  # a replica without the extension: the logprobs OpenAI's format gives
+            tokens = replace(tokens, token_logprobs=_choice_logprobs(body))
         self.stacks.add(headers.get("Stackpin-Stack", "?"))
         variant = self.variants.setdefault(_bitwise_key(tokens), Variant(tokens, view=view_of(CHAT, body)))
         variant.count += 1
@@ -174,6 +179,24 @@ async def run_probe(send: Send, *, requests: int, concurrency: int) -> ProbeResu
 
     await asyncio.gather(*(one() for _ in range(requests)))
     return tally.result(requests, concurrency)
+
+
+def _choice_logprobs(body: dict[str, Any]) -> list[float] | None:
+    """Choice 0's `logprobs.content[*].logprob` (or a completion's `logprobs.token_logprobs`), when given whole."""
+    logprobs = body["choices"][0].get("logprobs")
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    values = (
+        [item.get("logprob") for item in content if isinstance(item, dict)]
+        if isinstance(content, list)
+        else logprobs.get("token_logprobs")
+    )
+    if not isinstance(values, list) or not values:
+        return None
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return None
+    return [float(v) for v in values]
 
 
 def _token_key(tokens: Tokens) -> str:
