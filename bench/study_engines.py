@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.proxy_overhead import commit, environment, machine, process, python
+from bench.proxy_overhead import _children, commit, environment, machine, process, python
 from bench.services import free_port
 from proxy.evidence.study_report import headline
 
@@ -58,9 +58,34 @@ async def embedded(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         '[local_backend]\nenabled = "on"\nkernel_modes = ["batch_invariant", "default"]\nstart_timeout_s = 900\n'
     )
     command = python("-m", "proxy.commands.cli", "serve", "--config", str(config))
-    async with process(command, f"{url}/readyz", {**environment(), "STACKPIN_LOG_LEVEL": "warning"}, 900):
-        return await asyncio.to_thread(study, url, config, args.prompts, folder / "embedded", args,
-                                       "kernel_mode=batch_invariant", "kernel_mode=default")  # fmt: skip
+    async with process(
+        command, f"{url}/readyz", {**environment(), "STACKPIN_LOG_LEVEL": "warning"}, 900
+    ) as pid:
+        memory = backend_memory(pid)
+        report = await asyncio.to_thread(study, url, config, args.prompts, folder / "embedded", args,
+                                         "kernel_mode=batch_invariant", "kernel_mode=default")  # fmt: skip
+        return {**report, "backend_memory": memory}
+
+
+def backend_memory(pid: int) -> list[dict[str, Any]]:
+    """Each backend process under the proxy `pid`: its kernel mode, resident and proportional set sizes (MiB)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in _children(task):
+            arguments = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            if b"pinned_backend.cli" not in arguments:
+                continue
+            mode = arguments[arguments.index(b"--kernel-mode") + 1].decode()
+            rollup = dict(
+                line.split(":", 1)
+                for line in Path(f"/proc/{child}/smaps_rollup").read_text().splitlines()[1:]
+            )
+            kib = {
+                key: int(rollup[key].split()[0]) for key in ("Rss", "Pss", "Private_Clean", "Private_Dirty")
+            }
+            found.append({"kernel_mode": mode, "rss_mib": kib["Rss"] / 1024, "pss_mib": kib["Pss"] / 1024,
+                          "private_mib": (kib["Private_Clean"] + kib["Private_Dirty"]) / 1024})  # fmt: skip
+    return found
 
 
 async def vllm(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -128,8 +153,30 @@ def write(args: argparse.Namespace, reports: dict[str, dict[str, Any]], argv: li
         "",
         *(f"- {name}: {headline(side)}" for name, report in reports.items() for side in report["sides"]),
         "",
+        *memory_lines(reports.get("embedded", {}).get("backend_memory", [])),
     ]
     return "\n".join(lines)
+
+
+def memory_lines(memory: list[dict[str, Any]]) -> list[str]:
+    if not memory:
+        return []
+    rows = [
+        f"| {m['kernel_mode']} | {m['rss_mib']:.0f} | {m['pss_mib']:.0f} | {m['private_mib']:.0f} |"
+        for m in memory
+    ]
+    total = sum(m["pss_mib"] for m in memory)
+    return [
+        "The embedded default's two backend processes once ready (`/proc/PID/smaps_rollup`, MiB; PSS shares each "
+        "shared page among the processes that map it, so the PSS column adds up):",
+        "",
+        "| kernel mode | RSS | PSS | private |",
+        "| --- | ---: | ---: | ---: |",
+        *rows,
+        "",
+        f"Together: {total:.0f} MiB proportional.",
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

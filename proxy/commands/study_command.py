@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import sys
+from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,7 @@ def plan_from(args: argparse.Namespace) -> StudyPlan:
         raise ConfigError(e.message) from e
     sides = [Side("a", args.pin)] + ([Side("b", args.compare)] if args.compare is not None else [])
     try:
+        # Its id is drawn when it starts, or read from its folder when it continues (`run`).
         return StudyPlan("st-000000000000", prompts, args.repeats, loads, sides, args.seed, args.prompts.name)
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -115,9 +117,7 @@ def run(args: argparse.Namespace, settings: Settings, target: tuple[str, str | N
     plan = plan_from(args)
     folder = folder_for(plan, args.out)
     state = _state(folder, plan, fresh=args.fresh)
-    plan = StudyPlan(
-        state["study"], plan.prompts, plan.repeats, plan.loads, plan.sides, plan.seed, plan.source
-    )
+    plan = replace(plan, study=state["study"])
     started_at = datetime.fromisoformat(state["started_at"])
     tally = StudyTally()
     if state.get("resumed"):

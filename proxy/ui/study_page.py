@@ -55,8 +55,9 @@ async def studies(request: web.Request) -> web.StreamResponse:
     study = request.query.get("study", "").strip()
     if study:
         if not valid_study_id(study):
-            return render(request, "studies.html", status=400, form=dict(request.query),
-                          problems=[f"study: {study[:40]!r} is not a study id (st- and 12 hex digits)"])  # fmt: skip
+            return render(
+                request, "studies.html", status=400, form=dict(request.query), problems=[_not_an_id(study)]
+            )
         query = {key: request.query[key] for key in ("since", "until") if request.query.get(key)}
         raise web.HTTPSeeOther(f"/ui/studies/{study}" + (f"?{urlencode(query)}" if query else ""))
     return render(request, "studies.html", form={}, problems=[])
@@ -72,9 +73,10 @@ async def study(request: web.Request) -> web.Response:
         "since": request.query.get("since", ""),
         "until": request.query.get("until", ""),
     }
-    if not valid_study_id(study_id) or problems:
-        return render(request, "studies.html", status=400, form=form,
-                      problems=problems or [f"{study_id[:40]!r} is not a study id (st- and 12 hex digits)"])  # fmt: skip
+    if not valid_study_id(study_id):
+        problems.insert(0, _not_an_id(study_id))
+    if problems:
+        return render(request, "studies.html", status=400, form=form, problems=problems)
     since = since or datetime.now(UTC) - DEFAULT_WINDOW
     found = await read_study(
         request.config_dict[STORE], study_id, since=since, until=until, tenant=request[VIEWER].scope
@@ -93,3 +95,7 @@ async def study(request: web.Request) -> web.Response:
         },
     )
     return render(request, "study.html", **report_context(report, "/ui/records/"))
+
+
+def _not_an_id(text: str) -> str:
+    return f"study: {text[:40]!r} is not a study id (st- and 12 hex digits)"
