@@ -142,7 +142,8 @@ async def test_mistakes_are_one_line_and_exit_2(world: World, capsys: pytest.Cap
     nowhere = world.study(out="other")
     nowhere[nowhere.index("kernel_mode=default")] = "kernel_mode=no_such_mode"
     assert await asyncio.to_thread(stackpin, nowhere) == 2
-    assert "the study stopped: kernel_mode=no_such_mode: HTTP 409" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the study stopped: kernel_mode=no_such_mode: HTTP 409" in err and "kernel_modes = [" in err
 
     assert await asyncio.to_thread(stackpin, world.study(out="another")) == 0
     capsys.readouterr()

@@ -1,6 +1,6 @@
 """The audit page in a real browser (Debian's Chromium, driven by Playwright): log in, list and filter records, open
 one, replay it and see it reproduced, replay a diverging one and see the first divergent token highlighted, run a
-probe, open a study's report, and see prompts and answers that carry markup printed as text. Screenshots land in test-artifacts/ui/.
+probe, open a study's report (on the page and as the file the command wrote), replay a slice, and see prompts and answers that carry markup printed as text. Screenshots land in test-artifacts/ui/.
 
 One proxy and one browser serve the whole module; each test has a browser context (cookies) of its own.
 """
@@ -252,7 +252,7 @@ def test_a_study_run_against_the_proxy_is_read_back_from_the_log_as_its_report(
     prompts.write_text("Name a colour.\nSay hello.\nCount to three.\n" + XSS_PROMPT + "\n")
     monkeypatch.setenv("STUDY_KEY", KEYS["STACKPIN_KEY_ACME"])
     args = ["study", str(prompts), "--url", site.url, "--api-key-env", "STUDY_KEY", "--model", "fake-model",
-            "--max-tokens", "6", "-n", "3", "--load", "2", "--pin", "kernel_mode=batch_invariant",
+            "--max-tokens", "6", "-n", "6", "--load", "2", "--pin", "kernel_mode=batch_invariant",
             "--compare", "kernel_mode=default", "--out", str(tmp_path / "study")]  # fmt: skip
     site.other.nondeterministic = True
     try:
@@ -261,6 +261,12 @@ def test_a_study_run_against_the_proxy_is_read_back_from_the_log_as_its_report(
     finally:
         site.other.nondeterministic = False
     study = json.loads((tmp_path / "study" / "study.json").read_text())["study"]
+
+    page.goto((tmp_path / "study" / "report.html").as_uri())  # the file the command wrote, opened on its own
+    assert page.inner_text("#side-a .rate") == "0/4" and page.inner_text("#side-b .bits-rate") == "4/4"
+    assert page.locator("#rates svg g.row").count() == 2 and page.locator("#map svg rect.cell").count() == 8
+    assert page.locator("main script, main img, main [onmouseover], main [onerror]").count() == 0
+    shot(page, "study_file")
 
     log_in(page, site, then="/ui/studies")
     page.fill("input[name=study]", study)

@@ -77,7 +77,8 @@ class Lines:
         if self._note:
             line += f" at {self._note}"
         line += f"; {rate:.1f} req/s"
-        if 0 < self._done < self._total:
+        # The time left only after a few: the first answers say little of the rest.
+        if min(10, max(1, self._total // 2)) <= self._done < self._total:
             line += f", about {(self._total - self._done) / rate:.0f} s left"
         self._stream.write(line + "\n")
         self._stream.flush()

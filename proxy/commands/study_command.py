@@ -43,6 +43,10 @@ EXIT_OK, EXIT_ERROR = 0, 2
 STATE, REPORT = "study.json", "report.html"
 CLOCK_SLACK = timedelta(minutes=5)  # the proxy's clock may run behind this one's
 REQUEST_TIMEOUT_S = 600
+NO_SUCH_STACK = (
+    "  no live stack matches that pin; to set the kernel modes side by side on the embedded default, serve both: "
+    '[local_backend] kernel_modes = ["batch_invariant", "default"] in stackpin.toml'
+)
 
 
 def add_parser(commands: Any, client: argparse.ArgumentParser, default_model: str, run_command: Any) -> None:
@@ -127,6 +131,8 @@ def run(args: argparse.Namespace, settings: Settings, target: tuple[str, str | N
         asyncio.run(_send(plan, tally, target))
     except StudyAborted as e:
         print(f"stackpin: the study stopped: {e}", file=sys.stderr)
+        if e.status == 409:
+            print(NO_SUCH_STACK, file=sys.stderr)
         return EXIT_ERROR
     except aiohttp.ClientConnectorError as e:
         print(f"stackpin: cannot reach the proxy at {target[0]}: {e}", file=sys.stderr)

@@ -49,6 +49,10 @@ Answered = Callable[[Load, Side], None]
 class StudyAborted(Exception):
     """A request was refused as every other would be: the message says what the proxy said."""
 
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
 
 async def run_study(
     plan: StudyPlan, tally: StudyTally, send: Send, answered: Answered = lambda *_: None
@@ -83,7 +87,7 @@ async def _run_level(
             tag = Tag(plan.study, side.key, load.label, index)
             reply = await send(StudyRequest(prompt.endpoint, prompt.body, side.pin, str(tag)))
             if reply[0] in ABORTING:
-                raise StudyAborted(f"{side.name}: {_message(reply)}")
+                raise StudyAborted(f"{side.name}: {_message(reply)}", reply[0])
             tally.add(side.key, load.label, index, reply)
             answered(load, side)
 
