@@ -95,7 +95,7 @@ def plan_from(args: argparse.Namespace) -> StudyPlan:
         prompts = read_prompt_set(
             text, name=args.prompts.name, defaults=Defaults(args.model, args.max_tokens, args.temperature)
         )
-        loads = [Load.parse(text) for text in (args.load or ["8+4"])]
+        loads = [Load.parse(written) for written in (args.load or ["8+4"])]
         for pin in (args.pin, args.compare):
             if pin:
                 parse_pin_header(pin)
@@ -124,9 +124,9 @@ def run(args: argparse.Namespace, settings: Settings, target: tuple[str, str | N
     plan = replace(plan, study=state["study"])
     started_at = datetime.fromisoformat(state["started_at"])
     tally = StudyTally()
-    if state.get("resumed"):
+    if state.get("begun"):  # its answers so far are in the log
         tally = asyncio.run(_from_log(settings, plan.study, started_at))
-    _write(folder / STATE, {**state, "resumed": True})
+    _write(folder / STATE, {**state, "begun": True})
     try:
         asyncio.run(_send(plan, tally, target))
     except StudyAborted as e:
@@ -235,7 +235,7 @@ def _report(
     }
     shape = Shape(plan.sides, plan.loads, {p.index: p.label for p in plan.prompts})
     report = study_report(tally, shape, meta)
-    _write(folder / STATE, {**state, "resumed": True, "report": report})
+    _write(folder / STATE, {**state, "begun": True, "report": report})
     (folder / REPORT).write_text(standalone_report(report, f"{url}/ui/records/"), encoding="utf-8")
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
