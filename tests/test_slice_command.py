@@ -125,3 +125,34 @@ async def test_errors_exit_2_with_one_line(world: World, capsys: pytest.CaptureF
     assert "--since must be an ISO 8601 time" in capsys.readouterr().err
     assert await run(world.replay("--stack", "XYZ")) == 2
     assert "lowercase hex" in capsys.readouterr().err
+
+
+async def test_another_tenants_records_are_skipped_not_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    replica = FakeReplica()
+    await replica.start()
+    keys = {"KEY_ACME": "sk-acme", "KEY_GLOBEX": "sk-globex"}
+    tenants = [{"name": "acme", "api_key_env": "KEY_ACME"}, {"name": "globex", "api_key_env": "KEY_GLOBEX"}]
+    try:
+        async with running_proxy([replica], tmp_path, environ=keys, tenants=tenants) as harness:
+            since = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
+            body = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            for key in ("sk-acme", "sk-acme", "sk-globex"):
+                headers = {"Authorization": f"Bearer {key}"}
+                assert (await harness.post("/v1/chat/completions", body, headers=headers))[0] == 200
+            config = tmp_path / "stackpin.toml"
+            config.write_text(
+                f'[store]\nurl = "{harness.settings.store.url}"\n[local_backend]\nenabled = "off"\n'
+            )
+            monkeypatch.setenv("MY_KEY", "sk-acme")
+            args = ["replay", "--since", since, "--url", harness.url, "--config", str(config),
+                    "--api-key-env", "MY_KEY", "--json"]  # fmt: skip
+            assert await run(args) == 0
+            report = json.loads(capsys.readouterr().out)
+            assert report["counts"]["identical"] == 2 and report["counts"]["failed"] == 0
+            assert list(report["skipped"].values()) == [1] and "another tenant" in next(
+                iter(report["skipped"])
+            )
+    finally:
+        await replica.stop()

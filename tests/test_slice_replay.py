@@ -1,6 +1,7 @@
 """Replaying a slice of traffic: every original the filter selects replayed, on its own stack or another, bounded
 in concurrency and rate, and the agreement counted overall, per route and per prompt version, with the first
-divergences; replays and unfinished streams left out; a replay that fails counted, not fatal."""
+divergences; replays, unfinished streams and records the caller may not replay left out; a replay that fails
+counted, not fatal."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ import aiohttp
 import pytest
 
 from proxy.audit import AuditRecord, RecordFilter
-from proxy.evidence.slice_replay import Outcome, Pacer, ReplayFailed, SliceReport, replay_slice
+from proxy.evidence.slice_replay import (
+    NotReplayable,
+    Outcome,
+    Pacer,
+    ReplayFailed,
+    SliceReport,
+    replay_slice,
+)
 from proxy.pins import Pin
 from tests.support.fake_replica import FakeReplica, tiny_stack
 from tests.support.proxy_harness import Harness, running_proxy
@@ -136,6 +144,12 @@ async def test_a_failed_replay_counts_against_the_slice_and_the_rest_goes_on(tra
     assert report.counts["failed"] == 3 and report.counts["identical"] == 6
     assert report.as_json()["at_least"]["identical"] == 6 / 9
     assert report.examples[0].error == "HTTP 503: the replica is busy"
+
+    async def theirs(record: AuditRecord) -> dict[str, Any]:
+        raise NotReplayable("not yours to replay")
+
+    report = await replay_slice(harness.proxy.store, RecordFilter(since=began), theirs)
+    assert report.replayed == 0 and report.skipped["not yours to replay"] == 9
 
     async def broken(record: AuditRecord) -> dict[str, Any]:
         raise RuntimeError("the proxy went away")

@@ -27,7 +27,7 @@ from proxy.commands.progress import progress_on
 from proxy.config import Settings
 from proxy.errors import BadRequest, ConfigError
 from proxy.evidence.agreement import FAILED, LEVELS, Requirement, parse_requirement
-from proxy.evidence.slice_replay import Outcome, ReplayFailed, SliceReport, replay_slice
+from proxy.evidence.slice_replay import NotReplayable, Outcome, ReplayFailed, SliceReport, replay_slice
 from proxy.pins import parse_pin_header
 
 EXIT_OK, EXIT_NOT_MET, EXIT_ERROR = 0, 1, 2
@@ -152,6 +152,10 @@ async def _replay(
                 message = _message(result, status)
                 if status in STOPPING:
                     raise Stopped(message)
+                if status == 404:  # another tenant's record, for this key: not this slice's to judge
+                    raise NotReplayable(
+                        "not yours to replay (another tenant's; narrow the slice with --tenant)"
+                    )
                 raise ReplayFailed(message)
 
             def seen(outcome: Outcome) -> None:

@@ -8,8 +8,9 @@ replay it, so memory holds a page, the records in flight and the tally, however 
 handed to the caller (`on_outcome`) as it comes and only a few examples are kept. Replays are records of their own,
 linked to their originals like any replay, and newer than the walk, so a slice never replays its own replays;
 replays in the slice are left out. A record that holds no complete answer (a stream still open or interrupted) is
-skipped, counted apart. How one record is replayed is the caller's (`replay`): `stackpin replay --since` posts
-to a proxy's `POST /v1/records/{id}/replay`, the audit page calls the same code in process.
+skipped, counted apart, as is a record the caller may not replay (`NotReplayable`). How one record is replayed is
+the caller's (`replay`): `stackpin replay --since` posts to a proxy's `POST /v1/records/{id}/replay`, the audit
+page calls the same code in process.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ EXAMPLES = 20  # divergences kept in the report; every outcome goes to `on_outco
 
 class ReplayFailed(Exception):
     """One record's replay did not come back; the message says why."""
+
+
+class NotReplayable(Exception):
+    """One record cannot be replayed by this caller (another tenant's): skipped, not failed."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,9 @@ async def replay_slice(
             await pacer.wait()
             try:
                 outcome = outcome_of(record, await replay(record))
+            except NotReplayable as e:
+                report.skipped[str(e)] += 1
+                continue
             except ReplayFailed as e:
                 route, prompt = describe(record)
                 outcome = Outcome(record.id, route, prompt, FAILED, error=str(e))
