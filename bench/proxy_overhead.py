@@ -267,14 +267,17 @@ def environment() -> dict[str, str]:
 
 
 @asynccontextmanager
-async def process(command: list[str], ready_url: str, env: dict[str, str]) -> AsyncIterator[int]:
-    """A process that answers `ready_url` once started; stopped (SIGTERM, then waited for) at the end."""
+async def process(
+    command: list[str], ready_url: str, env: dict[str, str], timeout_s: float = 60
+) -> AsyncIterator[int]:
+    """A process that answers `ready_url` within `timeout_s` of its start; stopped (SIGTERM, then waited for) at
+    the end."""
     # Its output goes to a file, never a pipe: a proxy logging every request would fill a pipe and stall.
     with tempfile.TemporaryFile() as output:
         started = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
             try:
-                await wait_until_up(ready_url)
+                await wait_until_up(ready_url, timeout_s)
             except RuntimeError:
                 started.kill()
                 started.wait(timeout=30)

@@ -7,7 +7,7 @@ released in reverse, and each is built with the ones before it:
 1. the audit store, whose streams left open by a stopped proxy are closed as interrupted first (proxy/process/sweep.py),
    and which integrates the log and signs its checkpoints with the log's key;
 2. the HTTP client for replicas;
-3. the embedded local backend, when configured;
+3. the embedded local backends, when configured (one a kernel mode);
 4. in fleet mode, the link to Redis (proxy/fleet/link.py) that the registry counts through and the health monitor
    shares its quarantines through;
 5. the replica registry with its health monitor, which checks every replica before the first request is accepted;
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
@@ -37,7 +37,7 @@ from proxy.app_keys import (
     FLEET,
     FLEET_LINK,
     HEALTH,
-    LOCAL_REPLICA,
+    LOCAL_REPLICAS,
     METRICS,
     PROMPTS,
     PROXY,
@@ -100,7 +100,7 @@ def create_app(
     secrets: Secrets,
     *,
     clock: Callable[[], datetime] = utc_now,
-    local_backend: BackendProcess | None = None,
+    local_backends: Sequence[BackendProcess] = (),
     shared_metrics: ProxyMetrics | None = None,
     sweep_at_start: bool = True,
 ) -> web.Application:
@@ -120,7 +120,7 @@ def create_app(
         [
             functools.partial(audit_store, clock=clock, sweep=sweep_at_start),
             client_session,
-            functools.partial(local_replica, local_backend),
+            functools.partial(local_replicas, local_backends),
             functools.partial(fleet_connection, clock=clock),
             functools.partial(replicas, clock=clock),
             functools.partial(fleet, clock=clock),
@@ -174,18 +174,24 @@ async def client_session(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-async def local_replica(local_backend: BackendProcess | None, app: web.Application) -> AsyncIterator[None]:
-    """The embedded local backend, started as a child process and stopped with the proxy, when there is one."""
-    if local_backend is None:
-        yield
-        return
+async def local_replicas(
+    local_backends: Sequence[BackendProcess], app: web.Application
+) -> AsyncIterator[None]:
+    """The embedded local backends, started together as child processes and stopped with the proxy."""
     try:
-        url = await local_backend.start()
-        # It proves its stack like any pinned_backend: the health monitor's first check puts it in rotation.
-        app[LOCAL_REPLICA] = Replica(name=local_backend.name, url=url, kind=STACKPIN)
+        async with asyncio.TaskGroup() as starting:  # one that cannot start stops the others' start
+            urls = [starting.create_task(backend.start()) for backend in local_backends]
+        # Each proves its stack like any pinned_backend: the health monitor's first check puts it in rotation.
+        app[LOCAL_REPLICAS] = [
+            Replica(name=backend.name, url=url.result(), kind=STACKPIN)
+            for backend, url in zip(local_backends, urls, strict=True)
+        ]
         yield
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
     finally:
-        await local_backend.stop()
+        for backend in local_backends:
+            await backend.stop()
 
 
 async def fleet_connection(app: web.Application, *, clock: Callable[[], datetime]) -> AsyncIterator[None]:
@@ -201,8 +207,8 @@ async def replicas(app: web.Application, *, clock: Callable[[], datetime]) -> As
     then every `health.interval_s` in the background."""
     settings, link = app[SETTINGS], app.get(FLEET_LINK)
     registry = registry_from(settings, counter=link)
-    if LOCAL_REPLICA in app:
-        registry.add(app[LOCAL_REPLICA])
+    for local in app.get(LOCAL_REPLICAS, []):
+        registry.add(local)
     health = HealthMonitor(
         registry,
         app[STORE],

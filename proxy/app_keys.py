@@ -32,7 +32,7 @@ PROMPTS = web.AppKey("prompts", PromptBook)
 
 STORE = web.AppKey("store", AuditStore)
 CLIENT_SESSION = web.AppKey("client_session", aiohttp.ClientSession)
-LOCAL_REPLICA = web.AppKey("local_replica", Replica)
+LOCAL_REPLICAS = web.AppKey("local_replicas", list[Replica])
 FLEET_LINK = web.AppKey("fleet_link", FleetLink)
 REGISTRY = web.AppKey("registry", Registry)
 HEALTH = web.AppKey("health", HealthMonitor)

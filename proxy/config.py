@@ -125,11 +125,26 @@ class LocalBackendSettings(_Section):
     model: Path | None = Field(default=None, validation_alias=AliasChoices("model", "model_dir"))
     model_name: str | None = None  # the name it is served under; unset: the backend's default for it
     kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
+    # Several modes: one replica of each, side by side (a backend process each, on the same checkpoint file), so
+    # that a study or a replay can set the modes against each other on one machine. Unset: `kernel_mode` alone.
+    kernel_modes: list[Literal["batch_invariant", "default"]] | None = Field(default=None, min_length=1)
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # The KV cache, which bounds a request's prompt and answer together: "auto" sizes it for a few of the model's
     # whole contexts within a share of the memory available; a number is MB (stackpin-backend serve --kv-cache-mb).
     kv_cache_mb: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] = "auto"
     start_timeout_s: float = Field(default=180.0, gt=0)
+
+    @field_validator("kernel_modes")
+    @classmethod
+    def _each_once(cls, modes: list[str] | None) -> list[str] | None:
+        if modes is not None and len(set(modes)) != len(modes):
+            raise ValueError(f"kernel_modes names a mode twice: {modes}")
+        return modes
+
+    @property
+    def modes(self) -> list[str]:
+        """The kernel modes to serve, one replica each."""
+        return list(self.kernel_modes) if self.kernel_modes is not None else [self.kernel_mode]
 
 
 class FleetSettings(_Section):

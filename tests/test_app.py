@@ -23,7 +23,7 @@ from proxy.audit import AuditError
 from proxy.config import resolve_secrets
 from proxy.process.listener import bind, serving
 from tests.support.audit_databases import audit_database
-from tests.support.fake_replica import FakeReplica
+from tests.support.fake_replica import FakeReplica, tiny_stack
 from tests.support.fleet import REDIS_URL, redis_prefix
 from tests.support.proxy_harness import running_proxy, settings_for
 
@@ -63,7 +63,7 @@ async def app_with_local_backend(
     async with audit_database("sqlite", tmp_path) as database:
         await database.migrate()
         settings = settings_for([], database.url)
-        app = create_app(settings, resolve_secrets(settings, {}), local_backend=local)  # type: ignore[arg-type]
+        app = create_app(settings, resolve_secrets(settings, {}), local_backends=[local])  # type: ignore[list-item]
         local.app = app
         sock = bind("127.0.0.1", 0)
         try:
@@ -84,6 +84,37 @@ async def test_the_local_backend_is_a_replica_and_is_stopped_before_the_client_a
     assert session.closed
     with pytest.raises(AuditError):
         await store.ping()
+
+
+async def test_local_backends_of_two_kernel_modes_are_two_replicas_of_two_stacks(tmp_path: Path) -> None:
+    invariant, default = FakeReplica(), FakeReplica(stack=tiny_stack(kernel_mode="default"))
+    for fake in (invariant, default):
+        await fake.start()
+    locals_ = [
+        LocalBackendOnLoopback(invariant, name="local-cpu-batch_invariant"),
+        LocalBackendOnLoopback(default, name="local-cpu-default"),
+    ]
+    try:
+        async with audit_database("sqlite", tmp_path) as database:
+            await database.migrate()
+            settings = settings_for([], database.url)
+            app = create_app(settings, resolve_secrets(settings, {}), local_backends=locals_)  # type: ignore[arg-type]
+            for local in locals_:
+                local.app = app
+            sock = bind("127.0.0.1", 0)
+            try:
+                async with serving(app, sock, settings.server):
+                    live = {r.name: r.fingerprint for r in app[REGISTRY].live()}
+                    assert live == {
+                        "local-cpu-batch_invariant": invariant.fingerprint,
+                        "local-cpu-default": default.fingerprint,
+                    }
+            finally:
+                sock.close()
+        assert all(local.seen_at_stop == {"client_open": True, "store_open": True} for local in locals_)
+    finally:
+        for fake in (invariant, default):
+            await fake.stop()
 
 
 async def test_a_resource_that_fails_to_start_releases_those_acquired_before_it(tmp_path: Path) -> None:

@@ -78,6 +78,14 @@ def test_no_file_is_the_embedded_default(tmp_path: Path, monkeypatch: pytest.Mon
     assert not secrets.tenant_key_hashes
 
 
+def test_the_embedded_default_serves_one_kernel_mode_or_several_side_by_side(tmp_path: Path) -> None:
+    settings, _ = load_settings(write(tmp_path, ""), {})
+    assert settings.local_backend.modes == ["batch_invariant"]
+    both = '[local_backend]\nkernel_modes = ["batch_invariant", "default"]\n'
+    settings, _ = load_settings(write(tmp_path, both), {})
+    assert settings.local_backend.modes == ["batch_invariant", "default"]
+
+
 @pytest.mark.parametrize(
     ("text", "environ", "fragment"),
     [
@@ -107,6 +115,9 @@ def test_no_file_is_the_embedded_default(tmp_path: Path, monkeypatch: pytest.Mon
             {},
             "schema = 2",
         ),
+        ('[local_backend]\nkernel_modes = ["default", "default"]\n', {}, "names a mode twice"),
+        ("[local_backend]\nkernel_modes = []\n", {}, "local_backend.kernel_modes"),
+        ('[local_backend]\nkernel_modes = ["fast"]\n', {}, "local_backend.kernel_modes"),
     ],
 )
 def test_bad_configuration_names_what_to_fix(

@@ -60,3 +60,39 @@ async def test_run_probe_never_has_more_than_c_requests_in_flight() -> None:
 
     result = await run_probe(send, requests=9, concurrency=3)
     assert result.answered == 9 and most == 3
+
+
+def test_merged_tallies_count_the_same_answer_once_with_both_counts() -> None:
+    low, high = Tally(), Tally()
+    low.add(reply([1, 2], [-0.5, -1.0], record="rec_a"))
+    high.add(reply([1, 2], [-0.5, -1.0], record="rec_b"))
+    high.add(reply([1, 3], [-0.5, -1.0], record="rec_c"))
+    high.add((503, {}, {"error": {"message": "busy"}}))
+    pooled = Tally()
+    pooled.merge(low)
+    pooled.merge(high)
+    result = pooled.result(4, 1)
+    assert [(v.count, v.records) for v in result.variants] == [(2, ["rec_a", "rec_b"]), (1, ["rec_c"])]
+    assert result.failures == {"busy": 1} and low.variants[next(iter(low.variants))].count == 1, (
+        "merging leaves the tallies it read alone"
+    )
+
+
+def test_without_the_extension_the_logprobs_openai_gives_are_the_bits_compared() -> None:
+    def upstream(text: str, logprobs: list[float]) -> Any:
+        content = [
+            {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(text.split(), logprobs, strict=True)
+        ]
+        body = {"choices": [{"index": 0, "message": {"content": text}, "logprobs": {"content": content}}]}
+        return 200, {"Stackpin-Record": "rec_u", "Stackpin-Stack": "declared"}, body
+
+    tally = Tally()
+    tally.add(upstream("Paris is", [-0.5, -0.25]))
+    tally.add(upstream("Paris is", [-0.5, -0.25]))
+    tally.add(upstream("Paris is", [-0.5, -0.25000000000000006]))
+    tally.add((200, {}, {"choices": [{"index": 0, "message": {"content": "Paris is"}}]}))
+    summary = tally.result(4, 1).summary()
+    assert summary["distinct_completions"] == 1 and summary["distinct_bitwise"] == 3, (
+        "by the text; then the bits where given, and an answer without logprobs apart"
+    )

@@ -161,6 +161,12 @@ def test_a_continued_response_names_the_record_it_continues() -> None:
     assert content["continues"] == "rec_" + "b" * 32
 
 
+def test_a_tag_is_kept_beside_the_request_only_when_the_client_gave_one() -> None:
+    assert answer_entry(served(tag="study/st-1/a/c1/0"), RESPONSE, NOW).content["tag"] == "study/st-1/a/c1/0"
+    assert opened_entry(served(tag="mine"), NOW).content["tag"] == "mine"
+    assert "tag" not in answer_entry(served(), RESPONSE, NOW).content
+
+
 def test_a_replay_is_recorded_as_its_original_was_linked_to_it_with_its_outcome() -> None:
     outcome = {"outcome": "reproduced", "of": "rec_" + "c" * 32}
     entry = answer_entry(served(replay_of="rec_" + "c" * 32), RESPONSE, NOW, replay=outcome)

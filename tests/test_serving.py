@@ -119,6 +119,25 @@ async def test_an_answer_is_sent_once_its_record_holds_the_body_the_client_gets(
         )
 
 
+async def test_a_tag_is_kept_in_the_record_and_never_reaches_the_replica(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        tag = "study/st-1a2b/a/c8+b4/17"
+        status, _, headers = await harness.post("/v1/chat/completions", CHAT, headers={"Stackpin-Tag": tag})
+        assert status == 200
+        record = await record_of(harness, headers["Stackpin-Record"])
+        assert record.entries[0].content["tag"] == tag
+        assert "Stackpin-Tag" not in replica.headers_seen[-1] and "tag" not in replica.requests[-1]
+        status, _, headers = await harness.post("/v1/chat/completions", CHAT)
+        assert "tag" not in (await record_of(harness, headers["Stackpin-Record"])).entries[0].content
+
+        for bad in ("", "-leading", "has space", "x" * 201, "semi;colon"):
+            status, body, _ = await harness.post("/v1/chat/completions", CHAT, headers={"Stackpin-Tag": bad})
+            assert status == 400 and body["error"]["param"] == "Stackpin-Tag", bad
+            assert "Stackpin-Tag must be" in body["error"]["message"]
+
+
 async def test_a_streams_record_is_opened_before_its_first_byte_and_closed_before_its_end(
     replica: FakeReplica, tmp_path: Path
 ) -> None:

@@ -1,16 +1,20 @@
 """The audit page in a real browser (Debian's Chromium, driven by Playwright): log in, list and filter records, open
 one, replay it and see it reproduced, replay a diverging one and see the first divergent token highlighted, run a
-probe, and see prompts and answers that carry markup printed as text. Screenshots land in test-artifacts/ui/.
+probe, open a study's report (on the page and as the file the command wrote), replay a slice, and see prompts and answers that carry markup printed as text. Screenshots land in test-artifacts/ui/.
 
 One proxy and one browser serve the whole module; each test has a browser context (cookies) of its own.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from proxy.commands.cli import main as stackpin
 from tests.support.ui_site import ARTIFACTS, KEYS, UPSTREAM_KEY, XSS_PROMPT, Site, chromium, run_site
 
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -239,3 +243,94 @@ def test_the_stacks_page_lists_live_stacks_replicas_and_diffs_two_stacks(site: S
     assert site.replica.fingerprint[:12] in live and site.other.fingerprint[:12] in live
     assert page.locator("#replicas .badge.ok").count() == 2, "both replicas are in rotation"
     assert page.locator("#diff tr.differs td.key").all_inner_texts() == ["kernel_mode"]
+
+
+def test_a_study_run_against_the_proxy_is_read_back_from_the_log_as_its_report(
+    site: Site, page: Page, browser: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Name a colour.\nSay hello.\nCount to three.\n" + XSS_PROMPT + "\n")
+    monkeypatch.setenv("STUDY_KEY", KEYS["STACKPIN_KEY_ACME"])
+    args = ["study", str(prompts), "--url", site.url, "--api-key-env", "STUDY_KEY", "--model", "fake-model",
+            "--max-tokens", "6", "-n", "6", "--load", "2", "--pin", "kernel_mode=batch_invariant",
+            "--compare", "kernel_mode=default", "--out", str(tmp_path / "study")]  # fmt: skip
+    site.other.nondeterministic = True
+    try:
+        with ThreadPoolExecutor(1) as thread:  # the command runs its own event loop, away from Playwright's
+            assert thread.submit(stackpin, args).result(timeout=120) == 0
+    finally:
+        site.other.nondeterministic = False
+    study = json.loads((tmp_path / "study" / "study.json").read_text())["study"]
+
+    page.goto((tmp_path / "study" / "report.html").as_uri())  # the file the command wrote, opened on its own
+    assert page.inner_text("#side-a .rate") == "0/4" and page.inner_text("#side-b .bits-rate") == "4/4"
+    assert page.locator("#rates svg g.row").count() == 2 and page.locator("#map svg rect.cell").count() == 8
+    assert page.locator("main script, main img, main [onmouseover], main [onerror]").count() == 0
+    shot(page, "study_file")
+
+    log_in(page, site, then="/ui/studies")
+    page.fill("input[name=study]", study)
+    page.click("form[action='/ui/studies'] button[type=submit]")
+    page.wait_for_url(f"**/ui/studies/{study}")
+    assert page.inner_text("#side-a .rate") == "0/4" and page.inner_text("#side-b .rate") == "0/4"
+    assert page.inner_text("#side-b .bits-rate") == "4/4", "the fake default stack flips bits"
+    assert page.locator("#rates svg g.row").count() == 2 and page.locator("#by-load tbody tr").count() == 2
+    assert (
+        page.locator("#map svg rect.cell.same").count() == 4
+        and page.locator("#map svg rect.cell.bits").count() == 4
+    )
+    assert page.locator("main script, main img, main [onmouseover], main [onerror]").count() == 0
+    shot(page, "study")
+    page.locator("#map svg rect.cell.bits").first.click()
+    assert page.url.endswith("#prompt-0")
+    page.locator("#prompt-0 a.mono").first.click()
+    page.wait_for_url("**/ui/records/rec_*")
+    assert "Name a colour." in page.inner_text("#request")
+
+    other = browser.new_context()  # type: ignore[attr-defined]
+    try:
+        theirs = other.new_page()
+        log_in(theirs, site, tenant="globex", then=f"/ui/studies/{study}")
+        assert "No answer of this study was found" in theirs.inner_text("#no-answers"), (
+            "acme's study, not theirs"
+        )
+    finally:
+        other.close()
+    page.goto(site.url + "/ui/studies/not-a-study")
+    assert "is not a study id" in page.inner_text(".problems")
+
+
+def test_a_slice_replayed_from_the_page_is_gated_by_its_requirement(site: Site, page: Page) -> None:
+    before = site.call(_now())
+    for k in range(3):
+        site.ask("acme", f"Slice question {k}.")
+    theirs = site.ask("globex", "Not in acme's slice.")
+    log_in(page, site, then="/ui/replays")
+    page.fill("input[name=since]", before)
+    page.click("form[action='/ui/replays'] button[type=submit]")
+    assert page.inner_text("#slice-verdict .word") == "met"
+    assert page.inner_text("#level-identical .count") == "3", "acme's three records, not globex's"
+    shot(page, "slice_met")
+
+    page.select_option("select[name=on]", site.other.fingerprint)
+    page.fill("input[name=require]", "same_text>=0.9")
+    page.click("form[action='/ui/replays'] button[type=submit]")
+    assert page.inner_text("#slice-verdict .word") == "not met"
+    assert page.inner_text("#level-diverged .count") == "3", "the other stack's words differ from these"
+    assert page.locator("#divergences tbody tr").count() == 3
+    shot(page, "slice_not_met")
+    page.locator("#divergences tbody tr a[href$='/diff']").first.click()
+    page.wait_for_url("**/diff")
+    assert page.inner_text("#verdict .word") == "diverged"
+    assert theirs not in page.content()
+
+    page.goto(site.url + "/ui/replays")
+    page.fill("input[name=since]", "yesterday")
+    page.click("form[action='/ui/replays'] button[type=submit]")
+    assert "is not a time" in page.inner_text(".problems")
+
+
+async def _now() -> str:
+    from datetime import UTC, datetime
+
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S")

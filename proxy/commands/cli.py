@@ -1,10 +1,11 @@
-"""`stackpin`: serve the proxy, manage its audit store, replay, audit, list and probe answers, and run the
-heartbeat sidecar that registers a backend in a fleet (`stackpin fleet heartbeat`).
+"""`stackpin`: serve the proxy, manage its audit store, replay (a record or a slice), audit, list, probe and study
+answers, and run the heartbeat sidecar that registers a backend in a fleet (`stackpin fleet heartbeat`).
 
-Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error; `verify` 0 when the
-log is intact, 1 when it is not; `prove` 0 when every entry is proven, 1 when one is not; `witness --once` 0 when
-the checkpoint is accepted, 1 when refused; `serve --workers N` exits 1 when a worker died; every command exits 2
-on a usage or configuration error.
+Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error (a slice: 0 when its
+agreement meets --require, 1 when not); `study` 0 when every answer is in, 2 on error or when some are missing;
+`verify` 0 when the log is intact, 1 when it is not; `prove` 0 when every entry is proven, 1 when one is not;
+`witness --once` 0 when the checkpoint is accepted, 1 when refused; `serve --workers N` exits 1 when a worker
+died; every command exits 2 on a usage or configuration error.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from proxy.audit.note import (
     parse_signer,
     parse_vkey,
 )
-from proxy.commands import prove
+from proxy.commands import prove, slice_command, study_command
 from proxy.commands.auditor import audit, list_records, verify
 from proxy.commands.proxy_client import probe, replay
 from proxy.commands.witness import HttpLogSource, WitnessStore, follow
@@ -156,9 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     replay = commands.add_parser(
         "replay", parents=[client], help="resend a record's exact request and compare"
     )
-    replay.add_argument("record")
+    replay.add_argument("record", nargs="?", help="the record to replay (or a slice: see below)")
     replay.add_argument("--on", help="pin of another stack to replay on, e.g. 'kernel_mode=default'")
     replay.add_argument("--json", action="store_true")
+    slice_command.add_options(replay)
     replay.set_defaults(run=_replay)
 
     probe = commands.add_parser(
@@ -173,6 +175,8 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--temperature", type=float, default=0.0)
     probe.add_argument("--json", action="store_true")
     probe.set_defaults(run=_probe)
+
+    study_command.add_parser(commands, client, SMOLLM2_NAME, _study)
 
     prove = commands.add_parser(
         "prove", parents=[client, log_key], help="show and check that a record's entries are in the log"
@@ -404,15 +408,24 @@ def _moment(option: str, text: str | None) -> datetime | None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-
-    return asyncio.run(
-        replay(_client_target(args, _settings(args)), args.record, on=args.on, as_json=args.json)
-    )
+    settings = _settings(args)
+    if slice_command.wants_slice(args):
+        return slice_command.run(args, settings, _client_target(args, settings), _moment)
+    if args.record is None:
+        raise ConfigError(
+            "name the RECORD to replay, or a slice of records with --since (and --model, --stack, ...)"
+        )
+    return asyncio.run(replay(_client_target(args, settings), args.record, on=args.on, as_json=args.json))
 
 
 def _probe(args: argparse.Namespace) -> int:
 
     return asyncio.run(probe(_client_target(args, _settings(args)), args))
+
+
+def _study(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    return study_command.run(args, settings, _client_target(args, settings))
 
 
 def _fleet_redis_url(args: argparse.Namespace, settings: Settings, command: str) -> str:

@@ -1,1 +1,2 @@
-"""Evidence about answers: what an answer is, and how answers are compared, replayed and probed."""
+"""Evidence about answers: what an answer is, how answers are compared and how far they agree, and replaying one
+record or a slice of them, probing one request, and studying a prompt set (docs/evidence.md)."""

@@ -57,6 +57,7 @@ class Comparison:
     replayed_logprob: str | None = None
     original_bits: str | None = None  # hex bits of other divergent numbers (an embedding's component)
     replayed_bits: str | None = None
+    agreement: str | None = None  # how far the answers agree all the same (proxy/evidence/agreement.py)
 
     def as_json(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if value is not None}

@@ -1,7 +1,8 @@
 """Probing: send one request N times at concurrency C and count the distinct answers that come back.
 
 Answers are grouped twice: by their tokens (token ids, or the text where a replica gives no ids), which is what a
-reader sees, and by their tokens and the bits of every logprob, which is what reproducibility means. Each distinct
+reader sees, and by their tokens and the bits of every logprob, which is what reproducibility means (the logprobs of
+the `stackpin` extension, or else those of OpenAI's `logprobs` field when the request asked for them). Each distinct
 answer is compared with the most common one by the replay comparison (`proxy/evidence/compare.py`), which says where it
 diverged. How a request is sent is the caller's: `stackpin probe` posts to a proxy over HTTP, the audit page
 calls the proxy's serving path in process. Everything here but `run_probe` is pure.
@@ -13,7 +14,7 @@ import asyncio
 import json
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.endpoints import CHAT
@@ -116,12 +117,28 @@ class Tally:
         except (KeyError, IndexError, TypeError):
             self.failures["the answer holds no choice"] += 1
             return
+        if (
+            tokens.token_logprobs is None
+        ):  # a replica without the extension: the logprobs OpenAI's format gives
+            tokens = replace(tokens, token_logprobs=_choice_logprobs(body))
         self.stacks.add(headers.get("Stackpin-Stack", "?"))
         variant = self.variants.setdefault(_bitwise_key(tokens), Variant(tokens, view=view_of(CHAT, body)))
         variant.count += 1
         record = headers.get("Stackpin-Record")
         if record is not None and len(variant.records) < SAMPLE_RECORDS:
             variant.records.append(record)
+
+    def merge(self, other: Tally) -> None:
+        """Counts what `other` counted as well, grouped alike (a prompt's answers at several loads, as one)."""
+        for key, theirs in other.variants.items():
+            mine = self.variants.get(key)
+            if mine is None:
+                self.variants[key] = Variant(theirs.tokens, theirs.count, theirs.view, list(theirs.records))
+                continue
+            mine.count += theirs.count
+            mine.records.extend(theirs.records[: max(0, SAMPLE_RECORDS - len(mine.records))])
+        self.stacks |= other.stacks
+        self.failures.update(other.failures)
 
     def result(self, requests: int, concurrency: int) -> ProbeResult:
         return ProbeResult(
@@ -134,8 +151,11 @@ class Tally:
 
 
 def rank(variants: list[Variant]) -> list[Variant]:
-    """Most common first (ties: first seen); each compared with the first, and numbered by its tokens."""
-    ordered = sorted(variants, key=lambda v: -v.count)  # stable: ties keep their arrival order
+    """Most common first; each compared with the first, and numbered by its tokens.
+
+    Ties go by the answers themselves (their tokens, then bits), never by when they arrived: the same answers give
+    the same ranking whether they are tallied as they come or read back from the log, newest first."""
+    ordered = sorted(variants, key=lambda v: (-v.count, _bitwise_key(v.tokens)))
     if not ordered:
         return ordered
     reference = ordered[0]
@@ -159,6 +179,24 @@ async def run_probe(send: Send, *, requests: int, concurrency: int) -> ProbeResu
 
     await asyncio.gather(*(one() for _ in range(requests)))
     return tally.result(requests, concurrency)
+
+
+def _choice_logprobs(body: dict[str, Any]) -> list[float] | None:
+    """Choice 0's `logprobs.content[*].logprob` (or a completion's `logprobs.token_logprobs`), when given whole."""
+    logprobs = body["choices"][0].get("logprobs")
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    values = (
+        [item.get("logprob") for item in content if isinstance(item, dict)]
+        if isinstance(content, list)
+        else logprobs.get("token_logprobs")
+    )
+    if not isinstance(values, list) or not values:
+        return None
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return None
+    return [float(v) for v in values]
 
 
 def _token_key(tokens: Tokens) -> str:

@@ -5,17 +5,19 @@ A replay resends the exact request the replica was sent (for a translated Respon
 request), streamed if the original was, with the seed the backend reported when the original drew its own, to a
 replica of the identical stack (or the one a pin names). It goes through the serving path like any request
 (proxy/serving/serve.py) and is recorded, linked to its original, with its outcome: `reproduced` when every part of the
-answer came back identical, else `diverged` with the first place it differs (proxy/evidence/compare.py).
+answer came back identical, else `diverged` with the first place it differs (proxy/evidence/compare.py), and either way how far the two agree
+(proxy/evidence/agreement.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from proxy.audit import AuditRecord
 from proxy.endpoints import CHAT
 from proxy.errors import BadRequest
+from proxy.evidence.agreement import agreement
 from proxy.evidence.answers import View, seed_of, view_of
 from proxy.evidence.compare import Comparison, compare
 from proxy.pins import Pin
@@ -119,11 +121,13 @@ def replay_request(original: Recorded, pin: Pin) -> ClientRequest:
 
 
 def judge(original: Recorded, replayed: Answered) -> Comparison:
+    """Where the replayed answer first differs, and how far it agrees all the same."""
     theirs = view_of(original.endpoint, replayed.body, replayed.replica_body)
     ours = original.view()
     if original.legacy:
         ours, theirs = _legacy_view(ours), _legacy_view(theirs)
-    return compare(ours, theirs, original.answered.events, replayed.events)
+    comparison = compare(ours, theirs, original.answered.events, replayed.events)
+    return replace(comparison, agreement=agreement(ours, theirs, comparison))
 
 
 def _legacy_stream(endpoint: str, tokens: dict[str, Any]) -> Answered:

@@ -28,7 +28,7 @@ from proxy.logs import configure_logging
 from proxy.process.listener import bind, serving
 from proxy.process.stopping import Stopping
 from proxy.process.supervisor import supervise, workers_refused
-from proxy.replicas.local_backend import local_backend_for
+from proxy.replicas.local_backend import local_backends_for
 
 log = structlog.get_logger("stackpin.serve")
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -55,8 +55,7 @@ def serve(settings: Settings, secrets: Secrets) -> int:
             return supervise(settings, secrets, sock)
         finally:
             sock.close()
-    local = local_backend_for(settings)
-    app = create_app(settings, secrets, local_backend=local)
+    app = create_app(settings, secrets, local_backends=local_backends_for(settings))
     return serve_on(sock, run_app(app, sock, settings, serving_line(settings, secrets)))
 
 

@@ -47,7 +47,7 @@ from proxy.config import Secrets, Settings
 from proxy.errors import ConfigError
 from proxy.process.stopping import Stopping
 from proxy.process.sweep import mark_interrupted_streams
-from proxy.replicas.local_backend import local_backend_for
+from proxy.replicas.local_backend import local_backends_for
 
 log = structlog.get_logger("stackpin.supervisor")
 EXIT_OK, EXIT_WORKER_ENDED, EXIT_ERROR = 0, 1, 2
@@ -65,7 +65,7 @@ class WorkerOrders:
     index: int
     listen_fd: int
     ready_fd: int
-    backend_url: str | None
+    backend_urls: dict[str, str]  # the embedded backends' replica names and URLs
     metrics_folder: Path
 
 
@@ -163,16 +163,16 @@ class Worker:
 
 async def _supervise(settings: Settings, secrets: Secrets, sock: socket.socket) -> int:
     stop = Stopping()
-    local = local_backend_for(settings)
+    local = local_backends_for(settings)
     folder = Path(tempfile.mkdtemp(prefix="stackpin-metrics-"))
     workers: list[Worker] = []
     try:
         shared = await prepare(settings, secrets, datetime.now(UTC))
-        backend_url = await local.start() if local is not None else None
+        backend_urls = {backend.name: await backend.start() for backend in local}
         stop.serving()
         for index in range(settings.server.workers):
             ready_read, ready_write = os.pipe()
-            orders = WorkerOrders(settings, shared, index, sock.fileno(), ready_write, backend_url, folder)
+            orders = WorkerOrders(settings, shared, index, sock.fileno(), ready_write, backend_urls, folder)
             try:
                 workers.append(await Worker.spawn(orders, ready_read))
             finally:
@@ -185,8 +185,8 @@ async def _supervise(settings: Settings, secrets: Secrets, sock: socket.socket) 
         for worker in workers:
             worker.stop()
         await asyncio.gather(*(worker.ended() for worker in workers))
-        if local is not None:
-            await local.stop()
+        for backend in local:
+            await backend.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
 

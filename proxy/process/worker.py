@@ -2,7 +2,7 @@
 
 It reads its `WorkerOrders` from stdin and serves the inherited listening socket with a whole application, as a
 single proxy does, except for what its supervisor did once for all: the sweep of streams left open, the embedded
-backend (reached at the URL it is given), the log's key. Its metrics go to the supervisor's shared folder, so that
+backends (reached at the URLs it is given), the log's key. Its metrics go to the supervisor's shared folder, so that
 each worker's /metrics answers for all of them, and every response it sends says which worker sent it
 (`Stackpin-Worker`, its index). It stops on SIGTERM or SIGINT, or when stdin ends (the supervisor is gone).
 """
@@ -36,12 +36,12 @@ def main() -> int:
     settings = orders.settings
     configure_logging(settings.log_level)
     _say_which_worker_in_logs(orders.index)
-    backend = RunningBackend(orders.backend_url) if orders.backend_url is not None else None
+    backends = [RunningBackend(name, url) for name, url in orders.backend_urls.items()]
     metrics = ProxyMetrics(CollectorRegistry(), shared_folder=orders.metrics_folder)
     app = create_app(
         settings,
         orders.secrets,
-        local_backend=backend,
+        local_backends=backends,
         shared_metrics=metrics,
         sweep_at_start=False,
     )

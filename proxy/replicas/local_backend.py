@@ -7,7 +7,10 @@ as a child process (making the tiny model first if it is asked for in an empty f
 backend writes to its ready file, and from then on talks to it over HTTP like any other replica, checking its stack
 at `GET /v1/stack`. While the child works (training the tiny model, loading a checkpoint: up to minutes) the proxy
 says so every `PROGRESS_INTERVAL_S`, and it relays the child's output (the backend's own loading steps among it) as
-its own log events, so that the console holds one format.
+its own log events, so that the console holds one format. With `kernel_modes`, one such process serves each mode,
+on the same checkpoint file, so that one machine holds the problem and its fix side by side: each process loads its
+own copy of the weights (about 1 GB resident each for SmolLM2 in float32: docs/evidence.md), which keeps the
+backend one engine per process.
 """
 
 from __future__ import annotations
@@ -63,24 +66,24 @@ def wanted(settings: LocalBackendSettings, replicas_configured: bool) -> bool:
     return not replicas_configured and backend_installed()
 
 
-def local_backend_for(settings: Settings) -> LocalBackend | None:
-    """The embedded backend `stackpin serve` starts, if any; with neither it nor replicas, a warning says why
-    nothing will be served."""
-    local = (
-        LocalBackend(settings.local_backend)
-        if wanted(settings.local_backend, bool(settings.replicas))
-        else None
-    )
-    if local is None and not settings.replicas:
+def local_backends_for(settings: Settings) -> list[LocalBackend]:
+    """The embedded backends `stackpin serve` starts, one a kernel mode (none when it is off); with neither them
+    nor replicas, a warning says why nothing will be served."""
+    local = settings.local_backend
+    modes = local.modes if wanted(local, bool(settings.replicas)) else []
+    if not modes and not settings.replicas:
         log.warning(
             "no_replicas",
             hint="configure [[replicas]] or install the backend extra (pip install 'stackpin[backend]')",
         )
-    return local
+    # One mode keeps the name the embedded default always had; several are told apart by their mode.
+    return [
+        LocalBackend(local, mode, LOCAL_NAME if len(modes) == 1 else f"{LOCAL_NAME}-{mode}") for mode in modes
+    ]
 
 
 def serve_command(
-    settings: LocalBackendSettings, model: Path, name: str | None, ready_file: Path
+    settings: LocalBackendSettings, kernel_mode: str, model: Path, name: str | None, ready_file: Path
 ) -> list[str]:
     """The child's command line: `stackpin-backend serve` on this machine's CPU, on a port of its choosing."""
     return [
@@ -98,7 +101,7 @@ def serve_command(
         "--device",
         "cpu",
         "--kernel-mode",
-        settings.kernel_mode,
+        kernel_mode,
         "--dtype",
         settings.dtype,
         "--kv-cache-mb",
@@ -118,11 +121,16 @@ class BackendProcess(Protocol):
     async def stop(self) -> None: ...
 
 
-class LocalBackend:
-    name = "local-cpu"
+LOCAL_NAME = "local-cpu"
 
-    def __init__(self, settings: LocalBackendSettings) -> None:
+
+class LocalBackend:
+    def __init__(
+        self, settings: LocalBackendSettings, kernel_mode: str | None = None, name: str = LOCAL_NAME
+    ) -> None:
         self.settings = settings
+        self.kernel_mode = kernel_mode or settings.kernel_mode
+        self.name = name
         self._process: asyncio.subprocess.Process | None = None
         self._output: asyncio.Task[None] | None = None
         self._workdir = tempfile.TemporaryDirectory(prefix="stackpin-backend-")
@@ -133,11 +141,11 @@ class LocalBackend:
         log.info(
             "local_backend_starting",
             model=str(model),
-            kernel_mode=self.settings.kernel_mode,
+            kernel_mode=self.kernel_mode,
             doing="loading the model; a large checkpoint takes minutes",
         )
         self._process = await asyncio.create_subprocess_exec(
-            *serve_command(self.settings, model, name, ready_file), **_OUTPUT_PIPED
+            *serve_command(self.settings, self.kernel_mode, model, name, ready_file), **_OUTPUT_PIPED
         )
         self._output = asyncio.create_task(relay_output(self._process.stdout))
         started = time.monotonic()
@@ -146,7 +154,7 @@ class LocalBackend:
         log.info(
             "local_backend_started",
             url=url,
-            kernel_mode=self.settings.kernel_mode,
+            kernel_mode=self.kernel_mode,
             model=str(model),
             seconds=round(time.monotonic() - started, 1),
         )
@@ -221,9 +229,8 @@ class RunningBackend:
     """The embedded backend as a worker holds it: one process for all workers, started and stopped by their
     supervisor (proxy/process/supervisor.py), so that N workers never load N models."""
 
-    name = LocalBackend.name
-
-    def __init__(self, url: str) -> None:
+    def __init__(self, name: str, url: str) -> None:
+        self.name = name
         self.url = url
 
     async def start(self) -> str:

@@ -24,7 +24,7 @@ from proxy.evidence.compare import Comparison
 from proxy.pins import Pin, parse_pin_body
 from proxy.serving.auth import authenticate
 from proxy.serving.records import Served
-from proxy.serving.request import parse_body, read_request
+from proxy.serving.request import TAG_HEADER, parse_body, read_request
 from proxy.serving.router import live_stacks
 from proxy.serving.serve import Proxy
 from proxy.serving.sinks import HttpSink
@@ -56,7 +56,10 @@ async def openai_route(request: web.Request) -> web.StreamResponse:
     tenant = authenticate(request.headers, request.app[SECRETS])
     body = parse_body(await read_body(request))
     pin_header = request.headers.get("Stackpin-Pin")
-    return await serve_completion(request.config_dict, tenant, request.path, body, pin_header, request)
+    tag = request.headers.get(TAG_HEADER)
+    return await serve_completion(
+        request.config_dict, tenant, request.path, body, pin_header, request, tag=tag
+    )
 
 
 async def serve_completion(
@@ -66,6 +69,8 @@ async def serve_completion(
     body: dict[str, Any],
     pin_header: str | None,
     http_request: web.Request | None,
+    *,
+    tag: str | None = None,
 ) -> web.StreamResponse:
     """The path every answer takes once its tenant is known: the API's, and the audit page's probe (which
     never streams, so it passes no `http_request`). `config` is the application's, or a sub-application's view."""
@@ -80,6 +85,7 @@ async def serve_completion(
         prompts=config[PROMPTS],
         default_route=config[SETTINGS].server.default_route,
         live_models=lambda: sorted(_model_objects(config)),
+        tag=tag,
     )
     client_request = await proxy.continued(client_request, tenant)
     await proxy.limiter.admit(tenant)

@@ -7,7 +7,8 @@ the client read, byte for byte, the one sent after the record (`data: [DONE]`, o
 and the answer those events assemble into. A replay is recorded as its original was, linked to it, with its outcome.
 A stream whose end the store was away for is closed as interrupted once it is back (proxy/serving/unclosed.py);
 one left open by a proxy that stopped without closing it is closed as interrupted at the next start
-(`marked_at_start`). A `flag` entry marks an earlier record, e.g. because the stack that served it was later found
+(`marked_at_start`). A request's tag, when it carries one, is kept beside its request. A `flag` entry marks an
+earlier record, e.g. because the stack that served it was later found
 changed. Entries carry the exact forwarded request; never a client or upstream key (those travel only in headers).
 """
 
@@ -57,6 +58,7 @@ class Served:
     translated_from: dict[str, Any] | None = None  # the client's request the forwarded one translates
     continues: str | None = None  # the record whose response this request continues (previous_response_id)
     replay_of: str | None = None
+    tag: str | None = None  # the client's label for the request (proxy/serving/request.py)
 
     @property
     def fingerprint(self) -> str:
@@ -110,6 +112,8 @@ def _request_content(served: Served) -> dict[str, Any]:
         content["translated_from"] = served.translated_from
     if served.continues is not None:
         content["continues"] = served.continues
+    if served.tag is not None:
+        content["tag"] = served.tag
     return content
 
 

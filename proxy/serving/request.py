@@ -3,11 +3,14 @@
 The proxy checks only what it acts on (`model`, `stream`, what each route must read: proxy/endpoints.py, the
 `stackpin` pin); every other field passes through untouched for the replica to judge. The `stackpin` field is the
 proxy's and is never forwarded. A request must say which model it is for, as OpenAI's API demands: by `model`, or
-by a pin that names a model or a stack, unless the configuration names a default route. Pure functions.
+by a pin that names a model or a stack, unless the configuration names a default route. A request may carry a tag
+(the `Stackpin-Tag` header: a study's or a client's label), which its record keeps and the replica never sees.
+Pure functions.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,7 +22,19 @@ from proxy.pins import Pin, resolve_request_pin
 from proxy.serving.prompts import PromptBook, PromptVersion, inject
 from proxy.serving.recordable import MAX_DEPTH, Unrecordable, check_recordable
 
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "ClientRequest", "parse_body", "read_request"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "EMBEDDINGS",
+    "RESPONSES",
+    "TAG_HEADER",
+    "ClientRequest",
+    "parse_body",
+    "read_request",
+]
+
+TAG_HEADER = "Stackpin-Tag"
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/=+-]{0,199}$")
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,7 @@ class ClientRequest:
     translated: dict[str, Any] | None = (
         None  # a replay's exact chat request, sent instead of translating `body`
     )
+    tag: str | None = None  # the client's label for the request (TAG_HEADER), kept in its record
 
     def continuing(self, record_id: str, expanded: dict[str, Any]) -> ClientRequest:
         return replace(self, body=expanded, continues=record_id)
@@ -70,6 +86,7 @@ def read_request(
     prompts: PromptBook,
     default_route: str | None = None,
     live_models: Callable[[], list[str]] = list,
+    tag: str | None = None,
 ) -> ClientRequest:
     """`live_models` names the models a client could ask for, for the error that a request without one gets.
 
@@ -106,4 +123,16 @@ def read_request(
     if prompt is not None:
         forwarded = inject(forwarded, endpoint, prompt)
     previous = body.get("previous_response_id") if endpoint == RESPONSES else None
-    return ClientRequest(endpoint, forwarded, stream, pin, route, prompt, previous_response_id=previous)
+    return ClientRequest(
+        endpoint, forwarded, stream, pin, route, prompt, previous_response_id=previous, tag=_checked_tag(tag)
+    )
+
+
+def _checked_tag(tag: str | None) -> str | None:
+    if tag is not None and not _TAG.match(tag):
+        raise BadRequest(
+            f"{TAG_HEADER} must be 1 to 200 letters, digits or . _ : / = + -, starting with a letter or digit; "
+            f"got {tag[:60]!r}",
+            param=TAG_HEADER,
+        )
+    return tag

@@ -473,6 +473,7 @@ class Proxy:
             translated_from=dispatched.body if translated else None,
             continues=request.continues,
             replay_of=replaying.original.record_id if replaying is not None else None,
+            tag=request.tag,
         )
 
     def _count_tokens(self, served: Served, usage: Any) -> None:

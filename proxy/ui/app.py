@@ -16,7 +16,7 @@ from aiohttp import web
 from proxy.audit import StoreUnavailable
 from proxy.config import Secrets, Settings
 from proxy.errors import ReplicaRejected, StackpinError
-from proxy.ui import probe_page, records_page, stacks_page
+from proxy.ui import probe_page, records_page, slice_page, stacks_page, study_page
 from proxy.ui.render import STATIC, TEMPLATES, environment, render
 from proxy.ui.security import COOKIES, CSRF_FIELD, GUARD, VIEWER, Guard, Handler, guard, harden, safe_next
 from proxy.ui.session import SESSION, SessionCookies
@@ -42,6 +42,10 @@ def ui_app(settings: Settings, secrets: Secrets) -> web.Application:
             web.get("/stacks", stacks_page.stacks),
             web.get("/probe", probe_page.probe_form),
             web.post("/probe", probe_page.probe),
+            web.get("/replays", slice_page.slice_form),
+            web.post("/replays", slice_page.slice_replay),
+            web.get("/studies", study_page.studies),
+            web.get("/studies/{study_id}", study_page.study),
             web.static("/static", STATIC),
         ]
     )

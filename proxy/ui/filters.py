@@ -40,7 +40,7 @@ def listing(query: Mapping[str, str], viewer: Viewer) -> Listing:
         "tenant": viewer.scope if viewer.scope is not None else (form["tenant"] or None),
     }
     for name in ("since", "until"):
-        values[name] = _moment(form[name], name, problems)
+        values[name] = moment(form[name], name, problems)
     try:
         selected = RecordFilter.model_validate(values)
     except ValidationError as e:
@@ -59,15 +59,16 @@ def listing(query: Mapping[str, str], viewer: Viewer) -> Listing:
     )
 
 
-def _moment(text: str, name: str, problems: list[str]) -> datetime | None:
+def moment(text: str, name: str, problems: list[str]) -> datetime | None:
+    """A time typed into a form (UTC unless it says otherwise), or None with the problem noted."""
     if not text:
         return None
     try:
-        moment = datetime.fromisoformat(text)
+        read = datetime.fromisoformat(text)
     except ValueError:
         problems.append(f"{name}: {text!r} is not a time like 2026-12-01T09:30 (UTC)")
         return None
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    return read if read.tzinfo is not None else read.replace(tzinfo=UTC)
 
 
 def _limit(text: str | None) -> int:

@@ -4,7 +4,8 @@ It speaks docs/protocol.md: `GET /v1/stack`, token ids and raw logprobs in the `
 fingerprint in `system_fingerprint` and the `Stackpin-Stack` header, streaming and not. It answers chat (with `n`
 choices, and a tool call when the request offers tools), completions, embeddings, and, as an upstream that serves
 it, the Responses API. Every answer is a pure function of the request, unless a test makes it nondeterministic (it
-then perturbs one logprob's last bit, as batch-dependent kernels do), makes it diverge from a token on, changes its
+then perturbs one logprob's last bit, as batch-dependent kernels do, or for half its answers changes the tokens from
+a random position on, as a near tie tipped the other way), makes it diverge from a token on, changes its
 stack or its words, makes it fail, or tells it to change one thing (`alter`): a tool call's arguments, a later
 choice, one streamed chunk's text, where a stream's chunks split, or one component of an embedding.
 """
@@ -82,6 +83,7 @@ def tool_arguments(prompt: str, altered: bool) -> str:
 class FakeReplica:
     stack: dict[str, Any] = field(default_factory=tiny_stack)
     nondeterministic: bool = False
+    nondeterministic_tokens: bool = False  # half its answers take another token from a random position on
     chunk_delay_s: float = 0.0  # pause between streamed chunks, as a model's decode steps would
     # None, "500", "401", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int", or one of the upstreams
     # that quote the key they were sent: "echo_key" (an error of status `echo_status`), "echo_key_garbage" (a
@@ -139,6 +141,9 @@ class FakeReplica:
         ids = [int(_unit(prompt, seed, temperature, k) * len(self.words)) for k in range(n)]
         if self.diverge_from is not None:
             ids = [i if k < self.diverge_from else (i + 1) % len(self.words) for k, i in enumerate(ids)]
+        if self.nondeterministic_tokens and n and random.random() < 0.5:
+            at = random.randrange(n)  # as a near tie that the batch tips the other way
+            ids = [i if k < at else (i + 1) % len(self.words) for k, i in enumerate(ids)]
         logprobs = [-(_unit(prompt, "lp", k) * 5) for k in range(n)]
         if self.nondeterministic and n:
             k = random.randrange(n)
