@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pinned_backend.checkpoint import ModelConfig
 from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
+from pinned_backend.grammar import GrammarCompiler
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.kvcache import (
     KV_CONTEXTS,
@@ -140,6 +141,7 @@ class Runtime:
     pieces: TokenPieces
     model: Transformer
     pooling: Pooling
+    grammars: GrammarCompiler
 
 
 def load_runtime(
@@ -236,6 +238,7 @@ def load_runtime(
         pieces,
         model,
         pooling,
+        GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_ids),
     )
 
 

@@ -226,7 +226,12 @@ async def test_unknown_fields_and_the_values_that_ask_for_nothing_are_accepted(c
         (CHAT, {"messages": HELLO, "tool_choice": "required"}, "tool_choice", "tool calls"),
         (CHAT, {"messages": HELLO, "functions": [{"name": "f"}]}, "functions", "tool"),
         (CHAT, {"messages": HELLO, "function_call": {"name": "f"}}, "function_call", "tool"),
-        (CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format", "format"),
+        (
+            CHAT,
+            {"messages": HELLO, "response_format": {"type": "xml"}},
+            "response_format.type",
+            "'text', 'json_object' or 'json_schema'",
+        ),
         (CHAT, {"messages": HELLO, "logit_bias": {"5": 10}}, "logit_bias", "cannot honour"),
         (CHAT, {"messages": HELLO, "presence_penalty": 0.5}, "presence_penalty", "cannot honour"),
         (CHAT, {"messages": HELLO, "frequency_penalty": False}, "frequency_penalty", "cannot honour"),
@@ -268,6 +273,16 @@ async def test_a_request_too_large_for_the_kv_cache_is_told_what_to_change(check
         assert status == 200, answer
         usage = answer["usage"]
         assert usage["prompt_tokens"] + usage["completion_tokens"] <= capacity
+
+
+async def test_a_model_whose_tokenizer_cannot_be_constrained_refuses_an_output_format(
+    client: TestClient,
+) -> None:
+    # This checkpoint's character tokenizer decodes with a Fuse decoder, which llguidance cannot read.
+    status, error = await post(client, CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}})
+    assert status == 400
+    assert error["error"]["param"] == "response_format"
+    assert "tokenizer cannot be constrained" in error["error"]["message"]
 
 
 async def test_malformed_json_and_unknown_routes_get_openai_errors(client: TestClient) -> None:
