@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 import tokenizers
 
@@ -85,9 +86,12 @@ class Tokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         self._template: jinja2.Template | None = None
+        # Whether the template renders tool definitions itself (it reads a `tools` variable, as Qwen3's does).
+        self.takes_tools = False
         if chat_template is not None:
             try:
                 self._template = env.from_string(chat_template)
+                self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(chat_template))
             except jinja2.TemplateSyntaxError as exc:
                 raise CheckpointError(f"{where}: chat_template is not valid jinja2: {exc}") from None
 
