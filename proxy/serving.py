@@ -31,7 +31,14 @@ from proxy.compare import Comparison
 from proxy.config import ServerSettings
 from proxy.dispatch import Dispatched, check_fingerprint, dispatch
 from proxy.endpoints import CHAT, RESPONSES, answer_problem
-from proxy.errors import AuditStoreUnavailable, BadRequest, ReplicaFailed, ReplicaGarbage, ReplicaUnavailable
+from proxy.errors import (
+    AuditStoreUnavailable,
+    BadRequest,
+    ReplicaFailed,
+    ReplicaGarbage,
+    ReplicaRejected,
+    ReplicaUnavailable,
+)
 from proxy.fleet.limits import RateLimiter
 from proxy.forward import Answer, Event, Stream, open_stream, post_json
 from proxy.health import HealthMonitor
@@ -42,7 +49,7 @@ from proxy.redact import Redactor
 from proxy.registry import Registry, ReplicaSnapshot
 from proxy.relay import Relay
 from proxy.replay import Answered, Replaying, recorded, replay_request
-from proxy.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
+from proxy.responses_api import Echo, expand, from_chat, record_of, response_id, responses_error, to_chat
 from proxy.sinks import BufferSink, Sink
 
 RECORD_HEADER = "Stackpin-Record"
@@ -374,15 +381,21 @@ class Proxy:
     async def _dispatch(
         self, request: ClientRequest, send: Callable[[ReplicaSnapshot, dict[str, Any]], Awaitable[Sent]]
     ) -> Dispatched[Sent]:
-        return await dispatch(
-            self.registry,
-            request.pin,
-            request.body,
-            send,
-            endpoint=request.endpoint,
-            deadline_s=self.server.retry_deadline_s,
-            on_mismatch=self.health.on_mismatch,
-        )
+        try:
+            return await dispatch(
+                self.registry,
+                request.pin,
+                request.body,
+                send,
+                endpoint=request.endpoint,
+                deadline_s=self.server.retry_deadline_s,
+                on_mismatch=self.health.on_mismatch,
+            )
+        except ReplicaRejected as e:
+            if request.endpoint != RESPONSES:
+                raise
+            # A refusal of the chat request a Responses request became names the client's fields.
+            raise ReplicaRejected(e.status, responses_error(e.replica_body)) from e
 
     @staticmethod
     def _entry(build: Callable[..., SealedEntry], *args: Any, **kwargs: Any) -> SealedEntry:
