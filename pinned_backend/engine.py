@@ -20,6 +20,12 @@ completion); drafts are kept while each is the token drawn before it, and the fi
 after the last draft) is emitted too: 1 to k + 1 tokens a step. Keys and values written for rejected drafts lie
 past the sequence's end, where no query looks, until the real tokens overwrite them.
 
+Grammars (`SamplingParams.grammar`, grammar.py). A constrained request's sequence follows its own matcher: the rows
+it draws from are masked to the tokens its grammar allows (masks.py, computed while the forward pass runs), its
+drafts are only those the grammar allows, and every token it emits is committed; when the grammar allows nothing
+more, it finishes with `stop`. A mask is a function of the sequence's own tokens, so it brings no dependence on the
+batch, a hit or a verify pass into the answer.
+
 Why neither changes a bit under batch-invariant kernels. A row's result depends on its own inputs alone: every
 matmul row's reduction order is fixed whatever M, norms and softmax reduce each row alone, and attention walks a
 query's keys 0..p in splits of `kv_split_size` counted from position 0 of its sequence, merged in split order. So:
@@ -49,6 +55,7 @@ the batch is the kernels' business and the sampler's, not the schedule's.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -58,7 +65,9 @@ from typing import Any, Protocol
 
 import torch
 
+from pinned_backend.grammar import GrammarState, Matcher
 from pinned_backend.kvcache import ROOT_KEY, block_key, block_keys, block_table
+from pinned_backend.masks import MaskRows, StepMasks
 from pinned_backend.sampling import Drawn, RowRun, SamplingParams, draw_runs
 from pinned_backend.speculation import PromptLookup
 from pinned_backend.step_graphs import StepGraphs
@@ -170,6 +179,7 @@ class TokenOutput:
     text: str
     finish_reason: str | None
     batch: BatchStats
+    grammar: GrammarState | None = None  # a constrained request's matcher after this token
 
 
 Sink = Callable[[TokenOutput | EngineError], None]
@@ -210,6 +220,7 @@ class _Sequence:
     keys: list[bytes] = field(default_factory=list)  # the keys of the blocks published (or found) so far
     lookup: PromptLookup | None = None
     drafts: list[int] = field(default_factory=list)  # this step's draft tokens
+    matcher: Matcher | None = None  # where the output stands in its grammar, for a constrained request
 
     def token(self, index: int) -> int:
         n = len(self.prompt_ids)
@@ -249,6 +260,7 @@ class Engine:
         self._cancelled: set[str] = set()
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
+        self._masks = StepMasks()
         self._graphs: StepGraphs | None = None
         if config.step_graphs:
             self._graphs = StepGraphs(
@@ -283,6 +295,8 @@ class Engine:
                 f"({usable * self.config.block_size} tokens); lower max_tokens"
             )
         seq = _Sequence(request_id, list(prompt_ids), params, sink, StopTextStream(params.stop))
+        if params.grammar is not None:
+            seq.matcher = params.grammar.matcher()
         with self._lock:
             if len(self._incoming) + len(self._waiting) >= self.config.max_queue:
                 raise QueueFull(f"the server's queue is full ({self.config.max_queue} waiting); retry later")
@@ -431,7 +445,13 @@ class Engine:
             return []
         if seq.lookup is None:
             seq.lookup = PromptLookup([*seq.prompt_ids, *seq.output_ids])
-        return seq.lookup.draft(k)
+        drafts = seq.lookup.draft(k)
+        if seq.matcher is not None:
+            # Only drafts the grammar allows, so that each row after one has a mask; an end-of-sequence token
+            # ends the output, so nothing after it is worth verifying (and the row at it draws it anyway).
+            drafts = drafts[: seq.matcher.valid_prefix(drafts)]
+            drafts = list(itertools.takewhile(lambda t: t not in self.config.eos_token_ids, drafts))
+        return drafts
 
     def _forward(self, plan: list[tuple[_Sequence, int]]) -> dict[int, list[Drawn]]:
         """Feed the plan's tokens; returns what each plan row that samples drew, in order: one token, or for a
@@ -451,6 +471,15 @@ class Engine:
                     logits_rows.append(len(token_ids) - 1)
             if len(logits_rows) > first:
                 sampling.append((row, first, len(logits_rows) - first))
+        # The masks depend only on tokens already known: they are computed while the forward pass runs.
+        masks = self._masks.start(
+            [
+                MaskRows(plan[row][0].matcher, first, plan[row][0].drafts)  # type: ignore[arg-type]
+                for row, first, _ in sampling
+                if plan[row][0].matcher is not None
+            ],
+            len(logits_rows),
+        )
         blocks = [seq.blocks for seq, _ in plan]
         if self._graphs is not None:
             logits = self._graphs.forward(token_ids, query_seq, query_pos, blocks, logits_rows)
@@ -460,6 +489,8 @@ class Engine:
             seq.computed += n  # drafts included: _emit takes back the rejected ones
         if not sampling:
             return {}
+        if masks is not None:
+            logits = masks.apply(logits)
         return self._sample(logits, [(plan[row][0], row, first, n) for row, first, n in sampling])
 
     def _eager_forward(
@@ -517,6 +548,10 @@ class Engine:
         if seq.lookup is not None:
             seq.lookup.append(token)
         reason = self._finish_reason(seq, token)
+        if seq.matcher is not None and token not in self.config.eos_token_ids:
+            seq.matcher.commit(token)
+            if seq.matcher.stopped:  # the grammar allows nothing more: the output is complete
+                reason = "stop"
         if token in self.config.eos_token_ids:
             text = seq.text.finish()
         else:
@@ -533,6 +568,7 @@ class Engine:
                 text=text,
                 finish_reason=reason,
                 batch=seq.batch,
+                grammar=None if seq.matcher is None else seq.matcher.state(final=reason is not None),
             )
         )
         return reason is not None

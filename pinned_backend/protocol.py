@@ -2,8 +2,8 @@
 
 Requests are pydantic models that ignore unknown fields and refuse known fields of the wrong type;
 `parse_request` turns a validation failure into an `ApiError` naming the field and what to send instead. A field
-of OpenAI's API that would change the answer and that this backend cannot honour (a response format,
-penalties, logit biases, ...) is refused with a 400 naming it, never answered as if it had not been sent. The
+of OpenAI's API that would change the answer and that this backend cannot honour (penalties, logit biases, ...)
+is refused with a 400 naming it, never answered as if it had not been sent. The
 error hierarchy below is mapped to OpenAI-style JSON (`{"error": {"message", "type", "param", "code"}}`) by
 the server in one place.
 
@@ -141,6 +141,18 @@ class Message(_Request):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # honoured either way: the output always follows the schema
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Decoding(_Request):
     model: str | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
@@ -151,6 +163,12 @@ class _Decoding(_Request):
     n: Annotated[int, Field(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # What the output must be (structured.py): OpenAI's response_format, or one of vLLM's guided_* fields.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -218,16 +236,10 @@ def _absent(*harmless: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or any(type(value) is type(h) and value == h for h in harmless)
 
 
-_CONSTRAINED = "this backend does not constrain its output to a format"
 _SAMPLING = "this backend's sampler has no such adjustment"
 # What a client may send that would change the answer, with the values that leave it unchanged. Anything else is
 # refused: an answer computed without what was asked for would pretend to be the answer to it.
 CHAT_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (_absent({"type": "text"}), _CONSTRAINED),
-    "guided_json": (_absent(), _CONSTRAINED),
-    "guided_regex": (_absent(), _CONSTRAINED),
-    "guided_choice": (_absent(), _CONSTRAINED),
-    "guided_grammar": (_absent(), _CONSTRAINED),
     "logit_bias": (_absent({}), _SAMPLING),
     "presence_penalty": (_absent(0, 0.0), _SAMPLING),
     "frequency_penalty": (_absent(0, 0.0), _SAMPLING),
@@ -242,7 +254,7 @@ CHAT_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
 }
 COMPLETION_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     **{key: CHAT_UNHONOURED[key] for key in ("logit_bias", "presence_penalty", "frequency_penalty")},
-    **{key: CHAT_UNHONOURED[key] for key in ("repetition_penalty", "min_p", "min_tokens", "guided_json")},
+    **{key: CHAT_UNHONOURED[key] for key in ("repetition_penalty", "min_p", "min_tokens")},
     "best_of": (_absent(1), "this backend serves one completion per request"),
     "suffix": (_absent(""), "this backend does not fill in the middle"),
 }

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
+from pinned_backend.grammar import GrammarCompiler
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.kvcache import BlockAllocator, PagedKVCache
 from pinned_backend.loading import Report, default_name, load_checkpoint
@@ -130,6 +131,7 @@ class Runtime:
     pieces: TokenPieces
     model: Transformer
     pooling: Pooling
+    grammars: GrammarCompiler
 
 
 def load_runtime(
@@ -226,4 +228,5 @@ def load_runtime(
         pieces,
         model,
         pooling,
+        GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_ids),
     )

@@ -18,11 +18,16 @@ the randomness used to draw a seed when a request has none.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pinned_backend.grammar import CompiledGrammar
 
 MAX_TOP_LOGPROBS = 20
 
@@ -38,6 +43,8 @@ class SamplingParams:
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     top_logprobs: int = 0
+    # The grammar the output must follow (grammar.py), or none; the engine masks the rows this request draws from.
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -120,11 +127,12 @@ def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
-    """The `k` most likely tokens of one row of log-probabilities `[V]`, best first, ties by lower id."""
+    """The `k` most likely tokens of one row of log-probabilities `[V]`, best first, ties by lower id; never a token a
+    grammar's mask ruled out (its log-probability is -inf)."""
     if k == 0:
         return ()
     order, values = _top(logprobs, k)
-    return tuple((int(i), float(v)) for i, v in zip(order, values, strict=True))
+    return tuple((int(i), float(v)) for i, v in zip(order, values, strict=True) if v != -math.inf)
 
 
 def top_logprobs_rows(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple[tuple[int, float], ...]]:
@@ -146,7 +154,9 @@ def sorted_top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[tuple
     values, ids = values[:, :width].cpu().tolist(), ids[:, :width].cpu().tolist()
     out: list[tuple[tuple[int, float], ...]] = [() for _ in ks]
     for j, i in enumerate(wanted):
-        out[i] = tuple(zip(ids[j][: ks[i]], values[j][: ks[i]], strict=True))
+        out[i] = tuple(
+            (t, v) for t, v in zip(ids[j][: ks[i]], values[j][: ks[i]], strict=True) if v != -math.inf
+        )
     return out
 
 

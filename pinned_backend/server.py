@@ -20,6 +20,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from pinned_backend.embeddings import EmbeddingJob
 from pinned_backend.engine import EngineError, EngineStopped, QueueFull, RequestTooLarge, TokenOutput
+from pinned_backend.grammar import CompiledGrammar, GrammarError
 from pinned_backend.metrics import BackendMetrics
 from pinned_backend.protocol import (
     CHAT_UNHONOURED,
@@ -55,6 +57,7 @@ from pinned_backend.responses import (
 from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
 from pinned_backend.sampling import SamplingParams, draw_seed
 from pinned_backend.stack import fingerprint
+from pinned_backend.structured import Constraint, requested_constraint
 
 STACK_HEADER = "Stackpin-Stack"
 
@@ -156,7 +159,9 @@ async def _chat(request: web.Request) -> web.StreamResponse:
         prompt_ids = runtime.tokenizer.encode_chat(messages)
     except ValueError as exc:
         raise BadRequest(f"messages: {exc}", param="messages") from None
-    return await _serve(request, body, prompt_ids, chat=True, logprobs=body.logprobs)
+    return await _serve(
+        request, body, prompt_ids, chat=True, logprobs=body.logprobs, constraint=requested_constraint(body)
+    )
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -173,7 +178,14 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     else:
         text = prompt if isinstance(prompt, str) else prompt[0]
         prompt_ids = runtime.tokenizer.encode(text)  # type: ignore[arg-type]
-    return await _serve(request, body, prompt_ids, chat=False, logprobs=body.logprobs is not None)
+    return await _serve(
+        request,
+        body,
+        prompt_ids,
+        chat=False,
+        logprobs=body.logprobs is not None,
+        constraint=requested_constraint(body),
+    )
 
 
 def _sampling_params(
@@ -217,10 +229,14 @@ async def _serve(
     *,
     chat: bool,
     logprobs: bool,
+    constraint: Constraint | None = None,
 ) -> web.StreamResponse:
+    """Serve one completion; `constraint`, if any, is the grammar its output must follow."""
     app = request.app
     runtime = app[RUNTIME]
     params = _sampling_params(body, len(prompt_ids), runtime, app[SEEDS])
+    if constraint is not None:
+        params = replace(params, grammar=await _compiled(runtime, constraint))
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     meta = Meta(request_id, int(app[CLOCK]()), runtime.settings.served_name, app[FINGERPRINT], chat)
     completion = Completion(prompt_ids, params.seed if not params.greedy else None)
@@ -246,6 +262,20 @@ async def _serve(
     finally:
         if completion.finish_reason is None:
             runtime.runner.cancel(request_id)
+
+
+async def _compiled(runtime: Runtime, constraint: Constraint) -> CompiledGrammar:
+    """The constraint's grammar compiled off the event loop (a large grammar takes a while); a 400 naming the
+    field when the grammar engine cannot honour it."""
+    loop = asyncio.get_running_loop()
+    try:
+        return await loop.run_in_executor(None, runtime.grammars.compile, constraint.grammar)
+    except GrammarError as exc:
+        raise BadRequest(
+            f"{constraint.param}: {str(exc).strip()}; this backend cannot constrain its output to that, so it refuses rather "
+            "than answer unconstrained",
+            param=constraint.param,
+        ) from None
 
 
 def _checked(event: TokenOutput | EngineError) -> TokenOutput:

@@ -24,8 +24,11 @@ import torch
 
 import pinned_backend
 from pinned_backend.digests import files_sha256
+from pinned_backend.grammar import engine_version as grammar_engine_version
 
 SCHEMA = 2
+# llguidance is the grammar engine: another version may allow other tokens under one grammar.
+SOFTWARE_KEYS = ("backend", "torch", "cuda", "triton", "driver", "llguidance")
 STACK_KEYS = frozenset(
     {
         "schema",
@@ -152,7 +155,7 @@ def build_stack(
         "hardware": generation,
         "hardware_detail": dict(detail),
         "kernel_mode": kernel_mode,
-        "software": {key: software.get(key) for key in ("backend", "torch", "cuda", "triton", "driver")},
+        "software": {key: software.get(key) for key in SOFTWARE_KEYS},
         "batching": dict(batching),
         "embedding": dict(embedding),
     }
@@ -173,8 +176,8 @@ def detect_hardware(device: torch.device) -> tuple[str, dict[str, Any]]:
 
 
 def detect_software(device: torch.device) -> dict[str, str | None]:
-    """Versions of what the process runs: this package (with a digest of its source), torch, and on a GPU CUDA,
-    Triton and the driver."""
+    """Versions of what the process runs: this package (with a digest of its source), torch, on a GPU CUDA, Triton
+    and the driver, and the grammar engine that constrained outputs go through."""
     on_gpu = device.type == "cuda"
     return {
         "backend": backend_version(),
@@ -182,6 +185,7 @@ def detect_software(device: torch.device) -> dict[str, str | None]:
         "cuda": torch.version.cuda if on_gpu else None,
         "triton": _distribution_version("triton") if on_gpu else None,
         "driver": _nvidia_driver_version() if on_gpu else None,
+        "llguidance": grammar_engine_version(),
     }
 
 

@@ -132,6 +132,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def serialized(self) -> str:
+        """The `tokenizers` library's JSON of this tokenizer (vocabulary, merges, pre-tokenizer, decoder)."""
+        return self._tokenizer.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 

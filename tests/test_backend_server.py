@@ -226,7 +226,12 @@ async def test_unknown_fields_and_the_values_that_ask_for_nothing_are_accepted(c
         (CHAT, {"messages": HELLO, "tool_choice": "required"}, "tool_choice", "tool calls"),
         (CHAT, {"messages": HELLO, "functions": [{"name": "f"}]}, "functions", "tool"),
         (CHAT, {"messages": HELLO, "function_call": {"name": "f"}}, "function_call", "tool"),
-        (CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}}, "response_format", "format"),
+        (
+            CHAT,
+            {"messages": HELLO, "response_format": {"type": "xml"}},
+            "response_format.type",
+            "'text', 'json_object' or 'json_schema'",
+        ),
         (CHAT, {"messages": HELLO, "logit_bias": {"5": 10}}, "logit_bias", "cannot honour"),
         (CHAT, {"messages": HELLO, "presence_penalty": 0.5}, "presence_penalty", "cannot honour"),
         (CHAT, {"messages": HELLO, "frequency_penalty": False}, "frequency_penalty", "cannot honour"),

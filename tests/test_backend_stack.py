@@ -68,6 +68,7 @@ def test_stack_has_exactly_the_schema_keys_and_nulls_for_unknowns() -> None:
         "cuda": None,
         "triton": None,
         "driver": None,
+        "llguidance": None,
     }
     assert stack["batching"] == {
         "policy": "continuous",
@@ -150,6 +151,9 @@ def test_detection_reports_this_machine() -> None:
     assert software["torch"] == torch.__version__
     assert software["backend"] == backend_version()
     assert software["cuda"] is None
+    assert software["llguidance"] == importlib.metadata.version("llguidance"), (
+        "the grammar engine decides which tokens a constrained answer may take: the stack names its version"
+    )
 
 
 def test_the_backend_names_the_version_its_source_declares_and_the_digest_of_that_source() -> None:

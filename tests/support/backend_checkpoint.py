@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import tokenizers
 import torch
@@ -62,13 +63,20 @@ CHAT_TEMPLATE = (
 
 
 def write_random_checkpoint(
-    folder: Path, seed: int = 0, *, with_tokenizer: bool = False, config: Mapping[str, object] = SMALL_CONFIG
+    folder: Path,
+    seed: int = 0,
+    *,
+    with_tokenizer: bool | Literal["bytes"] = False,
+    config: Mapping[str, object] = SMALL_CONFIG,
 ) -> Path:
     """A random checkpoint of `config`'s shape; `with_tokenizer` adds a character-level tokenizer and chat
-    template."""
+    template, or with "bytes" a byte-level one (every byte a token, as GPT-2's alphabet spells them) that can
+    write any text."""
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(config)
-    if with_tokenizer:
+    if with_tokenizer == "bytes":
+        config["vocab_size"] = _write_byte_tokenizer(folder)
+    elif with_tokenizer:
         config["vocab_size"] = _write_character_tokenizer(folder)
     (folder / "config.json").write_text(json.dumps(config))
     generator = torch.Generator().manual_seed(seed)
@@ -89,6 +97,19 @@ def _write_character_tokenizer(folder: Path) -> int:
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer.decoder = tokenizers.decoders.Fuse()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return len(vocab)
+
+
+def _write_byte_tokenizer(folder: Path) -> int:
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
