@@ -5,7 +5,8 @@ content) up to the first `<tool_call>`, then calls. `CallReader.feed` takes each
 delta it adds, in OpenAI's stream shape: `content` for text, and for a call first its `index`, `id`, `type` and
 `function.name` (with `arguments` empty), then the arguments in fragments as they are written. Text that may still
 turn out to be part of the framing is held back until it cannot: a trailing prefix of `<tool_call>` or of the
-`}\\n</tool_call>` that ends the arguments, and whitespace before a call (the content ends where the call begins).
+`}\\n</tool_call>` that ends the arguments, and whitespace before a call (the content ends where the call begins);
+an answer cut inside that framing keeps the arguments without it.
 So the stream's pieces join into exactly what `message()` holds, whatever the pieces' sizes. With the legacy
 `functions`, the one call goes back as `function_call` (name, then arguments) instead.
 
@@ -66,9 +67,20 @@ class CallReader:
             if self._state == "text" or (self._state == "between" and self._pending.strip()):
                 self._content(delta, self._pending)
             elif self._state == "arguments":
-                self._arguments(delta, self._pending)
+                self._arguments(delta, self._cut_arguments(self._pending))
             self._pending, self._state = "", "done"
         return delta
+
+    def _cut_arguments(self, held: str) -> str:
+        """What of the text held back at a cut call's end is its arguments' rather than the framing after them:
+        past a newline it is framing (the arguments hold none), and a lone `}` is theirs only if they need it."""
+        if held != "}":
+            return ""
+        try:
+            json.loads(self.calls[-1].arguments)
+        except ValueError:
+            return held
+        return ""
 
     def message(self) -> dict[str, Any]:
         """The whole message: content (null when the answer is only calls) and the calls."""

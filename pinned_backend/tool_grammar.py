@@ -1,20 +1,24 @@
-"""The grammar an answer with tools is generated under, in llguidance's Lark form.
+"""The grammar an answer with tools is generated under, in llguidance's Lark form, as a `Constraint` the server
+serves like any other (structured.py).
 
 A call is the generic format's spelling (tool_format.py) with the arguments constrained by the function's own
-parameters schema, inlined as `%json`: the name is one of the callable functions', the arguments a JSON object that
-validates against that function's schema, written with JSON's default separators and no other whitespace (a small
-model left free to add whitespace can add it forever). Then:
+parameters schema, inlined as `%json` with the layout every JSON value has here (grammar.JSON_OPTIONS: JSON's
+default separators, no other whitespace, which a small model could otherwise add forever): the name is one of the
+callable functions', the arguments a JSON object valid against that function's schema. Then:
 
 - a forced choice (`required`, or a named function) is one call, or with `parallel_tool_calls` one or more, and
   nothing else;
 - `auto` is free text, or free text up to the opening tag and then calls: the text before the tag is a lazy
-  lexeme that ends at the first `<tool_call>`, so from the tag on the call is constrained exactly as a forced one;
-- `none` is no grammar at all.
+  lexeme that ends at the first `<tool_call>`, so from the tag on a call is constrained as a forced one is. With a
+  `response_format` too, the text is the JSON value that format asks for, or calls;
+- `none` is no tool grammar at all: a `response_format` or `guided_*` field applies as without tools.
 
-After the last call only the end of the sequence is allowed. A schema that llguidance cannot compile (a keyword it
-does not support, a malformed schema) is a 400 naming the function's `parameters`, with llguidance's reason.
+After the last call only the end of the sequence is allowed. A `guided_*` field beside callable tools is a 400 (one
+grammar per answer); a `response_format` beside a forced choice asks nothing of an answer that is only calls. A
+parameters schema that llguidance cannot compile is a 400 naming that function's `parameters`, with its reason.
 
-Pure functions of a ToolPlan; attaching the grammar to a sequence is the engine's business.
+Pure functions of the request and its ToolPlan; compiling and attaching the grammar is grammar.py's and the
+engine's business.
 """
 
 from __future__ import annotations
@@ -25,58 +29,91 @@ from typing import Any
 
 from llguidance import LLMatcher
 
-from pinned_backend.protocol import BadRequest
+from pinned_backend.grammar import JSON_OPTIONS, lark_grammar
+from pinned_backend.protocol import BadRequest, ChatRequest
+from pinned_backend.structured import ANY_OBJECT, GUIDED, Constraint, requested_constraint
 from pinned_backend.tool_format import OPEN, SEPARATOR, TAIL, head
 from pinned_backend.tools import AUTO, Function, ToolPlan
 
-# llguidance's JSON options: the separators JSON's default writes, and no free whitespace.
-_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# A keyword llguidance does not implement is an error, never a constraint quietly dropped.
+_LAYOUT = {**JSON_OPTIONS, "lenient": False}
 
 
-def tool_grammar(plan: ToolPlan) -> str | None:
-    """The Lark grammar for the plan's answer; None when the answer is free text (`none`)."""
+def answer_constraint(request: ChatRequest, plan: ToolPlan | None) -> Constraint | None:
+    """The grammar the answer follows: the tools', the request's own format's, or none."""
+    if plan is None or not plan.callable:
+        return requested_constraint(request)
+    param = "functions" if plan.legacy else "tools"
+    guided = next((key for key in GUIDED if getattr(request, key) is not None), None)
+    if guided is not None:
+        raise BadRequest(
+            f"{guided}: an answer that may call {param} follows their grammar; send {guided} without {param}, or "
+            f"set {'function_call' if plan.legacy else 'tool_choice'} to 'none'",
+            param=guided,
+        )
+    for function in plan.callable:
+        _check(function.parameters, f"{function.param}.parameters")
+    text = _text_schema(request) if plan.choice == AUTO else None
+    if (
+        text is not None
+        and request.response_format is not None
+        and request.response_format.type == "json_schema"
+    ):
+        _check(text, "response_format.json_schema.schema")
+    return Constraint(lark_grammar(tool_lark(plan, text)), param)
+
+
+def tool_lark(plan: ToolPlan, text_schema: Mapping[str, Any] | None = None) -> str:
+    """The Lark grammar of the plan's answer (which must have callable functions); `text_schema`, under `auto`,
+    is what the answer must be when it is not calls."""
     functions = plan.callable
-    if not functions:
-        return None
-    lines = ["%llguidance {}"]
     more = f"({_literal(SEPARATOR + OPEN)} body)*" if plan.parallel else ""
-    if plan.choice == AUTO:
-        lines += [
-            f"start: TEXT | opening body {more}",
-            "TEXT: /(.|\\n)*/",
-            f"opening[lazy]: /(.|\\n)*{OPEN}/",
-        ]
+    calls = f"{_literal(OPEN)} body {more}"
+    lines = ["%llguidance {}"]
+    if plan.choice == AUTO and text_schema is not None:
+        lines += [f"start: text | {calls}", f"text: %json {json.dumps(_laid_out(text_schema))}"]
+    elif plan.choice == AUTO:
+        opening = f"opening body {more}"
+        lines += [f"start: TEXT | {opening}", "TEXT: /(.|\\n)*/", f"opening[lazy]: /(.|\\n)*{OPEN}/"]
     else:
-        lines += [f"start: {_literal(OPEN)} body {more}"]
+        lines += [f"start: {calls}"]
     lines.append("body: " + " | ".join(f"call_{i}" for i in range(len(functions))))
     lines += [f"call_{i}: {_call(f)}" for i, f in enumerate(functions)]
     return "\n".join(lines) + "\n"
 
 
-def arguments_schema(function: Function) -> dict[str, Any]:
-    """The function's parameters schema, with the spacing the grammar imposes."""
-    schema = dict(function.parameters)
-    return {**schema, "x-guidance": {**_SPACING, **_mapping(schema.get("x-guidance"))}}
+def _check(schema: Mapping[str, Any], param: str) -> None:
+    """A 400 naming `param` when llguidance cannot compile the schema, with its reason."""
+    error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(json.dumps(_laid_out(schema))))
+    if error:
+        raise BadRequest(
+            f"{param}: {error}; this backend cannot constrain its output to that, so it refuses rather than "
+            "answer unconstrained",
+            param=param,
+        )
 
 
-def check_schemas(plan: ToolPlan) -> None:
-    """A 400 naming the first callable function whose parameters llguidance cannot compile."""
-    for function in plan.callable:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(arguments_schema(function)))
-        error = LLMatcher.validate_grammar(grammar)
-        if error:
-            param = f"{function.param}.parameters"
-            raise BadRequest(f"{param}: this schema cannot constrain the arguments: {error}", param=param)
+def _text_schema(request: ChatRequest) -> Mapping[str, Any] | None:
+    fmt = request.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return ANY_OBJECT
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        param = "response_format.json_schema.schema"
+        raise BadRequest(f"{param}: a json_schema response format needs the JSON schema", param=param)
+    return fmt.json_schema.schema_
 
 
 def _call(function: Function) -> str:
-    return f"{_literal(head(function.name))} %json {json.dumps(arguments_schema(function))} {_literal(TAIL)}"
+    schema = json.dumps(_laid_out(function.parameters))
+    return f"{_literal(head(function.name))} %json {schema} {_literal(TAIL)}"
+
+
+def _laid_out(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {**schema, "x-guidance": _LAYOUT}
 
 
 def _literal(text: str) -> str:
     # A Lark string literal takes JSON's escapes.
     return json.dumps(text)
-
-
-def _mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}

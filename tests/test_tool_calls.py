@@ -110,6 +110,17 @@ def test_a_call_cut_short_keeps_the_arguments_it_has() -> None:
     assert reader.message()["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
 
 
+def test_a_call_cut_inside_its_framing_keeps_its_arguments_without_it() -> None:
+    start = '<tool_call>\n{"name": "get_weather", "arguments": '
+    for framing in ("}", "}\n", "}\n</tool_call"):
+        reader = read_whole(start + '{"city": "Paris"}' + framing)
+        assert reader.message()["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    reader = read_whole(start + '{"days": {"from": 1}' + "}")
+    assert reader.message()["tool_calls"][0]["function"]["arguments"] == '{"days": {"from": 1}}', (
+        "a brace the arguments need is theirs"
+    )
+
+
 def test_legacy_functions_get_one_function_call() -> None:
     reader = CallReader(PROMPT, None, legacy=True)
     cut = WEATHER.index('"arguments": ') + len('"arguments": ')
