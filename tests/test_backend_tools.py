@@ -51,7 +51,9 @@ async def client(checkpoint: Path) -> AsyncIterator[TestClient]:
 
 
 async def chat(client: TestClient, **fields: Any) -> dict[str, Any]:
-    response = await client.post(CHAT, json={"messages": HELLO, "temperature": 0, "max_tokens": 300, **fields})
+    response = await client.post(
+        CHAT, json={"messages": HELLO, "temperature": 0, "max_tokens": 300, **fields}
+    )
     assert response.status == 200, await response.text()
     return dict(await response.json())
 
