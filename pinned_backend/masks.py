@@ -26,11 +26,8 @@ from dataclasses import dataclass
 
 import llguidance
 import torch
-from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
 
 from pinned_backend.grammar import Matcher
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass(frozen=True)
@@ -52,7 +49,8 @@ class PendingMasks:
         """`logits [R, V]` with every disallowed token of a constrained row at -inf; other rows as they were."""
         self._done.result()
         index = torch.tensor(self._rows, dtype=torch.int64)
-        allowed = unpack(self._bitmask[index], logits.shape[1]).to(logits.device)
+        # The words travel to the logits' device, 32 times fewer bytes than the booleans they unpack to.
+        allowed = unpack(self._bitmask[index].to(logits.device), logits.shape[1])
         index = index.to(logits.device)
         masked = logits[index].masked_fill(~allowed, float("-inf"))
         return logits.index_put((index,), masked)
@@ -61,20 +59,23 @@ class PendingMasks:
 def unpack(bitmask: torch.Tensor, width: int) -> torch.Tensor:
     """`bitmask [R, W]` int32, bit j of word i standing for token 32 i + j, as booleans `[R, width]`; tokens past
     the mask's end are not allowed."""
-    bits = ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).reshape(bitmask.shape[0], -1).bool()
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1).bool()
     if bits.shape[1] >= width:
         return bits[:, :width]
     return torch.cat([bits, bits.new_zeros(bits.shape[0], width - bits.shape[1])], dim=1)
 
 
 def _fill(executor: llguidance.LLExecutor, requests: Sequence[MaskRows], bitmask: torch.Tensor) -> None:
-    # llguidance's draft-token call takes only matchers with drafts.
+    # llguidance writes row K of the bitmask at K * row_bytes; its draft-token call takes only matchers with drafts.
+    # (Its torch helpers would do the same, but importing them imports torch's compiler, seconds at start.)
+    rows, row_bytes = bitmask.shape[0], bitmask.shape[1] * bitmask.element_size()
     plain = [(r.matcher.ll, r.first) for r in requests if not r.drafts]
     drafted = [(r.matcher.ll, r.first, list(r.drafts)) for r in requests if r.drafts]
     if plain:
-        fill_next_token_bitmask_par(executor, plain, bitmask)
+        executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, rows)
     if drafted:
-        fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, bitmask)
+        executor.unsafe_compute_mask_ptr_with_draft_token(drafted, bitmask.data_ptr(), row_bytes, rows)
 
 
 class StepMasks:

@@ -1,0 +1,199 @@
+"""What a grammar costs the batch: completion tokens per second of 8 concurrent `json_schema` requests against 8
+unconstrained ones, side by side, on the embedded default model (SmolLM2-135M-Instruct) unless told otherwise.
+
+The backend is assembled as `stackpin-backend serve` assembles it (runtime.py) and its engine is driven directly,
+so the figures measure the engine, the masks and the kernels rather than HTTP. Each round serves the same 8 chat
+prompts twice, greedy, all 8 submitted at once: once constrained to a JSON schema (an array of people, each with a
+name, an age and a city: compiled through the server's own path, response_format's), once free. Both run to
+max_tokens, so the two sides decode the same number of tokens in batches of the same size; the finish reasons are
+reported to show it. The sides alternate for `--rounds` rounds after one uncounted warm-up each; the medians and
+their ratio are printed. Completion tokens per second: the 8 answers' tokens over the wall time from the first
+submit to the last token, prefill included.
+
+Usage, from the repository root:
+    python -m bench.structured [--model PATH] [--rounds 3] [--max-tokens 48] [--out bench/results/structured.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pinned_backend.engine import Engine, TokenOutput
+from pinned_backend.protocol import ChatRequest, parse_request
+from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
+from pinned_backend.sampling import SamplingParams
+from pinned_backend.stack import detect_hardware
+from pinned_backend.structured import requested_constraint
+
+CONCURRENT = 8
+PEOPLE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "people": {
+            "type": "array",
+            "minItems": 8,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "age": {"type": "integer"},
+                    "city": {"type": "string"},
+                },
+                "required": ["name", "age", "city"],
+                "additionalProperties": False,
+            },
+        }
+    },
+    "required": ["people"],
+    "additionalProperties": False,
+}
+TOPICS = ["scientists", "painters", "athletes", "writers", "musicians", "chefs", "pilots", "architects"]
+
+
+def prompts(runtime: Runtime) -> list[list[int]]:
+    return [
+        runtime.tokenizer.encode_chat(
+            [{"role": "user", "content": f"List eight famous {topic} with their age and city, as JSON."}]
+        )
+        for topic in TOPICS
+    ]
+
+
+def json_schema_params(runtime: Runtime, max_tokens: int) -> SamplingParams:
+    """Greedy, constrained as a `response_format` `json_schema` request is: through structured.py and the cache."""
+    body = parse_request(
+        ChatRequest,
+        {
+            "messages": [{"role": "user", "content": "-"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "people", "schema": PEOPLE_SCHEMA, "strict": True},
+            },
+        },
+    )
+    constraint = requested_constraint(body)
+    assert constraint is not None
+    grammar = runtime.grammars.compile(constraint.grammar)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, grammar=grammar)
+
+
+def serve_all(
+    engine: Engine, prompt_ids: list[list[int]], params: SamplingParams
+) -> tuple[int, float, list[str]]:
+    """(completion tokens, seconds from the first submit to the last token, finish reasons)."""
+    outputs: dict[str, list[TokenOutput]] = {}
+    start = time.perf_counter()
+    for i, ids in enumerate(prompt_ids):
+        outputs[f"r{i}"] = []
+        engine.submit(f"r{i}", ids, params, outputs[f"r{i}"].append)  # type: ignore[arg-type]
+    while engine.has_work():
+        engine.step()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(out) for out in outputs.values())
+    return tokens, seconds, [str(out[-1].finish_reason) for out in outputs.values()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model", type=Path, default=None, help="an HF folder or GGUF file (default: SmolLM2)"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the result as Markdown here")
+    args = parser.parse_args()
+    model = args.model or _smollm2()
+    settings = BackendSettings(model=model, threads=args.threads, prefix_cache=False)
+    runtime = load_runtime(settings)
+    engine = runtime.engine
+    prompt_ids = prompts(runtime)
+    free = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    sides = {"json_schema": json_schema_params(runtime, args.max_tokens), "free": free}
+    rates: dict[str, list[float]] = {side: [] for side in sides}
+    finishes: dict[str, set[str]] = {side: set() for side in sides}
+    for round_ in range(args.rounds + 1):
+        for side, params in sides.items():
+            tokens, seconds, reasons = serve_all(engine, prompt_ids, replace(params))
+            if round_ == 0:
+                continue  # warm-up
+            rates[side].append(tokens / seconds)
+            finishes[side].update(reasons)
+            print(f"round {round_} {side}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s")
+    medians = {side: statistics.median(r) for side, r in rates.items()}
+    ratio = medians["json_schema"] / medians["free"]
+    per_round = [c / f for c, f in zip(rates["json_schema"], rates["free"], strict=True)]
+    report = _report(args, model, runtime, rates, medians, ratio, per_round, finishes)
+    print(report)
+    if args.out is not None:
+        args.out.write_text(report)
+
+
+def _smollm2() -> Path:
+    from proxy.local_backend import SMOLLM2_INSTALL, smollm2_gguf
+
+    found = smollm2_gguf()
+    if found is None:
+        raise SystemExit(f"SmolLM2's GGUF file is not installed: {SMOLLM2_INSTALL}; or pass --model")
+    return found
+
+
+def _report(
+    args: argparse.Namespace,
+    model: Path,
+    runtime: Runtime,
+    rates: dict[str, list[float]],
+    medians: dict[str, float],
+    ratio: float,
+    per_round: list[float],
+    finishes: dict[str, set[str]],
+) -> str:
+    generation, detail = detect_hardware(torch.device("cpu"))
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    command = f"python -m bench.structured --rounds {args.rounds} --max-tokens {args.max_tokens}"
+    if args.threads:
+        command += f" --threads {args.threads}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    rows = "\n".join(
+        f"| {side} | {medians[side]:.1f} | {', '.join(f'{r:.1f}' for r in rates[side])} | "
+        f"{', '.join(sorted(finishes[side]))} |"
+        for side in rates
+    )
+    return f"""# Structured outputs: what a grammar costs the batch
+
+`bench/structured.py`: {CONCURRENT} concurrent greedy chat requests, all submitted at once, served by the engine
+directly (as `stackpin-backend serve` assembles it; `{runtime.stack["kernel_mode"]}` kernels), {args.max_tokens}
+completion tokens each: constrained to a `json_schema` response format (an array of at least 8 people, each a
+name, an age and a city) against the same prompts unconstrained. Interleaved rounds after one warm-up a side;
+completion tokens per second over the wall time from the first submit to the last token, prefill included.
+
+- Command: `{command}`
+- Commit: `{commit}` (the measured code; this file was added after)
+- Machine: {platform.machine()}, {detail.get("cpu_model")} ({generation}), {detail.get("threads")} torch threads,
+  {os.cpu_count()} CPUs, load average {load} (shared with other work while it ran); torch {torch.__version__}
+- Model: `{runtime.stack["model"]}` ({runtime.stack["quantisation"]}), `{model.name}`
+- Date: {datetime.date.today().isoformat()}
+
+| side | median tok/s | rounds | finish reasons |
+| --- | ---: | --- | --- |
+{rows}
+
+**json_schema / free: {ratio:.3f}** (per round: {", ".join(f"{r:.3f}" for r in per_round)}; target >= 0.9)
+"""
+
+
+if __name__ == "__main__":
+    main()
