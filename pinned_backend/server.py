@@ -58,9 +58,10 @@ from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
 from pinned_backend.sampling import SamplingParams, draw_seed
 from pinned_backend.stack import fingerprint
 from pinned_backend.structured import Constraint, requested_constraint
+from pinned_backend.tokenizer import Tokenizer
 from pinned_backend.tool_calls import CallReader
-from pinned_backend.tool_grammar import answer_constraint
-from pinned_backend.tool_prompt import chat_prompt
+from pinned_backend.tool_grammar import answer_constraint, tag_tokens
+from pinned_backend.tool_prompt import chat_prompt, renders_tools
 from pinned_backend.tools import ToolPlan, tool_plan
 
 STACK_HEADER = "Stackpin-Stack"
@@ -159,15 +160,20 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     body = parse_request(ChatRequest, raw)
     runtime = request.app[RUNTIME]
     tools = tool_plan(body)
-    messages, extra = chat_prompt(body.messages, tools, runtime.tokenizer.takes_tools)
-    try:
-        prompt_ids = runtime.tokenizer.encode_chat(messages, **extra)
-    except ValueError as exc:
-        raise BadRequest(f"messages: {exc}", param="messages") from None
-    constraint = answer_constraint(body, tools)
+    prompt_ids = _chat_prompt_ids(runtime.tokenizer, body, tools)
+    constraint = answer_constraint(body, tools, tag_tokens(runtime.tokenizer))
     return await _serve(
         request, body, prompt_ids, chat=True, logprobs=body.logprobs, constraint=constraint, tools=tools
     )
+
+
+def _chat_prompt_ids(tokenizer: Tokenizer, body: ChatRequest, tools: ToolPlan | None) -> list[int]:
+    own_tools = renders_tools(tokenizer.chat_template, tokenizer.takes_tools)
+    messages, extra = chat_prompt(body.messages, tools, own_tools)
+    try:
+        return tokenizer.encode_chat(messages, **extra)
+    except ValueError as exc:
+        raise BadRequest(f"messages: {exc}", param="messages") from None
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:

@@ -136,6 +136,10 @@ class Tokenizer:
         """The `tokenizers` library's JSON of this tokenizer (vocabulary, merges, pre-tokenizer, decoder)."""
         return self._tokenizer.to_str()
 
+    def is_added_token(self, text: str) -> bool:
+        """Whether `text` is a token added to the vocabulary (special or not), as a chat format's tags often are."""
+        return any(token.content == text for token in self._tokenizer.get_added_tokens_decoder().values())
+
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 

@@ -34,7 +34,8 @@ def head(name: str) -> str:
 
 HEAD_START = '\n{"name": "'  # head(name) up to the name
 AFTER_NAME = '", "arguments": '  # head(name) after the name
-TAIL = "}\n" + CLOSE  # after the arguments' last character
+AFTER_ARGUMENTS = "}\n"  # after the arguments' last character, before CLOSE
+TAIL = AFTER_ARGUMENTS + CLOSE
 
 
 def call_text(name: str, arguments: str) -> str:

@@ -32,15 +32,25 @@ from llguidance import LLMatcher
 from pinned_backend.grammar import JSON_OPTIONS, lark_grammar
 from pinned_backend.protocol import BadRequest, ChatRequest
 from pinned_backend.structured import ANY_OBJECT, GUIDED, Constraint, requested_constraint
-from pinned_backend.tool_format import OPEN, SEPARATOR, TAIL, head
+from pinned_backend.tokenizer import Tokenizer
+from pinned_backend.tool_format import AFTER_ARGUMENTS, CLOSE, OPEN, SEPARATOR, head
 from pinned_backend.tools import AUTO, Function, ToolPlan
 
 # A keyword llguidance does not implement is an error, never a constraint quietly dropped.
 _LAYOUT = {**JSON_OPTIONS, "lenient": False}
 
 
-def answer_constraint(request: ChatRequest, plan: ToolPlan | None) -> Constraint | None:
-    """The grammar the answer follows: the tools', the request's own format's, or none."""
+def tag_tokens(tokenizer: Tokenizer) -> bool:
+    """Whether the vocabulary has the tags as tokens of their own (Qwen's does), which the grammar must allow: the
+    grammar engine never spells an added token out of text."""
+    return all(tokenizer.is_added_token(tag) for tag in (OPEN, CLOSE))
+
+
+def answer_constraint(
+    request: ChatRequest, plan: ToolPlan | None, tag_tokens: bool = False
+) -> Constraint | None:
+    """The grammar the answer follows: the tools', the request's own format's, or none. `tag_tokens`: the
+    vocabulary has `<tool_call>` and `</tool_call>` as tokens of their own (Qwen's)."""
     if plan is None or not plan.callable:
         return requested_constraint(request)
     param = "functions" if plan.legacy else "tools"
@@ -60,23 +70,30 @@ def answer_constraint(request: ChatRequest, plan: ToolPlan | None) -> Constraint
         and request.response_format.type == "json_schema"
     ):
         _check(text, "response_format.json_schema.schema")
-    return Constraint(lark_grammar(tool_lark(plan, text)), param)
+    return Constraint(lark_grammar(tool_lark(plan, text, tag_tokens)), param)
 
 
-def tool_lark(plan: ToolPlan, text_schema: Mapping[str, Any] | None = None) -> str:
+def tool_lark(plan: ToolPlan, text_schema: Mapping[str, Any] | None = None, tag_tokens: bool = False) -> str:
     """The Lark grammar of the plan's answer (which must have callable functions); `text_schema`, under `auto`,
-    is what the answer must be when it is not calls."""
+    is what the answer must be when it is not calls; `tag_tokens`, whether the tags are tokens of their own."""
     functions = plan.callable
-    more = f"({_literal(SEPARATOR + OPEN)} body)*" if plan.parallel else ""
-    calls = f"{_literal(OPEN)} body {more}"
+    more = f"({_literal(SEPARATOR)} open body)*" if plan.parallel else ""
     lines = ["%llguidance {}"]
     if plan.choice == AUTO and text_schema is not None:
-        lines += [f"start: text | {calls}", f"text: %json {json.dumps(_laid_out(text_schema))}"]
+        lines += [f"start: text | open body {more}", f"text: %json {json.dumps(_laid_out(text_schema))}"]
     elif plan.choice == AUTO:
-        opening = f"opening body {more}"
-        lines += [f"start: TEXT | {opening}", "TEXT: /(.|\\n)*/", f"opening[lazy]: /(.|\\n)*{OPEN}/"]
+        lines += [
+            f"start: TEXT | opening body {more}",
+            "TEXT: /(.|\\n)*/",
+            f"opening_text[lazy]: /(.|\\n)*{OPEN}/",
+        ]
+        # A tag that is a token of its own cannot end a lexeme of text: it follows the text as a token.
+        lines += [f"opening: opening_text{f' | TEXT {OPEN}' if tag_tokens else ''}"]
     else:
-        lines += [f"start: {calls}"]
+        lines += [f"start: open body {more}"]
+    # A vocabulary with the tags as tokens may still spell them out in pieces; either way is the tag.
+    lines += [f"open: {_literal(OPEN)}{f' | {OPEN}' if tag_tokens else ''}"]
+    lines += [f"close: {_literal(CLOSE)}{f' | {CLOSE}' if tag_tokens else ''}"]
     lines.append("body: " + " | ".join(f"call_{i}" for i in range(len(functions))))
     lines += [f"call_{i}: {_call(f)}" for i, f in enumerate(functions)]
     return "\n".join(lines) + "\n"
@@ -107,7 +124,7 @@ def _text_schema(request: ChatRequest) -> Mapping[str, Any] | None:
 
 def _call(function: Function) -> str:
     schema = json.dumps(_laid_out(function.parameters))
-    return f"{_literal(head(function.name))} %json {schema} {_literal(TAIL)}"
+    return f"{_literal(head(function.name))} %json {schema} {_literal(AFTER_ARGUMENTS)} close"
 
 
 def _laid_out(schema: Mapping[str, Any]) -> dict[str, Any]:

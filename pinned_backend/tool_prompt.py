@@ -1,7 +1,8 @@
 """A chat request's messages as its model's chat template receives them, tools and tool turns included.
 
-Where the template renders tools itself (it reads a `tools` variable, as Qwen3's does), it gets them as Hugging
-Face's templates expect: `tools` as OpenAI's list of `{"type": "function", "function": {...}}`, an assistant's
+Where the template renders tools itself in the generic format's spelling (it reads a `tools` variable and writes
+`<tool_call>`, as Qwen's and Hermes-style templates do: `renders_tools`), it gets them as Hugging Face's templates
+expect: `tools` as OpenAI's list of `{"type": "function", "function": {...}}`, an assistant's
 calls as `tool_calls` whose `arguments` are the parsed JSON object (as written, if not JSON), and results as `tool`
 messages; a legacy `function` message becomes a `tool` message and a legacy `function_call` one call. Where it
 does not (SmolLM2's), the messages are rewritten in the generic format (tool_format.py): the tools block joins the
@@ -18,16 +19,23 @@ import json
 from typing import Any
 
 from pinned_backend.protocol import FunctionCall, Message
-from pinned_backend.tool_format import call_text, response_text, tools_block
+from pinned_backend.tool_format import OPEN, call_text, response_text, tools_block
 from pinned_backend.tools import ToolPlan
 
 
+def renders_tools(template: str | None, takes_tools: bool) -> bool:
+    """Whether a chat template (its source, and whether it reads `tools`) renders tools and calls itself, in the
+    spelling the answer is constrained to."""
+    return takes_tools and template is not None and OPEN in template
+
+
 def chat_prompt(
-    messages: list[Message], plan: ToolPlan | None, takes_tools: bool
+    messages: list[Message], plan: ToolPlan | None, own_tools: bool
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The messages for the template, and the extra variables it is rendered with."""
+    """The messages for the template, and the extra variables it is rendered with; `own_tools`: the template
+    renders tools itself (`renders_tools`)."""
     offered = [f.definition() for f in plan.functions] if plan is not None and plan.callable else []
-    if takes_tools:
+    if own_tools:
         extra = {"tools": [{"type": "function", "function": f} for f in offered]} if offered else {}
         return [_template_message(m) for m in messages], extra
     rendered = _generic_messages(messages)

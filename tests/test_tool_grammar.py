@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import tokenizers
 
 from pinned_backend.grammar import GrammarCompiler
 from pinned_backend.protocol import BadRequest, ChatRequest, parse_request
 from pinned_backend.tokenizer import Tokenizer
 from pinned_backend.tool_format import SEPARATOR, call_text
-from pinned_backend.tool_grammar import answer_constraint
+from pinned_backend.tool_grammar import answer_constraint, tag_tokens
 from pinned_backend.tools import tool_plan
 from tests.support.backend_checkpoint import write_random_checkpoint
 
@@ -95,6 +96,47 @@ def test_auto_with_a_response_format_is_that_json_or_calls(
     assert allows(compiler, '{"answer": "sunny"}', **fields)
     assert allows(compiler, PARIS, **fields)
     assert not allows(compiler, "It is sunny.", **fields)
+
+
+def test_tags_that_are_tokens_of_their_own_are_allowed_as_tokens_and_spelled_out() -> None:
+    # As Qwen's vocabulary has them: added tokens, which the grammar engine never spells out of text.
+    plain = _byte_level()
+    raw = tokenizers.Tokenizer.from_str(plain.to_str())
+    raw.add_tokens(
+        [tokenizers.AddedToken("<tool_call>", special=False), tokenizers.AddedToken("</tool_call>")]
+    )
+    tokenizer = Tokenizer(raw, None, None, "<|im_end|>", frozenset({0}))
+    assert tag_tokens(tokenizer) and not tag_tokens(Tokenizer(plain, None, None, None, frozenset()))
+    grammars = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    as_tokens, spelled = raw.encode(PARIS).ids, plain.encode(PARIS).ids
+    assert len(as_tokens) < len(spelled) and tokenizer.token_to_id("<tool_call>") in as_tokens
+    compiled: dict[str, Any] = {}
+    for choice in ("auto", "required"):
+        request = parse_request(
+            ChatRequest,
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": choice},
+        )
+        constraint = answer_constraint(request, tool_plan(request), tag_tokens=True)
+        assert constraint is not None
+        compiled[choice] = grammars.compile(constraint.grammar)
+        for ids in (as_tokens, spelled):
+            assert compiled[choice].matcher().valid_prefix(ids) == len(ids), (
+                f"{choice}: tags as tokens or spelled"
+            )
+    text_then_tag = [*raw.encode("Sure.").ids, as_tokens[0]]
+    free_after = compiled["auto"].matcher().valid_prefix([*text_then_tag, *raw.encode(" anything").ids])
+    assert free_after == len(text_then_tag), "under auto, text then the tag token, and from there a call only"
+
+
+def _byte_level() -> tokenizers.Tokenizer:
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    raw = tokenizers.Tokenizer(
+        tokenizers.models.BPE(vocab={t: i for i, t in enumerate(["<|im_end|>", *alphabet])}, merges=[])
+    )
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = tokenizers.decoders.ByteLevel()
+    raw.add_special_tokens(["<|im_end|>"])
+    return raw
 
 
 def test_no_tool_grammar_when_no_call_may_be_made() -> None:

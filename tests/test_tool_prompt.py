@@ -12,7 +12,7 @@ from tokenizers import models
 from pinned_backend.protocol import ChatRequest, parse_request
 from pinned_backend.tokenizer import Tokenizer
 from pinned_backend.tool_format import call_text, normal_arguments, tools_block
-from pinned_backend.tool_prompt import chat_prompt
+from pinned_backend.tool_prompt import chat_prompt, renders_tools
 from pinned_backend.tools import tool_plan
 
 # A template that knows nothing of tools, as SmolLM2's: every message's role and content, as they are.
@@ -61,13 +61,24 @@ def tokenizer(template: str) -> Tokenizer:
 def prompt(template: str, **fields: Any) -> str:
     request = parse_request(ChatRequest, {"messages": CONVERSATION, **fields})
     chat = tokenizer(template)
-    messages, extra = chat_prompt(request.messages, tool_plan(request), chat.takes_tools)
+    messages, extra = chat_prompt(
+        request.messages, tool_plan(request), renders_tools(template, chat.takes_tools)
+    )
     return chat.apply_chat_template(messages, **extra)
 
 
 def test_a_template_that_reads_tools_is_told_so() -> None:
     assert tokenizer(WITH_TOOLS).takes_tools
     assert not tokenizer(PLAIN).takes_tools
+
+
+def test_a_template_renders_tools_itself_only_in_the_spelling_the_grammar_writes() -> None:
+    assert renders_tools(WITH_TOOLS, tokenizer(WITH_TOOLS).takes_tools)
+    assert not renders_tools(PLAIN, False)
+    other = WITH_TOOLS.replace("<tool_call>", "<|python_tag|>").replace("</tool_call>", "<|eom_id|>")
+    assert tokenizer(other).takes_tools and not renders_tools(other, True), (
+        "a template that spells calls otherwise would teach the model what the grammar forbids"
+    )
 
 
 def test_the_generic_format_is_the_spelling_of_qwens_own_template() -> None:
@@ -97,7 +108,7 @@ def test_an_existing_system_message_keeps_its_text_before_the_tools_block() -> N
         ChatRequest,
         {"messages": [{"role": "system", "content": "Be brief."}, *CONVERSATION], "tools": [WEATHER]},
     )
-    messages, _ = chat_prompt(request.messages, tool_plan(request), takes_tools=False)
+    messages, _ = chat_prompt(request.messages, tool_plan(request), own_tools=False)
     assert messages[0] == {"role": "system", "content": f"Be brief.\n\n{tools_block([WEATHER['function']])}"}
 
 
@@ -121,10 +132,10 @@ def test_legacy_function_turns_render_as_tool_turns() -> None:
             "functions": [WEATHER["function"]],
         },
     )
-    plain, _ = chat_prompt(request.messages, tool_plan(request), takes_tools=False)
+    plain, _ = chat_prompt(request.messages, tool_plan(request), own_tools=False)
     assert plain[2]["content"] == call_text("get_weather", "{}")
     assert plain[3] == {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}
-    own, extra = chat_prompt(request.messages, tool_plan(request), takes_tools=True)
+    own, extra = chat_prompt(request.messages, tool_plan(request), own_tools=True)
     assert own[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {}}
     assert own[2] == {"role": "tool", "name": "get_weather", "content": "sunny"}
     assert extra["tools"][0]["function"]["name"] == "get_weather"
