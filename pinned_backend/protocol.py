@@ -2,8 +2,8 @@
 
 Requests are pydantic models that ignore unknown fields and refuse known fields of the wrong type;
 `parse_request` turns a validation failure into an `ApiError` naming the field and what to send instead. A field
-of OpenAI's API that would change the answer and that this backend cannot honour (tools, penalties, logit biases,
-...) is refused with a 400 naming it, never answered as if it had not been sent. The
+of OpenAI's API that would change the answer and that this backend cannot honour (penalties, logit biases, ...)
+is refused with a 400 naming it, never answered as if it had not been sent. The
 error hierarchy below is mapped to OpenAI-style JSON (`{"error": {"message", "type", "param", "code"}}`) by
 the server in one place.
 
@@ -90,9 +90,48 @@ class TextPart(_Request):
     text: str
 
 
+_NAME = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's rule for a function's name
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedTool(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
+    name: str | None = None  # a `function` message's function
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    function_call: FunctionCall | None = None  # an assistant's, in the legacy shape
+    tool_call_id: str | None = None  # a `tool` message's
 
     def text(self) -> str:
         if self.content is None:
@@ -144,6 +183,11 @@ class ChatRequest(_Decoding):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool = True
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | FunctionName | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -192,15 +236,10 @@ def _absent(*harmless: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or any(type(value) is type(h) and value == h for h in harmless)
 
 
-_TOOLS = "this backend renders no tool definitions and parses no tool calls from the model's output"
 _SAMPLING = "this backend's sampler has no such adjustment"
 # What a client may send that would change the answer, with the values that leave it unchanged. Anything else is
 # refused: an answer computed without what was asked for would pretend to be the answer to it.
 CHAT_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_absent([]), _TOOLS),
-    "tool_choice": (_absent("none"), _TOOLS),
-    "functions": (_absent([]), _TOOLS),
-    "function_call": (_absent("none"), _TOOLS),
     "logit_bias": (_absent({}), _SAMPLING),
     "presence_penalty": (_absent(0, 0.0), _SAMPLING),
     "frequency_penalty": (_absent(0, 0.0), _SAMPLING),
@@ -219,10 +258,8 @@ COMPLETION_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_absent(1), "this backend serves one completion per request"),
     "suffix": (_absent(""), "this backend does not fill in the middle"),
 }
-# Per chat message: an assistant turn's tool calls would be dropped from the prompt.
+# Per chat message.
 MESSAGE_UNHONOURED: Mapping[str, tuple[Callable[[Any], bool], str]] = {
-    "tool_calls": (_absent([]), _TOOLS),
-    "function_call": (_absent(), _TOOLS),
     "audio": (_absent(), "this backend reads text only"),
 }
 
@@ -262,13 +299,19 @@ def parse_request(model: type[R], body: Any) -> R:
         return model.model_validate(body)
     except ValidationError as exc:
         errors = exc.errors()
-        # A union reports one error per branch; a range error says more than "not a string" does.
+        # A union reports one error per branch; a range error says more than "not a string" does, and the branch
+        # that got deepest into the value is the one the client meant.
         specific = [e for e in errors if not e["type"].endswith("_type") and e["type"] != "none_required"]
-        error = (specific or errors)[0]
-        # Unions add their branch's type to the location ("content.str"); a client knows the field only.
-        loc = [str(p) for p in error["loc"] if p not in _TYPE_NAMES and "[" not in str(p)]
+        error = max(specific or errors, key=lambda e: len(e["loc"]))
+        # Unions add their branch's type or model to the location ("content.str", "tool_choice.NamedTool"); a
+        # client knows the field only.
+        loc = [str(p) for p in error["loc"] if p not in _TYPE_NAMES and not _branch(str(p))]
         param = ".".join(loc) or None
         raise BadRequest(f"{param}: {_explain(error)}", param=param) from None
+
+
+def _branch(part: str) -> bool:
+    return "[" in part or part[:1].isupper()
 
 
 def _explain(error: Any) -> str:
@@ -277,6 +320,8 @@ def _explain(error: Any) -> str:
         return "this field is required"
     if kind == "literal_error" and error["loc"] == ("echo",):
         return "echo is not supported; leave it out or set it to false"
+    if kind == "literal_error" and error["loc"][0] in ("tools", "tool_choice") and error["loc"][-1] == "type":
+        return f"only tools of type 'function' are served here, not {error.get('input')!r}"
     if error["loc"] == ("n",) and kind == "less_than_equal":
         return "only n = 1 is supported; send one request per completion"
     return f"{message} (got {error.get('input')!r})"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pinned_backend.engine import BatchStats, TokenOutput
+from pinned_backend.tool_calls import CallReader
 
 TokenText = Callable[[int], tuple[str, bytes]]  # a token id -> its text alone, and its exact bytes
 
@@ -38,11 +39,13 @@ class Meta:
 
 @dataclass
 class Completion:
-    """A completion as its tokens arrive from the engine."""
+    """A completion as its tokens arrive from the engine; `calls` reads a chat answer's tool calls, if it may
+    hold any."""
 
     prompt_ids: list[int]
     seed: int | None
     outputs: list[TokenOutput] = field(default_factory=list)
+    calls: CallReader | None = None
 
     @property
     def text(self) -> str:
@@ -115,7 +118,7 @@ def full_body(meta: Meta, completion: Completion, logprobs: bool, token_text: To
     """The whole answer of a request that did not ask to stream."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": completion.finish_reason}
     if meta.chat:
-        choice["message"] = {"role": "assistant", "content": completion.text}
+        choice["message"], choice["finish_reason"] = _message(completion)
         choice["logprobs"] = chat_logprobs(completion.outputs, token_text) if logprobs else None
     else:
         choice["text"] = completion.text
@@ -132,6 +135,21 @@ def full_body(meta: Meta, completion: Completion, logprobs: bool, token_text: To
     }
 
 
+def _message(completion: Completion) -> tuple[dict[str, Any], str | None]:
+    """A whole chat answer's message and finish reason."""
+    if completion.calls is None:
+        return {"role": "assistant", "content": completion.text}, completion.finish_reason
+    completion.calls.feed(completion.text, end=True)
+    return completion.calls.message(), completion.calls.finish_reason(completion.finish_reason)
+
+
+def _delta(completion: Completion, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    """What a chat chunk's `text` adds to the message, and the finish reason if it is the last."""
+    if completion.calls is None:
+        return ({"content": text} if text or finish is None else {}), finish
+    return completion.calls.feed(text, end=finish is not None), completion.calls.finish_reason(finish)
+
+
 def _chunk(meta: Meta, choices: list[dict[str, Any]], extension: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": meta.id,
@@ -144,11 +162,12 @@ def _chunk(meta: Meta, choices: list[dict[str, Any]], extension: dict[str, Any])
     }
 
 
-def first_chunk(meta: Meta) -> dict[str, Any]:
-    """A chat stream opens by naming the role, as OpenAI's does."""
+def first_chunk(meta: Meta, calls: bool = False) -> dict[str, Any]:
+    """A chat stream opens by naming the role, as OpenAI's does; an answer that may be only calls has no content
+    until it writes some."""
     choice = {
         "index": 0,
-        "delta": {"role": "assistant", "content": ""},
+        "delta": {"role": "assistant", "content": None if calls else ""},
         "logprobs": None,
         "finish_reason": None,
     }
@@ -164,7 +183,7 @@ def token_chunk(
     finish = completion.finish_reason
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if meta.chat:
-        choice["delta"] = {"content": text} if text or finish is None else {}
+        choice["delta"], choice["finish_reason"] = _delta(completion, text, finish)
         choice["logprobs"] = chat_logprobs(new, token_text) if logprobs else None
     else:
         choice["text"] = text

@@ -58,6 +58,11 @@ from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
 from pinned_backend.sampling import SamplingParams, draw_seed
 from pinned_backend.stack import fingerprint
 from pinned_backend.structured import Constraint, requested_constraint
+from pinned_backend.tokenizer import Tokenizer
+from pinned_backend.tool_calls import CallReader
+from pinned_backend.tool_grammar import answer_constraint, tag_tokens
+from pinned_backend.tool_prompt import chat_prompt, renders_tools
+from pinned_backend.tools import ToolPlan, tool_plan
 
 STACK_HEADER = "Stackpin-Stack"
 
@@ -154,14 +159,21 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     refuse_unhonoured(raw, CHAT_UNHONOURED)
     body = parse_request(ChatRequest, raw)
     runtime = request.app[RUNTIME]
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    tools = tool_plan(body)
+    prompt_ids = _chat_prompt_ids(runtime.tokenizer, body, tools)
+    constraint = answer_constraint(body, tools, tag_tokens(runtime.tokenizer))
+    return await _serve(
+        request, body, prompt_ids, chat=True, logprobs=body.logprobs, constraint=constraint, tools=tools
+    )
+
+
+def _chat_prompt_ids(tokenizer: Tokenizer, body: ChatRequest, tools: ToolPlan | None) -> list[int]:
+    own_tools = renders_tools(tokenizer.chat_template, tokenizer.takes_tools)
+    messages, extra = chat_prompt(body.messages, tools, own_tools)
     try:
-        prompt_ids = runtime.tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, **extra)
     except ValueError as exc:
         raise BadRequest(f"messages: {exc}", param="messages") from None
-    return await _serve(
-        request, body, prompt_ids, chat=True, logprobs=body.logprobs, constraint=requested_constraint(body)
-    )
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -236,8 +248,10 @@ async def _serve(
     chat: bool,
     logprobs: bool,
     constraint: Constraint | None = None,
+    tools: ToolPlan | None = None,
 ) -> web.StreamResponse:
-    """Serve one completion; `constraint`, if any, is the grammar its output must follow."""
+    """Serve one completion; `constraint`, if any, is the grammar its output must follow; `tools`, the tools a
+    chat answer may call, whose calls are read out of its text."""
     app = request.app
     runtime = app[RUNTIME]
     params = _sampling_params(body, len(prompt_ids), runtime, app[SEEDS])
@@ -245,7 +259,9 @@ async def _serve(
         params = replace(params, grammar=await _compiled(runtime, constraint))
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     meta = Meta(request_id, int(app[CLOCK]()), runtime.settings.served_name, app[FINGERPRINT], chat)
-    completion = Completion(prompt_ids, params.seed if not params.greedy else None)
+    seed = params.seed if not params.greedy else None
+    calls = CallReader(prompt_ids, seed, tools.legacy) if tools is not None and tools.callable else None
+    completion = Completion(prompt_ids, seed, calls=calls)
     queue: asyncio.Queue[TokenOutput | EngineError] = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -332,7 +348,7 @@ async def _write_events(
         await response.write(f"data: {json.dumps(payload)}\n\n".encode())
 
     if meta.chat:
-        await send(first_chunk(meta))
+        await send(first_chunk(meta, calls=completion.calls is not None))
     while True:
         if isinstance(event, EngineError):
             await send(_checked_error(event))  # the headers are gone: the error travels as an event

@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 import tokenizers
 
@@ -85,9 +86,12 @@ class Tokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         self._template: jinja2.Template | None = None
+        # Whether the template renders tool definitions itself (it reads a `tools` variable, as Qwen3's does).
+        self.takes_tools = False
         if chat_template is not None:
             try:
                 self._template = env.from_string(chat_template)
+                self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(chat_template))
             except jinja2.TemplateSyntaxError as exc:
                 raise CheckpointError(f"{where}: chat_template is not valid jinja2: {exc}") from None
 
@@ -131,6 +135,10 @@ class Tokenizer:
     def serialized(self) -> str:
         """The `tokenizers` library's JSON of this tokenizer (vocabulary, merges, pre-tokenizer, decoder)."""
         return self._tokenizer.to_str()
+
+    def is_added_token(self, text: str) -> bool:
+        """Whether `text` is a token added to the vocabulary (special or not), as a chat format's tags often are."""
+        return any(token.content == text for token in self._tokenizer.get_added_tokens_decoder().values())
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)

@@ -217,15 +217,23 @@ async def test_unknown_fields_and_the_values_that_ask_for_nothing_are_accepted(c
         (COMPLETIONS, {"prompt": "a", "logprobs": 9}, "logprobs", "less than or equal to 5"),
         (COMPLETIONS, {"prompt": "a", "stop": [""]}, "stop", "must not be empty"),
         # What it cannot honour is refused, never answered as if it had not been asked.
+        (CHAT, {"messages": HELLO, "tools": [{"type": "web_search"}]}, "tools.0.type", "only tools of type"),
+        (CHAT, {"messages": HELLO, "tool_choice": "required"}, "tool_choice", "offers no tools"),
         (
             CHAT,
-            {"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
-            "tool",
+            {"messages": HELLO, "functions": [{"name": "f"}], "function_call": {"name": "g"}},
+            "function_call",
+            "no function named 'g'",
         ),
-        (CHAT, {"messages": HELLO, "tool_choice": "required"}, "tool_choice", "tool calls"),
-        (CHAT, {"messages": HELLO, "functions": [{"name": "f"}]}, "functions", "tool"),
-        (CHAT, {"messages": HELLO, "function_call": {"name": "f"}}, "function_call", "tool"),
+        (
+            CHAT,
+            {
+                "messages": HELLO,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}],
+            },
+            "tools.0.function.parameters",
+            "cannot constrain",
+        ),
         (
             CHAT,
             {"messages": HELLO, "response_format": {"type": "xml"}},
@@ -239,8 +247,8 @@ async def test_unknown_fields_and_the_values_that_ask_for_nothing_are_accepted(c
         (
             CHAT,
             {"messages": [*HELLO, {"role": "assistant", "tool_calls": [{"id": "c"}]}]},
-            "messages.1.tool_calls",
-            "tool calls",
+            "messages.1.tool_calls.0.function",
+            "required",
         ),
         (COMPLETIONS, {"prompt": "a", "best_of": 3}, "best_of", "one completion"),
         (COMPLETIONS, {"prompt": "a", "suffix": "end"}, "suffix", "middle"),

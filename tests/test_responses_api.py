@@ -16,6 +16,7 @@ from proxy.serving.responses_api import (
     from_chat,
     record_of,
     response_id,
+    responses_error,
     to_chat,
 )
 
@@ -111,6 +112,27 @@ def test_a_text_format_and_logprobs_are_asked_of_the_replica_not_dropped() -> No
         "json_schema": {"name": "w", "schema": {"type": "object"}},
     }
     assert (chat["logprobs"], chat["top_logprobs"]) == (True, 2)
+
+
+@pytest.mark.parametrize(
+    ("chat_param", "param"),
+    [
+        ("response_format", "text.format"),
+        ("response_format.json_schema.schema", "text.format.schema"),
+        ("max_completion_tokens", "max_output_tokens"),
+        ("tools.2.function.parameters", "tools[2].parameters"),
+        ("tool_choice.function.name", "tool_choice.name"),
+        ("messages.3.content", "input"),
+        ("temperature", "temperature"),
+    ],
+)
+def test_a_replicas_refusal_of_the_chat_request_names_the_clients_field(chat_param: str, param: str) -> None:
+    refusal = {"error": {"message": f"{chat_param}: cannot honour it", "type": "invalid_request_error",
+                         "param": chat_param, "code": "invalid_request"}}  # fmt: skip
+    error = responses_error(refusal)["error"]
+    assert (error["param"], error["message"]) == (param, f"{param}: cannot honour it")
+    assert error["type"] == "invalid_request_error"
+    assert responses_error({"error": {"message": "no param"}}) == {"error": {"message": "no param"}}
 
 
 def chat_answer(

@@ -5,7 +5,8 @@ What translates: instructions (a first system message), text input and multi-tur
 text parts, function calls and their outputs), function tools and tool choice, `max_output_tokens`, sampling
 settings, logprobs, and text formats (`text.format`, which the replica honours or refuses). What cannot is refused
 with a 400 naming the field (images, files, built-in tools, reasoning, background runs, stored prompts): an
-answer without what was asked for would pretend. A response's id is its record's (`resp_<hex>` for `rec_<hex>`),
+answer without what was asked for would pretend. A replica's refusal of the chat request it was sent names the
+client's own field (`responses_error`): `text.format`, never the `response_format` the client did not send. A response's id is its record's (`resp_<hex>` for `rec_<hex>`),
 so `previous_response_id` leads back to the record, whose fully expanded input the next request continues
 (`expand`). Pure functions; the stream translator keeps its own state.
 """
@@ -31,6 +32,34 @@ _REFUSED = {
     "reasoning": "this replica has no reasoning mode",
     "max_tool_calls": "this replica cannot bound its tool calls",
 }
+
+
+# A chat field the translation writes, and the Responses field it comes from (`N` a tool's index).
+_CHAT_FIELDS = (
+    (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
+    (re.compile(r"^max_(completion_)?tokens"), "max_output_tokens"),
+    (re.compile(r"^tools\.(?P<n>\d+)\.function"), r"tools[\g<n>]"),
+    (re.compile(r"^tool_choice\.function"), "tool_choice"),
+    (re.compile(r"^messages(\..*)?$"), "input"),  # the messages' order is not the input's
+)
+
+
+def responses_error(body: dict[str, Any]) -> dict[str, Any]:
+    """A replica's error about the chat request it was sent, in terms of the Responses request it came from: the
+    `param`, and the message wherever it names the param, name the client's field."""
+    error = body.get("error")
+    param = error.get("param") if isinstance(error, dict) else None
+    if not isinstance(error, dict) or not isinstance(param, str):
+        return body
+    renamed = param
+    for chat_field, field_name in _CHAT_FIELDS:
+        renamed, count = chat_field.subn(field_name, renamed, count=1)
+        if count:
+            break
+    message = error.get("message")
+    if isinstance(message, str):
+        message = message.replace(param, renamed)
+    return {**body, "error": {**error, "param": renamed, "message": message}}
 
 
 def response_id(record_id: str) -> str:

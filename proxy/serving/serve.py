@@ -50,7 +50,15 @@ from proxy.serving.records import Served, answer_entry, closed_entry, opened_ent
 from proxy.serving.redact import Redactor
 from proxy.serving.relay import Relay
 from proxy.serving.request import ClientRequest
-from proxy.serving.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
+from proxy.serving.responses_api import (
+    Echo,
+    expand,
+    from_chat,
+    record_of,
+    response_id,
+    responses_error,
+    to_chat,
+)
 from proxy.serving.sinks import BufferSink, Sink
 from proxy.serving.unclosed import Unclosed
 
@@ -424,15 +432,21 @@ class Proxy:
     async def _dispatch(
         self, request: ClientRequest, send: Callable[[ReplicaSnapshot, dict[str, Any]], Awaitable[Sent]]
     ) -> Dispatched[Sent]:
-        return await dispatch(
-            self.registry,
-            request.pin,
-            request.body,
-            send,
-            endpoint=request.endpoint,
-            deadline_s=self.server.retry_deadline_s,
-            on_mismatch=self.health.on_mismatch,
-        )
+        try:
+            return await dispatch(
+                self.registry,
+                request.pin,
+                request.body,
+                send,
+                endpoint=request.endpoint,
+                deadline_s=self.server.retry_deadline_s,
+                on_mismatch=self.health.on_mismatch,
+            )
+        except ReplicaRejected as e:
+            if request.endpoint != RESPONSES:
+                raise
+            # A refusal of the chat request a Responses request became names the client's fields.
+            raise ReplicaRejected(e.status, responses_error(e.replica_body)) from e
 
     @staticmethod
     def _entry(build: Callable[..., SealedEntry], *args: Any, **kwargs: Any) -> SealedEntry:
