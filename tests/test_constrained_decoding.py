@@ -21,7 +21,6 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
-from pinned_backend.scripted_arrivals import Arrival, run_schedule
 
 from pinned_backend.engine import Engine, TokenOutput
 from pinned_backend.grammar import GrammarCompiler, choice_grammar, json_schema_grammar, regex_grammar
@@ -29,6 +28,7 @@ from pinned_backend.kernels import KernelMode
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.tokenizer import Tokenizer
 from tests.support.backend_checkpoint import make_engine, write_random_checkpoint
+from tests.support.scripted_arrivals import Arrival, run_schedule
 
 SCHEMAS: list[dict[str, Any]] = [
     {
