@@ -96,6 +96,18 @@ def test_token_ids_logprobs_and_text_logprobs_are_assembled_in_order() -> None:
     assert view.tokens is not None and view.tokens.token_logprobs == [-0.5, -1.5] and view.tokens.text == "ab"
 
 
+def test_logprobs_after_a_first_chunk_that_has_none_are_assembled() -> None:
+    # OpenAI's and vLLM's first chunk carries only the role, with `logprobs: null`.
+    assembly = ChunkAssembly(CHAT)
+    assembly.add(chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}))
+    for text, logprob in (("Par", -0.25), ("is", -0.5)):
+        entry = {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+        assembly.add(chunk({"index": 0, "delta": {"content": text}, "logprobs": {"content": [entry]}}))
+    choice = assembly.body()["choices"][0]
+    assert choice["message"]["content"] == "Paris"
+    assert [e["logprob"] for e in choice["logprobs"]["content"]] == [-0.25, -0.5]
+
+
 def test_a_responses_streams_answer_is_the_last_response_it_carries() -> None:
     assembly = ResponseAssembly()
     assembly.add({"type": "response.created", "response": {"status": "in_progress", "output": []}})

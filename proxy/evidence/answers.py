@@ -240,7 +240,10 @@ class ChunkAssembly:
         elif isinstance(choice.get("text"), str):
             built["text"] = built.get("text", "") + choice["text"]
         if isinstance(choice.get("logprobs"), dict):
-            merge(built.setdefault("logprobs", {}), choice["logprobs"])
+            # A first chunk that carries only the role says `logprobs: null` (OpenAI's and vLLM's do).
+            if not isinstance(built.get("logprobs"), dict):
+                built["logprobs"] = {}
+            merge(built["logprobs"], choice["logprobs"])
         else:
             built.setdefault("logprobs", None)
         if choice.get("finish_reason") is not None:
