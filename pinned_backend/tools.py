@@ -5,7 +5,8 @@ and which, how many calls it may hold, and in which shape they go back (`tool_ca
 `tool_plan` reads a validated request (protocol.py) and refuses with a 400 naming the field what contradicts itself:
 `tools` and `functions` together, a choice naming a function that is not offered, `required` with nothing offered,
 two functions of one name, parameters that are not the schema of a JSON object. OpenAI's defaults hold: with
-functions offered the choice is `auto`, without them `none`; an omitted `parameters` means no arguments (`{}`).
+functions offered the choice is `auto`, without them `none`; an omitted `parameters` means no arguments (`{}`); a
+named function is called once, whatever `parallel_tool_calls` says.
 
 This module knows nothing of prompts, grammars or the model's output: tool_prompt.py renders the plan's functions,
 tool_grammar.py constrains the answer to its choice, tool_calls.py reads the calls back.
@@ -79,9 +80,10 @@ def tool_plan(request: ChatRequest) -> ToolPlan | None:
                 param="tool_choice",
             )
         return None
-    return ToolPlan(
-        functions, _checked(name or AUTO, functions, "tool_choice"), request.parallel_tool_calls, False
-    )
+    checked = _checked(name or AUTO, functions, "tool_choice")
+    # A named function is one call of it, as OpenAI's and vLLM's answer it (clients such as instructor rely on it).
+    parallel = request.parallel_tool_calls and checked in (AUTO, REQUIRED)
+    return ToolPlan(functions, checked, parallel, False)
 
 
 def _legacy_choice(request: ChatRequest) -> str:

@@ -75,6 +75,7 @@ def test_required_and_a_named_function_allow_calls_only(compiler: tuple[GrammarC
     named = {"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
     assert allows(compiler, NOW, **named) and not allows(compiler, PARIS, **named)
     assert not allows(compiler, call_text("get_time", '{"x": 1}'), **named), "no parameters: an empty object"
+    assert not allows(compiler, NOW + SEPARATOR + NOW, **named), "a named function is called once"
 
 
 def test_parallel_tool_calls_false_allows_one_call(compiler: tuple[GrammarCompiler, Tokenizer]) -> None:

@@ -50,6 +50,7 @@ def test_required_and_a_named_function_force_a_call_and_none_forbids_one() -> No
     assert required is not None and required.forced and not required.parallel
     named = plan(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert named is not None and named.forced and [f.name for f in named.callable] == ["get_time"]
+    assert not named.parallel, "a named function is called once"
     none = plan(tools=[WEATHER], tool_choice="none")
     assert none is not None and none.callable == () and not none.forced
 
