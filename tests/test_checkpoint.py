@@ -167,8 +167,8 @@ def test_mixtral_config_makes_every_mlp_its_experts() -> None:
     shapes = expected_shapes(config)
     assert shapes["model.layers.0.block_sparse_moe.gate.weight"] == (4, 32)
     assert shapes["model.layers.1.block_sparse_moe.experts.3.w2.weight"] == (32, 48)
-    with pytest.raises(CheckpointError, match="sliding_window=4096 is not supported"):
-        parse_config({**raw, "sliding_window": 4096})
+    windowed = parse_config({**raw, "sliding_window": 4096})
+    assert windowed.sliding_window == 4096 and windowed.sliding_layers == {0, 1}
 
 
 @pytest.mark.parametrize(
@@ -197,9 +197,12 @@ def test_malformed_moe_config_is_an_error_naming_the_key(change: dict[str, Any],
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
         ({"rms_norm_eps": "small"}, "'rms_norm_eps' must be a number"),
         ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "rope_scaling type 'dynamic' is not supported",
+        ),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing key 'low_freq_factor'"),
-        ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+        ({"layer_types": ["chunked_attention"] * 2}, "'layer_types' must list 2 of"),
         ({"mlp_bias": True}, "mlp_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
