@@ -186,22 +186,29 @@ def _gemma(raw: dict[str, Any], common: Extras, where: str) -> Extras:
         "o_bias": common["attention_bias"],
     }
     if gemma3:
-        local_theta, local_scaling = parse_rope(raw, where, "sliding_attention")
-        if raw.get("rope_parameters") is None:
-            local_theta = optional(raw, "rope_local_base_freq", float, where, 10000.0)
-        elif local_scaling is not None:
-            raise CheckpointError(
-                f"{where}: scaling of the sliding layers' rotary embedding is not supported"
-            )
-        extras["local_rope_theta"] = local_theta
+        extras["local_rope_theta"] = _local_theta(
+            raw, where, optional(raw, "rope_local_base_freq", float, where, 10000.0)
+        )
         if "rope_theta" not in raw and not raw.get("rope_parameters"):
             extras["rope_theta"] = 1_000_000.0
     return _finish(raw, common, where, extras)
 
 
+def _local_theta(raw: dict[str, Any], where: str, default: float) -> float:
+    """The rotary base of the sliding layers of a family whose two kinds of layer rotate differently (Gemma 3,
+    OLMo 3): its own entry of `rope_parameters`, else the family's default; never scaled."""
+    params = raw.get("rope_parameters")
+    if not isinstance(params, dict) or "sliding_attention" not in params:
+        return default
+    theta, scaling = parse_rope(raw, where, "sliding_attention")
+    if scaling is not None:
+        raise CheckpointError(f"{where}: scaling of the sliding layers' rotary embedding is not supported")
+    return theta
+
+
 def _olmo(raw: dict[str, Any], common: Extras, where: str) -> Extras:
     """OLMo 2 and OLMo 3: norms on each block's output only, q and k normalised over their whole projections;
-    OLMo 3 adds sliding layers (three of every four)."""
+    OLMo 3 adds sliding layers (three of every four), which rotate by a base of their own and unscaled."""
     extras: Extras = {
         "norm_layout": "post",
         "qk_norm": True,
@@ -211,6 +218,10 @@ def _olmo(raw: dict[str, Any], common: Extras, where: str) -> Extras:
     if raw["model_type"] == "olmo3":
         layers = common["num_hidden_layers"]
         extras.update(_windows(raw, layers, where, lambda i: (i + 1) % 4 != 0, _window(raw, where, 4096)))
+        # transformers gives OLMo 3's sliding layers its default base, whatever rope_theta says, and no scaling.
+        extras["local_rope_theta"] = _local_theta(raw, where, 500_000.0)
+        if "rope_theta" not in raw and not raw.get("rope_parameters"):
+            extras["rope_theta"] = 500_000.0
     return _finish(raw, common, where, extras)
 
 

@@ -169,8 +169,12 @@ class CpuInvariantKernels(UnfusedKernels):
         m_acc, l_acc, o_acc = self._split(q_tiles, tile_pos, cache, tile_tables, first, variant)
         for j in range(first + 1, n_splits):
             m_split, l_split, o_split = self._split(q_tiles, tile_pos, cache, tile_tables, j, variant)
-            m_new = _finite(torch.maximum(m_acc, m_split))
-            keep, add = torch.exp(m_acc - m_new), torch.exp(m_split - m_new)
+            # A row that has seen no key keeps its maximum at -inf (shifting by 0 meanwhile): had it taken the 0 it
+            # shifts by, the first split it sees would shift by max(0, its maximum), and its bits would follow how
+            # many unseen splits its tile happened to start with.
+            m_new = torch.maximum(m_acc, m_split)
+            shift = _finite(m_new)
+            keep, add = torch.exp(m_acc - shift), torch.exp(m_split - shift)
             l_acc = l_acc * keep + l_split * add
             o_acc = o_acc * keep + o_split * add
             m_acc = m_new
