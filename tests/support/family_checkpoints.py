@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.support.backend_checkpoint import _write_character_tokenizer, write_random_checkpoint
 
-VOCAB = 96  # what tests/test_invariance.py's random prompts draw from; the tokenizer's characters fit under it
+# What tests/test_invariance.py's random prompts draw from; the tokenizer's characters fit under it.
+VOCAB = 96
 WINDOW = 8
 BASE: dict[str, Any] = {
     "vocab_size": VOCAB,
