@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pinned_backend.checkpoint import (
     CheckpointError,
@@ -19,6 +19,7 @@ from pinned_backend.checkpoint import (
     parse_config,
     weights_sha256,
 )
+from tests.support.family_checkpoints import write_family_checkpoint
 
 QWEN3 = {
     "model_type": "qwen3",
@@ -311,3 +312,17 @@ def test_weights_sha256_changes_when_one_byte_of_a_shard_changes(tmp_path: Path)
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     assert weights_sha256(tmp_path) != before
+
+
+def test_multi_token_prediction_layers_after_the_last_are_loaded_and_ignored(tmp_path: Path) -> None:
+    folder = write_family_checkpoint(tmp_path / "deepseek", "deepseek_v3")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)
+    tensors["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(24, 32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.2\.eh_proj\.weight'"):
+        load_weights(folder, load_config(folder), torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    loaded = load_weights(folder, load_config(folder), torch.float32)
+    assert not any(name.startswith("model.layers.2.") for name in loaded)

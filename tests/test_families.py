@@ -23,8 +23,11 @@ from typing import Any
 import pytest
 import torch
 
+from pinned_backend.checkpoint import CheckpointError, parse_config
 from pinned_backend.kernels import select_kernels
+from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.model import Transformer
+from pinned_backend.routing import ExpertRouting
 from pinned_backend.sampling import SamplingParams
 from tests.support.backend_checkpoint import make_engine
 from tests.support.family_checkpoints import FAMILIES, VOCAB, write_family_checkpoint
@@ -165,3 +168,134 @@ def test_batch_invariant_answers_are_bit_identical_alone_amid_load_from_the_cach
     assert hit > 0, "the prefix cache served nothing, so nothing was tested"
     for name, got in answers.items():
         assert got == answers["alone"], f"{family}: the answer {name} differs from the one alone"
+
+
+def parsed(family: str, **changes: Any) -> Any:
+    return parse_config({**FAMILIES[family], **changes})
+
+
+def test_each_family_reads_the_variants_it_adds() -> None:
+    gemma2, gemma3 = parsed("gemma2"), parsed("gemma3_text")
+    assert (
+        gemma2.norm_layout == gemma3.norm_layout == "sandwich" and gemma2.norm_offset and gemma3.norm_offset
+    )
+    assert (
+        gemma2.activation == "gelu_tanh" and gemma2.embed_scale == 32**0.5 and gemma2.attn_scale == 16**-0.5
+    )
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (2.0, 3.0) and gemma2.sliding_layers == {0}
+    assert gemma3.qk_norm and gemma3.local_rope_theta == 10000.0 and gemma3.rope_theta == 1e6
+    assert gemma3.rope_scaling is not None and gemma3.rope_scaling.kind == "linear"
+    assert parsed("mistral").sliding_layers == {0, 1} and parsed("ministral").sliding_layers == {0}
+    assert parsed("ministral3").query_scale_beta == 0.1 and parsed("phi3").fused_projections
+    assert parsed("olmo2").norm_layout == "post" and parsed("olmo2").qk_norm_span == "projection"
+    assert parsed("olmo3").sliding_layers == {0} and parsed("olmo3").local_rope_theta == 500_000.0
+    granite = parsed("granite")
+    assert (granite.embed_scale, granite.residual_scale, granite.attn_scale, granite.logits_divisor) == (
+        12.0,
+        0.22,
+        0.25,
+        2.0,
+    )
+    assert parsed("smollm3").nope_layers == {1}
+    gpt_oss = parsed("gpt_oss")
+    assert (
+        gpt_oss.sinks and gpt_oss.o_bias and gpt_oss.moe is not None and gpt_oss.moe.scoring == "topk_softmax"
+    )
+    assert gpt_oss.moe.router_bias and gpt_oss.moe.expert_bias and gpt_oss.moe.activation == "clamped_swiglu"
+    deepseek = parsed("deepseek_v3")
+    assert deepseek.mla is not None and deepseek.head_dim == 8 and deepseek.cache_shape == (1, 24, 0)
+    assert (
+        deepseek.moe is not None and deepseek.moe.sparse_layers == {1} and deepseek.moe.scoring == "sigmoid"
+    )
+    assert (deepseek.moe.n_group, deepseek.moe.topk_group, deepseek.moe.shared_intermediate_size) == (
+        4,
+        2,
+        16,
+    )
+
+
+def test_hugging_faces_defaults_fill_what_a_config_leaves_out() -> None:
+    bare = {
+        k: v for k, v in FAMILIES["gemma2"].items() if "softcapping" not in k and k != "query_pre_attn_scalar"
+    }
+    gemma2 = parse_config(bare)
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.attn_scale) == (50.0, 30.0, 256**-0.5)
+    no_types = {k: v for k, v in FAMILIES["gemma3_text"].items() if k != "layer_types"}
+    assert parse_config({**no_types, "num_hidden_layers": 12}).sliding_layers == set(range(12)) - {5, 11}
+    smollm3 = {k: v for k, v in FAMILIES["smollm3"].items() if k != "no_rope_layers"}
+    assert parse_config({**smollm3, "num_hidden_layers": 8}).nope_layers == {3, 7}
+
+
+def test_gemma3s_two_spellings_of_its_rotary_embeddings_read_alike() -> None:
+    hub = FAMILIES["gemma3_text"]
+    written = {
+        k: v for k, v in hub.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")
+    }
+    written["rope_parameters"] = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    assert parse_config(written) == parse_config(hub)
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "message"),
+    [
+        ("mistral", {"model_type": "mamba"}, "model_type 'mamba' is not supported; supported: llama, qwen2"),
+        (
+            "gemma3_text",
+            {"use_bidirectional_attention": True},
+            "use_bidirectional_attention=True is not supported",
+        ),
+        (
+            "gemma2",
+            {"hidden_activation": "gelu"},
+            "hidden_act 'gelu' is not supported; only 'gelu_pytorch_tanh'",
+        ),
+        ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75 is not supported"),
+        (
+            "phi3",
+            {"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+            "need 4",
+        ),
+        ("ministral", {"layer_types": ["sliding_attention"]}, "'layer_types' must list 2 of"),
+        (
+            "deepseek_v3",
+            {"scoring_func": "softmax"},
+            "scoring_func='softmax' is not supported; only 'sigmoid'",
+        ),
+        ("deepseek_v3", {"n_group": 3}, "is not a valid grouping"),
+        ("gpt_oss", {"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than the 4 experts"),
+        ("smollm3", {"no_rope_layers": [1]}, "'no_rope_layers' must be a list of 2 zeros and ones"),
+    ],
+)
+def test_a_config_asking_for_what_is_not_computed_is_refused_by_name(
+    family: str, change: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(CheckpointError, match=r"config\.json") as info:
+        parse_config({**FAMILIES[family], **change}, where="folder/config.json")
+    assert message in str(info.value)
+
+
+def test_a_capacity_factor_is_refused_for_routers_it_is_not_defined_for(
+    checkpoint: Callable[[str], Path],
+) -> None:
+    with pytest.raises(ValueError, match="applies to softmax routers; this deepseek_v3 routes by sigmoid"):
+        Transformer.from_pretrained(
+            checkpoint("deepseek_v3"),
+            select_kernels("default", CPU),
+            CPU,
+            torch.float32,
+            routing=ExpertRouting(1.0),
+        )
+
+
+def test_latent_attentions_cache_holds_one_latent_and_one_rotated_key_per_token(
+    checkpoint: Callable[[str], Path],
+) -> None:
+    model = Transformer.from_pretrained(
+        checkpoint("deepseek_v3"), select_kernels("default", CPU), CPU, torch.float32
+    )
+    cache = PagedKVCache(model.config, 4, 16, CPU, torch.float32)
+    assert cache.k[0].shape == (4, 16, 1, 16 + 8) and cache.v[0] is cache.k[0]
+    assert PagedKVCache.bytes_per_block(model.config, 16, torch.float32) == 2 * 16 * 24 * 4

@@ -115,7 +115,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "beta_fast": 32.0,
             "beta_slow": 1.0,
             "truncate": False,
-            "original_max_position_embeddings": 16,
+            "original_max_position_embeddings": 8,
         },
     },
     "deepseek_v3": {
