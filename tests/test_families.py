@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from pinned_backend.checkpoint import CheckpointError, parse_config
+from pinned_backend.engine import Engine
 from pinned_backend.kernels import select_kernels
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.model import Transformer
@@ -35,11 +36,13 @@ from tests.support.scripted_arrivals import Arrival, run_schedule
 from tests.test_invariance import (
     CPU_SIZES,
     DRAFTS,
+    GPU_SIZES,
     answer,
     copy_request,
     crowded_schedule,
     engine_for,
     loaded_schedule,
+    on_gpu,
 )
 from tests.test_model import Runner
 
@@ -140,20 +143,26 @@ def test_greedy_continuations_are_transformers_own(
     assert got == expected, f"{family}: greedy continuations differ from transformers'"
 
 
-def served_four_ways(folder: Path, seed: int) -> tuple[dict[str, tuple[list[int], list[str]]], int]:
+def served_four_ways(
+    folder: Path, seed: int, sizes: dict[str, Any] = CPU_SIZES, **device: Any
+) -> tuple[dict[str, tuple[list[int], list[str]]], int]:
     """One request whose prompt repeats a piece of itself (so prompt lookup drafts), served alone; amid load; amid
     load from a warm prefix cache; and amid load with speculation and the cache: each answer's tokens and logprob
-    bits, and the prompt tokens the last found cached."""
+    bits, and the prompt tokens the last found cached. `device`: make_engine's settings for another device."""
     rng = random.Random(seed)
-    target = copy_request(rng, "target", 0, scale=2)  # up to 64 prompt tokens: past every window
+    # Up to 64 prompt tokens (four times that with the GPU's blocks of 16): past every window, into cached blocks.
+    target = copy_request(rng, "target", 0, scale=2 if sizes["block_size"] <= 4 else 8)
+
+    def engine(**features: Any) -> Engine:
+        return engine_for(folder, "batch_invariant", sizes, **device, **features)
+
     runs = {}
-    runs["alone"] = run_schedule(engine_for(folder, "batch_invariant", CPU_SIZES), [target])["target"]
-    crowded = crowded_schedule(rng, target, most=6)
-    runs["amid load"] = run_schedule(engine_for(folder, "batch_invariant", CPU_SIZES), crowded)["target"]
-    cached = engine_for(folder, "batch_invariant", CPU_SIZES, prefix_cache=True)
+    runs["alone"] = run_schedule(engine(), [target])["target"]
+    runs["amid load"] = run_schedule(engine(), crowded_schedule(rng, target, most=6))["target"]
+    cached = engine(prefix_cache=True)
     run_schedule(cached, [replace(target, request_id="warm")])
     runs["from the cache"] = run_schedule(cached, loaded_schedule(rng, target, [target.prompt]))["target"]
-    both = engine_for(folder, "batch_invariant", CPU_SIZES, prefix_cache=True, speculative_tokens=DRAFTS)
+    both = engine(prefix_cache=True, speculative_tokens=DRAFTS)
     run_schedule(both, [replace(target, request_id="warm")])
     runs["speculated"] = run_schedule(both, loaded_schedule(rng, target, [target.prompt]))["target"]
     hit = min(runs[name][-1].batch.cached_tokens for name in ("from the cache", "speculated"))
@@ -299,3 +308,51 @@ def test_latent_attentions_cache_holds_one_latent_and_one_rotated_key_per_token(
     cache = PagedKVCache(model.config, 4, 16, CPU, torch.float32)
     assert cache.k[0].shape == (4, 16, 1, 16 + 8) and cache.v[0] is cache.k[0]
     assert PagedKVCache.bytes_per_block(model.config, 16, torch.float32) == 2 * 16 * 24 * 4
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    folders: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("gpu-families")
+
+    def get(family: str) -> Path:
+        if family not in folders:
+            folders[family] = write_family_checkpoint(root / family, family, gpu=True)
+        return folders[family]
+
+    return get
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", NAMES)
+def test_on_a_gpu_with_cuda_graphs_answers_are_bit_identical_and_logits_as_close_as_transformers_bf16(
+    family: str, gpu_checkpoint: Callable[[str], Path]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    folder = gpu_checkpoint(family)
+    answers, hit = served_four_ways(folder, seed=3, sizes=GPU_SIZES, **on_gpu())
+    for name, got in answers.items():
+        assert got == answers["alone"], f"{family} on a GPU: the answer {name} differs from the one alone"
+    assert hit > 0, "the prefix cache served nothing, so nothing was tested"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    sequences = prompts(4, seed=6, longest=32 if family == "phi3" else 48)
+    expected = torch.stack([reference_logits(reference, family, ids)[-1] for ids in sequences])
+    # transformers' own bf16 error sets the bar: a mixture of experts in bf16 may send a token to other experts.
+    halved = torch.stack(
+        [reference_logits(reference.to(torch.bfloat16), family, ids)[-1] for ids in sequences]
+    )
+    bar = max(3 * float((halved.float() - expected).norm() / expected.norm()), 0.03)
+    cuda = torch.device("cuda")
+    for mode in ("default", "batch_invariant"):
+        kernels = select_kernels(mode, cuda, kv_split_size=64)  # type: ignore[arg-type]
+        model = Transformer.from_pretrained(folder, kernels, cuda, torch.bfloat16)
+        runner = Runner(model, sequences, device=cuda)
+        runner.step([(s, ids.numel()) for s, ids in enumerate(sequences)])
+        last = torch.stack([runner.logits[s][-1] for s in range(len(sequences))]).cpu()
+        error = float((last - expected).norm() / expected.norm())
+        assert error < bar, (
+            f"{family} {mode} on a GPU: relative error {error:.4f} of the last logits (bar {bar:.4f})"
+        )

@@ -150,9 +150,30 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_family_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
-    """A random checkpoint of `family`'s tiny config with a character tokenizer (whose characters fit in VOCAB)."""
-    write_random_checkpoint(folder, seed, config=FAMILIES[family])
+# The GPU's kernels take heads of 16 and more (a tensor-core tile's side).
+GPU_HEADS: dict[str, Any] = {"hidden_size": 64, "head_dim": 16}
+GPU_LATENT: dict[str, Any] = {
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+}
+
+
+def gpu_config(family: str) -> dict[str, Any]:
+    """`family`'s tiny config with heads the GPU's kernels take."""
+    changes = {**GPU_HEADS, **GPU_LATENT, "v_head_dim": 16} if family == "deepseek_v3" else GPU_HEADS
+    config = {**FAMILIES[family], **changes}
+    if family == "phi3":  # one factor per frequency of the wider head
+        factors = config["rope_scaling"]
+        config["rope_scaling"] = {**factors, **{k: factors[k] * 2 for k in ("short_factor", "long_factor")}}
+    return config
+
+
+def write_family_checkpoint(folder: Path, family: str, seed: int = 0, *, gpu: bool = False) -> Path:
+    """A random checkpoint of `family`'s tiny config (`gpu`: with heads the GPU's kernels take) with a character
+    tokenizer (whose characters fit in VOCAB)."""
+    write_random_checkpoint(folder, seed, config=gpu_config(family) if gpu else FAMILIES[family])
     _write_character_tokenizer(folder)
     if family == "deepseek_v3":
         _spread_correction(folder, seed)
