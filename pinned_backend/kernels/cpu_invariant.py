@@ -10,7 +10,10 @@ fixed number of rows, padded with zeros:
   `kv_split_size` tokens (a multiple of the cache's block size). Each split yields a partial softmax
   (maximum, sum, weighted values); the partials are merged in split order. A query's splits depend only on
   its own position, so its output is the same whether its cache was filled in one prefill, in chunks or one
-  token at a time.
+  token at a time. A sliding window masks keys by the query's position and skips the splits wholly before it; a
+  split that holds no key a row sees merges in as exactly nothing (a row's running maximum stays -inf until it
+  sees a key), so a tile may start at the earliest split any of its rows needs. Soft-capped scores are capped
+  elementwise; sinks add one logit per head to the sum after the last split.
 Row reductions (RMSNorm's mean, log-softmax) reduce each row in the same order however many rows there are,
 except that PyTorch splits a reduction across threads when it has a single output; RMSNorm therefore never
 reduces one row alone. Attention runs in float32 whatever the cache dtype. The fused families are composed of
