@@ -70,3 +70,13 @@ def flags(raw: dict[str, Any], key: str, layers: int, where: str) -> list[bool] 
     ):
         raise CheckpointError(f"{where}: {key!r} must be a list of {layers} zeros and ones, one per layer")
     return [bool(v) for v in value]
+
+
+def count(raw: dict[str, Any], key: str, where: str) -> int:
+    """A non-negative integer, 0 where absent or null."""
+    value = raw.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
+    return value

@@ -5,7 +5,8 @@ variants it adds, reading its own keys with Hugging Face's defaults where a key 
 here what it means to transformers. A key that asks for something the backend does not compute (a bias it does not
 load, an activation it does not have, a kind of attention layer it does not know) is refused by name, never ignored.
 Where transformers names a family differently from the checkpoints on the Hub, its own name is the one served
-(`gemma3_text`). This module knows nothing of weight files (checkpoint.py, layout.py) or of the forward pass.
+(`gemma3_text`). A mixture of experts' keys are read in experts_config.py. This module knows nothing of weight
+files (checkpoint.py, layout.py) or of the forward pass.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from pinned_backend.config_keys import CheckpointError, flags, layer_set, optional, positive, require
-from pinned_backend.model_config import MlaConfig, ModelConfig, MoeConfig
+from pinned_backend.config_keys import CheckpointError, count, flags, optional, positive, require
+from pinned_backend.experts_config import deepseek_moe, gpt_oss_moe, mixtral_moe, qwen3_moe
+from pinned_backend.model_config import MlaConfig, ModelConfig
 from pinned_backend.rope import check_scaling, parse_rope, yarn_mscale
 
 CONFIG_FILE = "config.json"
@@ -123,14 +125,14 @@ def _qwen(raw: dict[str, Any], common: Extras, where: str) -> Extras:
     """Qwen2 (q/k/v biases always), Qwen3 and Qwen3-MoE (per-head q/k norms): sliding layers from
     `max_window_layers` on when `use_sliding_window` says so."""
     model_type, layers = raw["model_type"], common["num_hidden_layers"]
-    first = _count(raw, "max_window_layers", where) if "max_window_layers" in raw else 28
+    first = count(raw, "max_window_layers", where) if "max_window_layers" in raw else 28
     window = _window(raw, where) if raw.get("use_sliding_window") is True else None
     extras = {
         **_windows(raw, layers, where, lambda i: i >= first, window),
         "attention_bias": model_type == "qwen2" or common["attention_bias"],
         "o_bias": model_type != "qwen2" and common["attention_bias"],
         "qk_norm": model_type != "qwen2",
-        "moe": _qwen3_moe(raw, layers, where) if model_type == "qwen3_moe" else None,
+        "moe": qwen3_moe(raw, layers, where) if model_type == "qwen3_moe" else None,
     }
     return _finish(raw, common, where, extras)
 
@@ -143,7 +145,7 @@ def _every_layer_windowed(raw: dict[str, Any], common: Extras, where: str) -> Ex
     # Their projections never have biases, whatever attention_bias says.
     extras: Extras = {**_windows(raw, layers, where, lambda _: True, window), "attention_bias": False}
     if model_type == "mixtral":
-        extras["moe"] = _mixtral_moe(raw, layers, where)
+        extras["moe"] = mixtral_moe(raw, layers, where)
     if model_type == "phi3":
         extras["fused_projections"] = True
     return _finish(raw, common, where, extras)
@@ -256,30 +258,12 @@ def _gpt_oss(raw: dict[str, Any], common: Extras, where: str) -> Extras:
     """gpt-oss: every MLP is experts (a biased router, the top k logits softmaxed, clamped SwiGLU with biases),
     attention sinks, q/k/v/o biases, alternating sliding and full layers."""
     layers = common["num_hidden_layers"]
-    experts = require(raw, "num_local_experts", int, where)
-    top_k = require(
-        raw, "num_experts_per_tok" if "num_experts_per_tok" in raw else "experts_per_token", int, where
-    )
-    moe = MoeConfig(
-        layout="gpt_oss",
-        num_experts=experts,
-        num_experts_per_tok=_top_k(top_k, experts, where),
-        moe_intermediate_size=common["intermediate_size"],
-        norm_topk_prob=False,
-        sparse_layers=frozenset(range(layers)),
-        scoring="topk_softmax",
-        router_bias=True,
-        expert_bias=True,
-        activation="clamped_swiglu",
-        swiglu_alpha=optional(raw, "swiglu_alpha", float, where, 1.702),
-        swiglu_limit=positive(raw, "swiglu_limit", where, 7.0),
-    )
     extras = {
         **_windows(raw, layers, where, lambda i: bool((i + 1) % 2), _window(raw, where, 128)),
         "attention_bias": optional(raw, "attention_bias", bool, where, True),
         "o_bias": optional(raw, "attention_bias", bool, where, True),
         "sinks": True,
-        "moe": moe,
+        "moe": gpt_oss_moe(raw, common["intermediate_size"], layers, where),
     }
     return _finish(raw, common, where, extras)
 
@@ -296,7 +280,7 @@ def _deepseek_v3(raw: dict[str, Any], common: Extras, where: str) -> Extras:
         qk_rope_head_dim=require(raw, "qk_rope_head_dim", int, where),
         v_head_dim=require(raw, "v_head_dim", int, where),
         rope_interleave=optional(raw, "rope_interleave", bool, where, True),
-        mtp_layers=_count(raw, "num_nextn_predict_layers", where),
+        mtp_layers=count(raw, "num_nextn_predict_layers", where),
     )
     for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if raw.get(key, wanted) != wanted:
@@ -310,80 +294,9 @@ def _deepseek_v3(raw: dict[str, Any], common: Extras, where: str) -> Extras:
         "mla": mla,
         "attn_scale": scale,
         "o_bias": common["attention_bias"],
-        "moe": _deepseek_moe(raw, layers, where),
+        "moe": deepseek_moe(raw, layers, where),
     }
     return _finish(raw, common, where, extras)
-
-
-def _deepseek_moe(raw: dict[str, Any], layers: int, where: str) -> MoeConfig:
-    experts = require(raw, "n_routed_experts", int, where)
-    first_dense = _count(raw, "first_k_dense_replace", where)
-    groups = optional(raw, "n_group", int, where, 1)
-    chosen_groups = optional(raw, "topk_group", int, where, 1)
-    if experts % groups or chosen_groups > groups or experts // groups < 2:
-        raise CheckpointError(
-            f"{where}: {experts} experts in n_group={groups} groups of at least two, topk_group={chosen_groups} "
-            "of them chosen, is not a valid grouping"
-        )
-    return MoeConfig(
-        layout="deepseek_v3",
-        num_experts=experts,
-        num_experts_per_tok=_top_k(require(raw, "num_experts_per_tok", int, where), experts, where),
-        moe_intermediate_size=require(raw, "moe_intermediate_size", int, where),
-        norm_topk_prob=optional(raw, "norm_topk_prob", bool, where, True),
-        sparse_layers=frozenset(range(first_dense, layers)),
-        scoring="sigmoid",
-        n_group=groups,
-        topk_group=chosen_groups,
-        routed_scaling_factor=positive(raw, "routed_scaling_factor", where, 1.0),
-        shared_intermediate_size=require(raw, "moe_intermediate_size", int, where)
-        * _count(raw, "n_shared_experts", where),
-    )
-
-
-def _qwen3_moe(raw: dict[str, Any], layers: int, where: str) -> MoeConfig:
-    """Qwen3-MoE's keys as Hugging Face's Qwen3MoeConfig reads them (its defaults where a key is absent)."""
-    experts = require(raw, "num_experts", int, where)
-    step = require(raw, "decoder_sparse_step", int, where) if "decoder_sparse_step" in raw else 1
-    dense = layer_set(raw, "mlp_only_layers", layers, where)
-    sparse = frozenset(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-    return MoeConfig(
-        layout="qwen3_moe",
-        num_experts=experts,
-        num_experts_per_tok=_top_k(require(raw, "num_experts_per_tok", int, where), experts, where),
-        moe_intermediate_size=require(raw, "moe_intermediate_size", int, where),
-        norm_topk_prob=optional(raw, "norm_topk_prob", bool, where, False),
-        sparse_layers=sparse,
-    )
-
-
-def _mixtral_moe(raw: dict[str, Any], layers: int, where: str) -> MoeConfig:
-    """Mixtral's experts are every layer's MLP, their top-k always renormalised."""
-    experts = require(raw, "num_local_experts", int, where)
-    return MoeConfig(
-        layout="mixtral",
-        num_experts=experts,
-        num_experts_per_tok=_top_k(require(raw, "num_experts_per_tok", int, where), experts, where),
-        moe_intermediate_size=require(raw, "intermediate_size", int, where),
-        norm_topk_prob=True,
-        sparse_layers=frozenset(range(layers)),
-    )
-
-
-def _top_k(top_k: int, experts: int, where: str) -> int:
-    if top_k > experts:
-        raise CheckpointError(f"{where}: num_experts_per_tok {top_k} is more than the {experts} experts")
-    return top_k
-
-
-def _count(raw: dict[str, Any], key: str, where: str) -> int:
-    """A non-negative integer, 0 where absent or null."""
-    value = raw.get(key)
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise CheckpointError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
-    return value
 
 
 def _parse_freq_factors(raw: Any, head_dim: int, where: str) -> tuple[float, ...] | None:

@@ -94,11 +94,11 @@ def reference_logits(model: Any, family: str, ids: torch.Tensor) -> torch.Tensor
     first = min(ids.numel(), PREFILL_LIMIT.get(family, ids.numel()))
     with torch.no_grad():
         out = model(ids[None, :first], use_cache=True)
-        rows, cache = [out.logits[0]], out.past_key_values
+        rows, cache = [out.logits[0]], out.cache
         for t in range(first, ids.numel()):
-            out = model(ids[None, t : t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[None, t : t + 1], cache=cache, use_cache=True)
             rows.append(out.logits[0])
-            cache = out.past_key_values
+            cache = out.cache
     return torch.cat(rows)
 
 
