@@ -68,7 +68,7 @@ def check_attention(failures: list[str]) -> None:
         )
         if (serial.double() - expected).abs().max() > 2e-2:
             failures.append(f"attention, {name}: not the reference's function")
-        for row in range(7):
+        for row in (1, 3, 4):  # a query in a window's middle chunk, one past two chunks, another sequence's
             one = (q[row : row + 1], seq[row : row + 1], pos[row : row + 1])
             for path in ("serial", "chunks"):
                 alone = run(one[0], query_seq=one[1], query_pos=one[2], path=path)
