@@ -242,10 +242,10 @@ _FAMILIES = {
         "_swapped_kernel",
     ),
     "matmul (cuBLAS)": ("gemm", "gemv", "nvjet", "cutlass", "splitk"),
-    "attention": ("_paged_attention",),
+    "attention": ("_paged_attention", "_latent_attention"),
     "rms_norm and residual add": ("_rms_norm", "_add_rms_norm"),
     "q/k norm, RoPE and cache write": ("_qkv_rope_cache",),
-    "SiLU times up": ("_silu_mul",),
+    "SiLU or GELU times up": ("_gated_kernel",),
     "log_softmax": ("_log_softmax",),
     # Last, so that the names above win: a mixture-of-experts layer's routing (torch's ops in capacity routing).
     "routing and dispatch": (

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Everything the GPU reports come from, in one run on one machine, from the repository root. Usage:
-#   bench/gpu_run.sh OUT_DIR [STAGE...]     stages: tests sweep tune matmul speed divergence features moe
+#   bench/gpu_run.sh OUT_DIR [STAGE...]     stages: tests sweep tune matmul speed divergence features moe families
 # (default: tests sweep speed divergence features). `sweep` tunes plans for TUNE_MODELS (default bench/models/qwen3-1.7b)
 # into a plan file in OUT_DIR; `tune` writes it among the shipped ones in this copy of the tree instead (and copies
 # the shipped files to OUT_DIR), so that the stages after it serve it. `matmul` times the served plans and the rule against cuBLAS for
 # MATMUL_MODELS (default Qwen3-8B, Llama-3.1-8B, Qwen3-32B). `features` runs bench/serving_features.py on the
 # Qwen3-1.7B-shaped model, and on the tiny model too when TINY_MODEL names its folder. `moe` runs bench/moe_price.py on
-# the Qwen3-30B-A3B-shaped model (61 GB of random weights on the GPU). Each stage writes its JSON and
-# log under OUT_DIR; a failing stage does not stop the others.
+# the Qwen3-30B-A3B-shaped model (61 GB of random weights on the GPU). `families` runs bench/families_price.py on
+# FAMILY_MODELS (default Gemma 3 12B, gpt-oss-20b and DeepSeek-V3 shapes, the last with as many layers as fit). Each
+# stage writes its JSON and log under OUT_DIR; a failing stage does not stop the others.
 set -u
-out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [matmul] [speed] [divergence] [features] [moe]}
+out=${1:?usage: bench/gpu_run.sh OUT_DIR [tests] [sweep] [tune] [matmul] [speed] [divergence] [features] [moe] [families]}
 shift
 stages=${*:-tests sweep speed divergence features}
 tune_models=${TUNE_MODELS:-bench/models/qwen3-1.7b}
 matmul_models=${MATMUL_MODELS:-bench/models/qwen3-8b bench/models/llama-3.1-8b bench/models/qwen3-32b}
+family_models=${FAMILY_MODELS:-bench/models/gemma3-12b bench/models/gpt-oss-20b bench/models/deepseek-v3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$out/gpu.txt" 2>&1
@@ -24,7 +26,8 @@ for stage in $stages; do
         python3 -m pytest -q -rP -m gpu -p no:cacheprovider tests/test_kernels_triton.py tests/test_kernels_triton_gluon.py \
             tests/test_kernels_triton_fused.py tests/test_attention_triton_split.py tests/test_step_graphs.py \
             tests/test_dependent_launch.py \
-            tests/test_backend_cuda.py tests/test_invariance.py tests/test_kernels_expert_matmul.py >"$out/pytest.log" 2>&1
+            tests/test_backend_cuda.py tests/test_invariance.py tests/test_kernels_expert_matmul.py \
+            tests/test_kernels_triton_variants.py tests/test_families.py >"$out/pytest.log" 2>&1
         ;;
     sweep | tune)
         # The plan file is named for the GPU, Triton and models; `tune` writes it among the shipped ones.
@@ -58,6 +61,11 @@ for stage in $stages; do
         python3 -m bench.moe_price "$out/moe.json" --trials "${TRIALS:-1000}" --budget-s "${DIVERGENCE_BUDGET_S:-95}" \
             >"$out/moe.log" 2>&1
         ;;
+    families)
+        # shellcheck disable=SC2086  # one argument per model folder
+        python3 -m bench.families_price "$out/families.json" $(printf -- '--model %s ' $family_models) \
+            >"$out/families.log" 2>&1
+        ;;
     *) echo "unknown stage $stage" >&2 ;;
     esac
     echo "== $stage: exit $? in $(($(date +%s) - start)) s"
@@ -71,5 +79,6 @@ for stage in $stages; do
     divergence) grep '^divergence' "$out/divergence.log" | tail -n 2 ;;
     features) sed -n '/ on NVIDIA/,$p' "$out"/features*.log ;;
     moe) sed -n '/^NVIDIA/,$p' "$out/moe.log" ;;
+    families) sed -n '/^NVIDIA/,$p' "$out/families.log" ;;
     esac
 done

@@ -54,16 +54,29 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        heads, key_width, value_width = config.cache_shape
         # Zeros, not empty: attention multiplies masked slots by 0, and 0 * NaN from garbage memory is NaN.
-        # k[layer], v[layer]: [num_blocks, block_size, n_kv_heads, head_dim]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        # k[layer], v[layer]: [num_blocks, block_size, n_kv_heads, head_dim]. Latent attention keeps one row per token
+        # (its latent and its rotated key) that is both key and value: v[layer] is k[layer].
+        layers = range(config.num_hidden_layers)
+        self.k = [
+            torch.zeros((num_blocks, block_size, heads, key_width), dtype=dtype, device=device)
+            for _ in layers
+        ]
+        self.v = (
+            [
+                torch.zeros((num_blocks, block_size, heads, value_width), dtype=dtype, device=device)
+                for _ in layers
+            ]
+            if value_width
+            else self.k
+        )
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * block_size * config.kv_size * element
+        heads, key_width, value_width = config.cache_shape
+        return config.num_hidden_layers * block_size * heads * (key_width + value_width) * element
 
     @staticmethod
     def blocks_for_budget(config: ModelConfig, budget_bytes: int, block_size: int, dtype: torch.dtype) -> int:

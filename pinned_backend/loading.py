@@ -1,8 +1,9 @@
 """What a model path holds, loaded: a Hugging Face checkpoint folder or a GGUF file, as one `Checkpoint`.
 
 Either way the result is the same five things: the config, the weights by Hugging Face name in the compute
-dtype, the tokenizer, the weights digest and the `quantisation` the stack names (the compute dtype for a folder;
-the stored tensor types and the compute dtype for a GGUF file). Each step is reported through `report` as it
+dtype, the tokenizer, the weights digest and the `quantisation` the stack names (the compute dtype for a folder,
+after the packed format some of its tensors are stored in, `mxfp4->bf16`; the stored tensor types and the compute
+dtype for a GGUF file). Each step is reported through `report` as it
 starts, so whoever waits sees what takes the time. The model itself is model.py's; the stack is stack.py's.
 """
 
@@ -15,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from pinned_backend.checkpoint import ModelConfig, load_config, load_weights, weights_sha256
+from pinned_backend.checkpoint import (
+    ModelConfig,
+    ignored_layers,
+    load_config,
+    load_weights,
+    stored_quantisation,
+    weights_sha256,
+)
 from pinned_backend.gguf_checkpoint import file_sha256, is_gguf, open_gguf
 from pinned_backend.gguf_tokenizer import tokenizer_from_gguf
 from pinned_backend.stack import DTYPE_NAMES
@@ -46,9 +54,17 @@ def load_checkpoint(path: Path, dtype: torch.dtype, report: Report = lambda _: N
     if not is_gguf(path):
         timed(f"reading {path}")
         config = load_config(path)
+        packed = stored_quantisation(path)
+        if packed is not None:
+            timed(f"decoding the tensors stored {packed} to {DTYPE_NAMES[dtype]}")
+        skipped = ignored_layers(config)
+        if skipped:
+            timed(f"loading and ignoring {len(skipped)} multi-token prediction layer(s) after the last")
         weights = load_weights(path, config, dtype)
+        # A packed format is named with the dtype it is decoded to, as a GGUF's types are.
+        quantisation = DTYPE_NAMES[dtype] if packed is None else f"{packed}->{DTYPE_NAMES[dtype]}"
         return Checkpoint(
-            config, weights, Tokenizer.from_pretrained(path), weights_sha256(path), DTYPE_NAMES[dtype]
+            config, weights, Tokenizer.from_pretrained(path), weights_sha256(path), quantisation
         )
     size_mb = path.stat().st_size / 1e6 if path.is_file() else 0.0
     timed(f"reading {path} ({size_mb:.0f} MB)")

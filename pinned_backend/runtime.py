@@ -20,6 +20,7 @@ from pinned_backend.checkpoint import ModelConfig
 from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.grammar import GrammarCompiler
+from pinned_backend.harmony import answer_text, is_harmony
 from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.kvcache import (
     KV_CONTEXTS,
@@ -195,8 +196,10 @@ def load_runtime(
         prefix_cache=settings.prefix_cache,
         speculative_tokens=settings.speculative_tokens,
     )
+    # A harmony checkpoint's answer is its final channel's text (harmony.py); any other's, its decoded tokens.
+    detokenize = answer_text(tokenizer.decode) if is_harmony(tokenizer.chat_template) else tokenizer.decode
     engine = Engine(
-        model, cache, BlockAllocator(num_blocks), kernels, engine_config, tokenizer.decode, device, on_step
+        model, cache, BlockAllocator(num_blocks), kernels, engine_config, detokenize, device, on_step
     )
     generation, detail = detect_hardware(device)
     if invariant_on_gpu:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pinned_backend.checkpoint import (
     CheckpointError,
@@ -19,6 +19,7 @@ from pinned_backend.checkpoint import (
     parse_config,
     weights_sha256,
 )
+from tests.support.family_checkpoints import write_family_checkpoint
 
 QWEN3 = {
     "model_type": "qwen3",
@@ -167,8 +168,8 @@ def test_mixtral_config_makes_every_mlp_its_experts() -> None:
     shapes = expected_shapes(config)
     assert shapes["model.layers.0.block_sparse_moe.gate.weight"] == (4, 32)
     assert shapes["model.layers.1.block_sparse_moe.experts.3.w2.weight"] == (32, 48)
-    with pytest.raises(CheckpointError, match="sliding_window=4096 is not supported"):
-        parse_config({**raw, "sliding_window": 4096})
+    windowed = parse_config({**raw, "sliding_window": 4096})
+    assert windowed.sliding_window == 4096 and windowed.sliding_layers == {0, 1}
 
 
 @pytest.mark.parametrize(
@@ -197,9 +198,12 @@ def test_malformed_moe_config_is_an_error_naming_the_key(change: dict[str, Any],
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
         ({"rms_norm_eps": "small"}, "'rms_norm_eps' must be a number"),
         ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
+        (
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            "rope_scaling type 'dynamic' is not supported",
+        ),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing key 'low_freq_factor'"),
-        ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+        ({"layer_types": ["chunked_attention"] * 2}, "'layer_types' must list 2 of"),
         ({"mlp_bias": True}, "mlp_bias=True is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ],
@@ -308,3 +312,17 @@ def test_weights_sha256_changes_when_one_byte_of_a_shard_changes(tmp_path: Path)
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
     assert weights_sha256(tmp_path) != before
+
+
+def test_multi_token_prediction_layers_after_the_last_are_loaded_and_ignored(tmp_path: Path) -> None:
+    folder = write_family_checkpoint(tmp_path / "deepseek", "deepseek_v3")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)
+    tensors["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"] = torch.zeros(24, 32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.2\.eh_proj\.weight'"):
+        load_weights(folder, load_config(folder), torch.float32)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    loaded = load_weights(folder, load_config(folder), torch.float32)
+    assert not any(name.startswith("model.layers.2.") for name in loaded)

@@ -139,6 +139,61 @@ def test_invariant_attention_gives_a_query_the_same_bits_whatever_else_is_in_the
             )
 
 
+VARIANTS: dict[str, dict[str, Any]] = {
+    "a sliding window": {"window": 20},
+    "soft-capped scores": {"softcap": 1.5},
+    "attention sinks": {"sinks": torch.linspace(-1.0, 3.0, 8)},
+    "all three": {"window": 40, "softcap": 1.5, "sinks": torch.linspace(-1.0, 3.0, 8)},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+def test_attention_variants_match_the_float64_reference(variant: str, mode: Any) -> None:
+    kernels = select_kernels(mode, CPU, kv_split_size=32)
+    k_cache, v_cache, tables = make_paged([1, 17, 70, 33], 16, (8, 2), 32, seed=6, dtype=torch.float32)
+    seq = torch.tensor([0, 1, 2, 2, 2, 2, 3, 1], dtype=torch.int32)
+    pos = torch.tensor([0, 16, 66, 67, 68, 69, 32, 3], dtype=torch.int32)
+    q = randn(8, 8, 32, seed=7) * 3  # large enough scores that a cap bites
+    out = kernels.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5, **VARIANTS[variant])
+    expected = reference.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5, **VARIANTS[variant])
+    plain = reference.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5)
+    assert not torch.allclose(expected, plain, atol=1e-3), f"{variant} changes nothing here, so tests nothing"
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_invariant_attention_variants_give_a_query_the_same_bits_whatever_else_is_in_the_step(
+    variant: str,
+) -> None:
+    kernels = CpuInvariantKernels(kv_split_size=16)
+    lengths = [90, 3, 47, 64]
+    k_cache, v_cache, tables = make_paged(lengths, 16, (8, 2), 16, seed=13, dtype=torch.float32)
+    seq = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
+    # Every score below zero: a row whose running maximum left -inf before it saw a key would show it.
+    k_cache = k_cache.abs()
+    q = -(randn(seq.numel(), 8, 16, seed=14) * 3).abs()
+
+    def attend(rows: torch.Tensor) -> torch.Tensor:
+        return kernels.attention(
+            q[rows], k_cache, v_cache, tables, seq[rows], pos[rows], 0.25, **VARIANTS[variant]
+        )
+
+    # A late query alone, and in one tile with an early one of its sequence: then its tile starts splits before the
+    # first key it sees.
+    assert torch.equal(attend(torch.tensor([89])), attend(torch.tensor([5, 89]))[1:]), (
+        f"{variant}: a tile changed bits"
+    )
+    everything = attend(torch.arange(seq.numel()))
+    generator = torch.Generator().manual_seed(15)
+    for size in (1, 5, 40):
+        rows = torch.randperm(seq.numel(), generator=generator)[:size]
+        assert torch.equal(attend(rows), everything[rows]), (
+            f"{variant}: a step of {size} queries changed bits"
+        )
+
+
 def test_kv_split_size_must_be_a_multiple_of_the_block_size() -> None:
     k_cache, v_cache, tables = make_paged([5], 16, (2, 2), 8, seed=11, dtype=torch.float32)
     kernels = CpuInvariantKernels(kv_split_size=24)
@@ -184,10 +239,11 @@ def test_a_thread_count_changed_after_start_is_refused() -> None:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("name", ["exp", "rsqrt"])
+@pytest.mark.parametrize("name", ["exp", "rsqrt", "tanh"])
 def test_the_elementwise_ops_the_invariant_kernels_use_are_element_invariant(name: str) -> None:
-    # Softmax partials use float32 exp, RMSNorm float32 rsqrt: an element's result must not depend on the
-    # length of the tensor it sits in (PyTorch's scalar loop tails could otherwise round it differently).
+    # Softmax partials use float32 exp, RMSNorm float32 rsqrt, soft-caps and GELU float32 tanh: an element's
+    # result must not depend on the length of the tensor it sits in (PyTorch's scalar loop tails could otherwise
+    # round it differently).
     op = getattr(torch, name)
     x = randn(3000, seed=12) * 5
     x = x.abs() + 0.01 if name == "rsqrt" else x

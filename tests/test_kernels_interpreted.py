@@ -2,7 +2,9 @@
 cuts the work between programs (a slice of K per program, or equal runs of K steps with chains carried from one
 program to the next) and however it loads its operands (plain loads or the copy engine's descriptors), every element
 gets the bits of one program per tile; and that the grouped expert matmul gives each row its expert's product, the
-same bits whatever the other rows went to. Skipped where Triton is not installed.
+same bits whatever the other rows went to; and that the attention variants (sliding windows, soft-caps, sinks), the
+latent attention, GeGLU, the per-head matmul and biased experts compute their functions with a row's bits its own.
+Skipped where Triton is not installed.
 """
 
 from __future__ import annotations
@@ -40,3 +42,9 @@ def run_interpreted(module: str) -> None:
         stdin=subprocess.DEVNULL,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_attention_variants_latent_attention_and_the_families_kernels_are_right_and_row_invariant() -> (
+    None
+):
+    run_interpreted("tests.support.interpreted_attention")

@@ -9,7 +9,13 @@ import torch
 
 from pinned_backend.kernels.cpu_default import TorchKernels
 from pinned_backend.kernels.cpu_invariant import CpuInvariantKernels
-from pinned_backend.kernels.unfused import UnfusedKernels
+from pinned_backend.kernels.unfused import (
+    UnfusedKernels,
+    clamped_swiglu,
+    gelu_tanh,
+    sigmoid,
+    softcap,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 KERNEL_SETS = {"default": TorchKernels, "batch_invariant": CpuInvariantKernels}
@@ -117,3 +123,50 @@ def test_qkv_rope_cache_is_split_norm_rope_and_a_write_of_exactly_its_slots(
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     written = ~caches[0].isnan().flatten(2).all(-1).flatten()
     assert sorted(torch.nonzero(written).flatten().tolist()) == sorted(slots.tolist())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_mul_is_torchs_tanh_gelu_rounded_to_the_dtype_then_multiplied(
+    kernels: UnfusedKernels, dtype: torch.dtype
+) -> None:
+    gate_up = randn(7, 96, seed=11, dtype=dtype, scale=4)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = kernels.gelu_mul(gate_up)
+    expected = torch.nn.functional.gelu(gate.float(), approximate="tanh")
+    torch.testing.assert_close(out, (expected.to(dtype) * up), atol=1e-5, rtol=1e-2)
+    assert torch.equal(out[3:4], kernels.gelu_mul(gate_up[3:4]))
+
+
+def _swiglu_of(x: torch.Tensor) -> torch.Tensor:
+    # Gate x, up x / 2: an elementwise function of x.
+    return clamped_swiglu(torch.cat([x, x * 0.5])[None], 1.702, 7.0)[0]
+
+
+def _swiglu_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.clamp(max=7.0), (x * 0.5).clamp(-7.0, 7.0)
+    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+
+
+ACTIVATIONS = {
+    "gelu_tanh": (gelu_tanh, lambda x: torch.nn.functional.gelu(x, approximate="tanh")),
+    "sigmoid": (sigmoid, torch.sigmoid),
+    "softcap": (lambda x: softcap(x.float(), 2.5), lambda x: torch.tanh(x / 2.5) * 2.5),
+    "clamped_swiglu": (_swiglu_of, _swiglu_reference),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_spelled_out_activations_give_an_element_the_same_bits_wherever_it_sits(
+    name: str, dtype: torch.dtype
+) -> None:
+    # PyTorch's fused float32 GELU and sigmoid give an element other bits in a vectorised loop's scalar tail; these
+    # are spelled in ops that do not (tanh, exp, add, divide).
+    op, reference = ACTIVATIONS[name]
+    x = randn(3000, seed=12, dtype=dtype, scale=6)
+    whole = op(x)
+    for length in (1, 7, 37, 1000):
+        pieces = torch.cat([op(x[i : i + length]) for i in range(0, x.numel(), length)])
+        assert torch.equal(pieces, whole), f"{name} over pieces of {length} elements differs from over all"
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(whole.float(), reference(x.float()), atol=tolerance, rtol=tolerance)

@@ -119,13 +119,15 @@ def dense_reference(config: ModelConfig, weights: dict[str, torch.Tensor], ids: 
 class Runner:
     """Feeds a model steps of (sequence, tokens) pairs over one shared paged cache; collects every row's logits."""
 
-    def __init__(self, model: Transformer, sequences: list[torch.Tensor]) -> None:
+    def __init__(self, model: Transformer, sequences: list[torch.Tensor], device: torch.device = CPU) -> None:
         self.model = model
         self.sequences = sequences
+        self.device = device
         width = max(-(-s.numel() // BLOCK) for s in sequences)
-        self.cache = PagedKVCache(model.config, width * len(sequences), BLOCK, CPU, model.dtype)
+        self.cache = PagedKVCache(model.config, width * len(sequences), BLOCK, device, model.dtype)
         # Sequences' blocks interleaved, so that no sequence owns a contiguous range.
-        self.tables = torch.arange(width * len(sequences), dtype=torch.int32).view(width, -1).T.contiguous()
+        tables = torch.arange(width * len(sequences), dtype=torch.int32).view(width, -1).T.contiguous()
+        self.tables = tables.to(device)
         self.done = [0] * len(sequences)
         self.logits: list[list[torch.Tensor]] = [[] for _ in sequences]
 
@@ -137,10 +139,10 @@ class Runner:
             seq += [s] * count
             pos += list(range(start, start + count))
             self.done[s] += count
-        rows = torch.arange(len(seq))
+        rows = torch.arange(len(seq), device=self.device)
         logits = self.model.forward(
-            torch.cat(ids), torch.tensor(seq, dtype=torch.int32), torch.tensor(pos, dtype=torch.int32),
-            self.tables, self.cache, rows,
+            torch.cat(ids).to(self.device), torch.tensor(seq, dtype=torch.int32, device=self.device),
+            torch.tensor(pos, dtype=torch.int32, device=self.device), self.tables, self.cache, rows,
         )  # fmt: skip
         for row, s in enumerate(seq):
             self.logits[s].append(logits[row])

@@ -12,8 +12,14 @@ Shapes, shared by every implementation:
 - attention:    q [T, Hq, D] (this step's new tokens, all sequences concatenated) over a paged KV cache
                 k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [S, max_blocks] int32;
                 query_seq [T] int32 (row of block_tables each query belongs to); query_pos [T] int32 (absolute
-                position of each query; it attends causally to positions 0..query_pos) -> [T, Hq, D].
-                The KV cache must already hold this step's keys and values.
+                position of each query; it attends causally to positions 0..query_pos) -> [T, Hq, Dv].
+                The KV cache must already hold this step's keys and values. Variants, each a function of the
+                query's own row: `window` (a query sees keys query_pos - window + 1 .. query_pos), `softcap`
+                (scores become cap * tanh(scores / cap) before the softmax), `sinks` [Hq] float32 (one more logit
+                per head in every softmax, with no value: gpt-oss).
+- latent_attention: q [T, H, R + P] over one cache [num_blocks, block_size, 1, R + P] that is both keys and values
+                (multi-head latent attention: a value is a key's first R = v_dim elements) -> [T, H, R].
+- head_matmul:  x [T, H, K] @ w[H, N, K].T per head -> [T, H, N].
 
 Fused families: each computes what a short run of elementwise torch ops computes (`kernels.unfused` spells
 them out, and the kernel sets that do not fuse use that spelling), in one pass over memory.
@@ -21,6 +27,8 @@ them out, and the kernel sets that do not fuse use that spelling), in one pass o
                   rounded once to x's dtype, as torch's add rounds it. The residual add before the next norm.
 - silu_mul:       gate_up [T, 2I] -> [T, I] = silu(gate) * up; silu in fp32 as g / (1 + exp(-g)), rounded to
                   the dtype, then times up, rounded again.
+- gelu_mul:       gate_up [T, 2I] -> [T, I] = gelu_tanh(gate) * up (GeGLU); the GELU in fp32, rounded to the
+                  dtype, then times up, rounded again.
 - qkv_rope_cache: qkv [T, Hq * D + 2 * Hkv * D] (q | k | v, any bias already added); q_norm, k_norm [D] or
                   None (Qwen3's per-head RMSNorm, applied when given); rope_cos, rope_sin [max_positions, D/2]
                   float32; positions [T] int (each token's absolute position, an index into the tables);
@@ -65,13 +73,32 @@ class Kernels(Protocol):
         query_seq: torch.Tensor,
         query_pos: torch.Tensor,
         scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor: ...
+
+    def latent_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+        v_dim: int,
+    ) -> torch.Tensor: ...
+
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def qkv_rope_cache(
         self,

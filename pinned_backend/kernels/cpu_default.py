@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pinned_backend.kernels import KernelMode
-from pinned_backend.kernels.unfused import UnfusedKernels
+from pinned_backend.kernels.unfused import UnfusedKernels, softcap
 
 
 class TorchKernels(UnfusedKernels):
@@ -37,27 +37,62 @@ class TorchKernels(UnfusedKernels):
         query_seq: torch.Tensor,
         query_pos: torch.Tensor,
         scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        # One scaled_dot_product_attention call per sequence over its gathered cache. The loop reads the
+        # One attention call per sequence over its gathered cache: scaled_dot_product_attention where it computes
+        # the variant, the softmax spelled out where it does not (soft-capped scores, sinks). The loop reads the
         # positions to the host; the default mode accepts that cost for simplicity.
-        block_size, n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-        out = torch.empty_like(q)
+        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        out = q.new_empty(*q.shape[:2], v_cache.shape[3])
         for seq in torch.unique(query_seq).tolist():
             rows = torch.nonzero(query_seq == seq).squeeze(1)
             pos = query_pos[rows].long()
             length = int(pos.max()) + 1
-            n_blocks = -(-length // block_size)
-            blocks = block_tables[seq, :n_blocks].long()
-            keys = k_cache[blocks].reshape(-1, n_kv_heads, head_dim)[:length]  # [L, Hkv, D]
-            values = v_cache[blocks].reshape(-1, n_kv_heads, head_dim)[:length]
-            mask = torch.arange(length, device=q.device)[None, :] <= pos[:, None]  # [Tq, L]
-            attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1),  # [Hq, Tq, D]
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
-            )
+            blocks = block_tables[seq, : -(-length // block_size)].long()
+            keys = k_cache[blocks].reshape(-1, n_kv_heads, k_cache.shape[3])[:length]  # [L, Hkv, D]
+            values = v_cache[blocks].reshape(-1, n_kv_heads, v_cache.shape[3])[:length]
+            key_pos = torch.arange(length, device=q.device)[None, :]
+            mask = key_pos <= pos[:, None]  # [Tq, L]
+            if window is not None:
+                mask &= key_pos > pos[:, None] - window
+            query = q[rows].transpose(0, 1)  # [Hq, Tq, D]
+            if sinks is None and softcap is None:
+                attended = F.scaled_dot_product_attention(
+                    query,
+                    keys.transpose(0, 1),
+                    values.transpose(0, 1),
+                    attn_mask=mask,
+                    scale=scale,
+                    enable_gqa=True,
+                )
+            else:
+                attended = _spelled_out(query, keys, values, mask, scale, sinks, softcap)
             out[rows] = attended.transpose(0, 1)
         return out
+
+
+def _spelled_out(
+    q: torch.Tensor,  # [Hq, Tq, D]
+    keys: torch.Tensor,  # [L, Hkv, D]
+    values: torch.Tensor,  # [L, Hkv, Dv]
+    mask: torch.Tensor,  # [Tq, L]
+    scale: float,
+    sinks: torch.Tensor | None,  # [Hq]
+    cap: float | None,
+) -> torch.Tensor:  # [Hq, Tq, Dv]
+    group = q.shape[0] // keys.shape[1]
+    k = keys.transpose(0, 1).repeat_interleave(group, dim=0)
+    v = values.transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)).float() * scale
+    if cap is not None:
+        scores = softcap(scores, cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)

@@ -1,15 +1,17 @@
 """The fused kernel families unfused: spelled as the plain PyTorch ops they fuse, for the kernel sets that do not
 fuse them (the CPU's).
 
-`UnfusedKernels` gives a kernel set `add_rms_norm`, `silu_mul` and `qkv_rope_cache` (shapes in
+`UnfusedKernels` gives a kernel set `add_rms_norm`, `silu_mul`, `gelu_mul` and `qkv_rope_cache` (shapes in
 `pinned_backend.kernels`) built from elementwise torch ops and the set's own `rms_norm`, so that the CPU's
-invariant norm stays the norm wherever these families normalise. The ops and their roundings are the model's as it
+invariant norm stays the norm wherever these families normalise; and `head_matmul` and `latent_attention` built
+from the set's own `matmul` and `attention`, so that they reduce as those do. The ops and their roundings are the model's as it
 was written before these families existed; the CPU backend's tests hold them to that bit for bit. This module
 knows nothing of the model object, only of tensors.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -26,6 +28,34 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return (x32 / (1 + torch.exp(-x32))).to(x.dtype)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)) in float32: exp, add and divide, for the reason `silu` gives (PyTorch's float32 sigmoid gives
+    an element other bits in a vectorised loop's tail)."""
+    return 1 / (1 + torch.exp(-x.float()))
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (Gemma's `gelu_pytorch_tanh`) in float32, rounded once to x's dtype; spelled out,
+    since PyTorch's fused float32 GELU gives an element other bits by where it sits (tests/test_model.py)."""
+    x32 = x.float()
+    inner = math.sqrt(2 / math.pi) * (x32 + 0.044715 * x32 * x32 * x32)
+    return (0.5 * x32 * (1 + torch.tanh(inner))).to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), elementwise in x's dtype (Gemma 2's soft-capping of scores and logits)."""
+    return torch.tanh(x / cap) * cap
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation: gate_up [T, 2I] (gate columns first) -> [T, I] =
+    (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit); in float32, rounded once."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    glu = gate / (1 + torch.exp(-alpha * gate))
+    return ((up.clamp(-limit, limit) + 1) * glu).to(gate_up.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [..., H, D]; cos, sin [..., 1, D/2] float32. Halves rotated as Hugging Face's rotate_half does.
     half = x.shape[-1] // 2
@@ -39,6 +69,42 @@ class UnfusedKernels(ABC):
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
+    @abstractmethod
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor: ...
+
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # x [T, H, K], w [H, N, K] -> [T, H, N]: each head through the set's own matmul.
+        return torch.stack([self.matmul(x[:, head], w[head]) for head in range(w.shape[0])], dim=1)
+
+    def latent_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+        v_dim: int,
+    ) -> torch.Tensor:
+        # The cache is both keys and values; a value is a key's first v_dim elements.
+        return self.attention(q, cache, cache, block_tables, query_seq, query_pos, scale)[..., :v_dim]
+
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +114,10 @@ class UnfusedKernels(ABC):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return silu(gate) * up
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gelu_tanh(gate) * up
 
     def qkv_rope_cache(
         self,

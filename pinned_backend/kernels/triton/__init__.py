@@ -12,21 +12,26 @@ is the parent package's business; README.md beside this file is the map of the k
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from .. import DEFAULT_KV_SPLIT_SIZE, KernelMode
 from .add_rms_norm import add_rms_norm
-from .attention import KV_TILE, paged_attention
+from .attention import KV_TILE, Variant, paged_attention
 from .expert_matmul import ExpertDispatch, combine_by_rank, dispatch, grouped_matmul
 from .expert_routing import route_top_k
+from .latent_attention import latent_attention
 from .launches import Launches
 from .matmul import capability, matmul
 from .plan_files import MatmulPlans
 from .rms_norm import rms_norm
 from .rope_cache import qkv_rope_cache
-from .silu_mul import silu_mul
+from .silu_mul import gelu_mul, silu_mul
 from .softmax import log_softmax
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 class TritonKernels:
@@ -67,12 +72,33 @@ class TritonKernels:
         down: torch.Tensor,
         experts: torch.Tensor,
         weights: torch.Tensor,
+        *,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        activation: Activation | None = None,
     ) -> torch.Tensor:
         """A mixture-of-experts step's experts (moe.py's `ExpertKernels`): the grouped gate/up GEMM over the tokens
-        gathered in expert order, SiLU times up, the grouped down GEMM, each token's k outputs summed by rank."""
+        gathered in expert order, SiLU times up (or `activation`), the grouped down GEMM, each token's k outputs
+        summed by rank. Biases are added row by row, each sorted row its expert's: elementwise, as is the
+        activation, so a row's bits stay its own."""
         plan = dispatch(experts, gate_up.shape[0])
-        activated = self.silu_mul(self.expert_matmul(h, gate_up, plan, gather=True))
-        return combine_by_rank(self.expert_matmul(activated, down, plan), plan, experts, weights)
+        gated = self.expert_matmul(h, gate_up, plan, gather=True)
+        row_expert = _row_experts(plan, gated.shape[0], gate_up.shape[0])
+        if gate_up_bias is not None:
+            gated = gated + gate_up_bias[row_expert]
+        activated = self.silu_mul(gated) if activation is None else activation(gated)
+        out = self.expert_matmul(activated, down, plan)
+        if down_bias is not None:
+            out = out + down_bias[row_expert]
+        return combine_by_rank(out, plan, experts, weights)
+
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, H, K] @ w[H, N, K].T per head -> [T, H, N]: the grouped expert matmul with each head an expert of T
+        rows, one tile for every T, so a row's bits never depend on the step."""
+        t, heads, _ = x.shape
+        plan = dispatch(torch.arange(heads, device=x.device).expand(t, heads), heads)
+        rows = x.transpose(0, 1).reshape(heads * t, x.shape[2])  # head-major, as the dispatch sorts them
+        return grouped_matmul(rows, w, plan).view(heads, t, -1).transpose(0, 1)
 
     def expert_matmul(
         self, x: torch.Tensor, w: torch.Tensor, plan: ExpertDispatch, *, gather: bool = False
@@ -93,9 +119,28 @@ class TritonKernels:
         query_seq: torch.Tensor,
         query_pos: torch.Tensor,
         scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         return paged_attention(
             q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, split=self.kv_split_size,
+            dependent=self.launches.dependent_launch, variant=Variant(window, softcap, sinks),
+        )  # fmt: skip
+
+    def latent_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+        v_dim: int,
+    ) -> torch.Tensor:
+        return latent_attention(
+            q, cache, block_tables, query_seq, query_pos, scale, self.kv_split_size, v_dim,
             dependent=self.launches.dependent_launch,
         )  # fmt: skip
 
@@ -106,6 +151,9 @@ class TritonKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_mul(gate_up, dependent=self.launches.dependent_launch)
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_mul(gate_up, dependent=self.launches.dependent_launch)
 
     def qkv_rope_cache(
         self,
@@ -143,6 +191,17 @@ class CublasKernels(TritonKernels):
         every expert's run) are left as it leaves them."""
         rows = x[plan.token] if gather else x
         return torch._grouped_mm(rows, w.transpose(1, 2), offs=plan.offsets[1:])
+
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """cuBLAS's batched GEMM, one batch entry per head."""
+        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+
+def _row_experts(plan: ExpertDispatch, rows: int, experts: int) -> torch.Tensor:
+    """The expert of each sorted row [rows] int64 (refused rows, past every expert's run, take the last expert's
+    index: their values are never read)."""
+    index = torch.arange(rows, device=plan.offsets.device, dtype=plan.offsets.dtype)
+    return (torch.searchsorted(plan.offsets[1:], index, right=True)).clamp(max=experts - 1)
 
 
 __all__ = ["DEFAULT_KV_SPLIT_SIZE", "CublasKernels", "Launches", "MatmulPlans", "TritonKernels"]

@@ -31,6 +31,13 @@ The workspace holds the fp32 partials exactly, and the serial path's extra merge
 identity. The workspace grows with T * Hq * max_chunks * D; past `_WORKSPACE_LIMIT` a decode step takes the
 serial path, with the same bits.
 
+The variants, each a function of the row's own position and head, on both paths alike: a sliding `window` masks keys
+at or before p - window, and chunks wholly before the window are skipped (a program starts at the first chunk any of
+its rows sees; the chunks it walks that a row does not see are, for that row, fully masked, the identity as above);
+`SOFTCAP` replaces each score by cap * tanh(score / cap), tanh spelled with exp2 so that its bits are the same
+wherever it runs; `sinks` adds one logit per head with no value to the softmax, once, in `_finish`, after the last
+chunk's merge.
+
 Layouts (see kernels/__init__.py): q [T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
 block_tables [S, max_blocks] int32; query_seq, query_pos [T] int32. This module knows nothing of how the cache is
 allocated or written.
@@ -39,7 +46,7 @@ allocated or written.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -79,6 +86,7 @@ def _attend_chunk(
     lo,
     hi,
     scale_log2,
+    window,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -89,8 +97,11 @@ def _attend_chunk(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Online softmax of rows `mine` (each seeing keys up to its `row_pos`) over keys lo..hi-1 -> (m, l, acc)."""
+    """Online softmax of rows `mine` (each seeing keys up to its `row_pos`, and past row_pos - window if WINDOWED)
+    over keys lo..hi-1 -> (m, l, acc)."""
     dims = tl.arange(0, HEAD_DIM)
     keys = tl.arange(0, BLOCK_N)
     m_i, l_i, acc = _fresh(ROWS, HEAD_DIM)
@@ -108,8 +119,10 @@ def _attend_chunk(
             mask=kv_ok[:, None],
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = _scores(tl.dot(q, tl.trans(k)), scale_log2, SOFTCAP)
         visible = mine[:, None] & (kv_pos[None, :] <= row_pos[:, None])
+        if WINDOWED:
+            visible = visible & (kv_pos[None, :] > row_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -133,6 +146,26 @@ def _attend_chunk(
 
 
 @triton.jit
+def _scores(dots, scale_log2, SOFTCAP: tl.constexpr):
+    """q.k in the log2 domain exp2 takes; soft-capped first where SOFTCAP > 0 (cap * tanh(score / cap), tanh as
+    1 - 2 / (exp2(2 * log2(e) * x) + 1))."""
+    if SOFTCAP > 0:
+        x = dots * (scale_log2 * 0.6931471805599453 / SOFTCAP)  # ln(2): back to the natural scale
+        capped = SOFTCAP * (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0))  # 2 * log2(e)
+        return capped * 1.4426950408889634
+    return dots * scale_log2
+
+
+@triton.jit
+def _first_chunk(row_pos, mine, window, SPLIT: tl.constexpr, WINDOWED: tl.constexpr):
+    """The first chunk any of rows `mine` sees: 0, or with a window the one holding the lowest row's first key."""
+    if WINDOWED:
+        lowest = tl.min(tl.where(mine, row_pos, 1 << 30), axis=0)
+        return tl.maximum(lowest - window + 1, 0) // SPLIT
+    return 0
+
+
+@triton.jit
 def _merge(tot_m, tot_l, tot_acc, m_i, l_i, acc):
     """The running total after one more chunk; chunk order is the reduction order."""
     tot_new = tl.maximum(tot_m, m_i)
@@ -150,6 +183,18 @@ def _normalise(tot_l, tot_acc, mine):
     return tot_acc / safe_l[:, None]
 
 
+@triton.jit
+def _finish(tot_m, tot_l, tot_acc, mine, sinks_ptr, head, SINKS: tl.constexpr):
+    """The output after the last chunk: with sinks, one more logit per head that adds to the sum only."""
+    if SINKS:
+        sink = tl.load(sinks_ptr + head, mask=mine, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(tot_m, sink)
+        keep = tl.exp2(tot_m - m_new)
+        tot_l = tot_l * keep + tl.exp2(sink - m_new)
+        tot_acc = tot_acc * keep[:, None]
+    return _normalise(tot_l, tot_acc, mine)
+
+
 # T is not specialised: a step of one token must run the same binary as any other step.
 @triton.jit(do_not_specialize=["T"])
 def _paged_attention_kernel(
@@ -160,8 +205,10 @@ def _paged_attention_kernel(
     tables_ptr,
     seq_ptr,
     pos_ptr,
+    sinks_ptr,
     T,
     scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -180,6 +227,9 @@ def _paged_attention_kernel(
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     start_as_dependent(PDL)
@@ -210,17 +260,18 @@ def _paged_attention_kernel(
         table = tables_ptr + seq.to(tl.int64) * stride_table
 
         tot_m, tot_l, tot_acc = _fresh(ROWS, HEAD_DIM)
-        for chunk in range(0, n_chunks):
+        for chunk in range(_first_chunk(row_pos, mine, window, SPLIT, WINDOWED), n_chunks):
             lo = chunk * SPLIT
             hi = tl.minimum(lo + SPLIT, last_pos + 1)
             m_i, l_i, acc = _attend_chunk(
-                q, k_ptr, v_ptr, table, kv_head, mine, row_pos, last_pos, lo, hi, scale_log2,
+                q, k_ptr, v_ptr, table, kv_head, mine, row_pos, last_pos, lo, hi, scale_log2, window,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                ROWS, HEAD_DIM, PAGE, BLOCK_N,
+                ROWS, HEAD_DIM, PAGE, BLOCK_N, WINDOWED, SOFTCAP,
             )  # fmt: skip
             tot_m, tot_l, tot_acc = _merge(tot_m, tot_l, tot_acc, m_i, l_i, acc)
 
-        result = tl.where(mine[:, None], _normalise(tot_l, tot_acc, mine), result)
+        done = _finish(tot_m, tot_l, tot_acc, mine, sinks_ptr, head, SINKS)
+        result = tl.where(mine[:, None], done, result)
         pending = pending & ~mine
 
     tl.store(
@@ -242,6 +293,7 @@ def _paged_attention_chunk_kernel(
     seq_ptr,
     pos_ptr,
     scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -259,6 +311,8 @@ def _paged_attention_chunk_kernel(
     PAGE: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     start_as_dependent(PDL)
@@ -269,6 +323,9 @@ def _paged_attention_chunk_kernel(
     lo = chunk * SPLIT
     if lo > last_pos:
         return
+    if WINDOWED:  # noqa: SIM102  (a constexpr branch, settled when the kernel compiles)
+        if chunk < tl.maximum(last_pos - window + 1, 0) // SPLIT:
+            return
     hi = tl.minimum(lo + SPLIT, last_pos + 1)
     rows = tl.arange(0, ROWS)
     head = kv_head * GROUP + rows % GROUP
@@ -280,9 +337,9 @@ def _paged_attention_chunk_kernel(
     )
     table = tables_ptr + tl.load(seq_ptr + tok).to(tl.int64) * stride_table
     m_i, l_i, acc = _attend_chunk(
-        q, k_ptr, v_ptr, table, kv_head, mine, row_pos, last_pos, lo, hi, scale_log2,
+        q, k_ptr, v_ptr, table, kv_head, mine, row_pos, last_pos, lo, hi, scale_log2, window,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        ROWS, HEAD_DIM, PAGE, BLOCK_N,
+        ROWS, HEAD_DIM, PAGE, BLOCK_N, WINDOWED, SOFTCAP,
     )  # fmt: skip
     # m_ws, l_ws [T, Hq, C]; acc_ws [T, Hq, C, D]
     slot = tok.to(tl.int64) * stride_wt + head * stride_wh + chunk
@@ -298,6 +355,8 @@ def _paged_attention_merge_kernel(
     acc_ws_ptr,
     out_ptr,
     pos_ptr,
+    sinks_ptr,
+    window,
     stride_wt,
     stride_wh,
     stride_ot,
@@ -306,6 +365,8 @@ def _paged_attention_merge_kernel(
     ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SINKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     start_as_dependent(PDL)
@@ -315,11 +376,12 @@ def _paged_attention_merge_kernel(
     head = kv_head * GROUP + rows % GROUP
     mine = rows < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    n_chunks = tl.load(pos_ptr + tok) // SPLIT + 1
+    last_pos = tl.load(pos_ptr + tok)
+    n_chunks = last_pos // SPLIT + 1
     first_slot = tok.to(tl.int64) * stride_wt + head * stride_wh
 
     tot_m, tot_l, tot_acc = _fresh(ROWS, HEAD_DIM)
-    for chunk in range(0, n_chunks):
+    for chunk in range(_first_chunk(tl.where(mine, last_pos, -1), mine, window, SPLIT, WINDOWED), n_chunks):
         slot = first_slot + chunk
         m_i = tl.load(m_ws_ptr + slot, mask=mine, other=float("-inf"))
         l_i = tl.load(l_ws_ptr + slot, mask=mine, other=0.0)
@@ -328,7 +390,7 @@ def _paged_attention_merge_kernel(
 
     tl.store(
         out_ptr + tok * stride_ot + head[:, None] * stride_oh + dims[None, :],
-        _normalise(tot_l, tot_acc, mine).to(out_ptr.dtype.element_ty),
+        _finish(tot_m, tot_l, tot_acc, mine, sinks_ptr, head, SINKS).to(out_ptr.dtype.element_ty),
         mask=mine[:, None],
     )
 
@@ -350,6 +412,17 @@ def choose_path(
     return "chunks" if t <= n_seqs * _CHUNKS_TOKENS_PER_SEQUENCE and fits else "serial"
 
 
+class Variant(NamedTuple):
+    """What a layer's attention adds to plain causal attention (module docstring)."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [Hq] float32
+
+
+PLAIN = Variant()
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -362,6 +435,7 @@ def paged_attention(
     *,
     path: AttentionPath = "auto",
     dependent: bool = True,
+    variant: Variant = PLAIN,
 ) -> torch.Tensor:
     """Causal attention of each query over its sequence's cached keys 0..query_pos -> [T, Hq, D] in q's dtype.
 
@@ -376,6 +450,8 @@ def paged_attention(
         raise ValueError(f"attention: {hq} query heads over {hkv} KV heads is not a supported grouping")
     if split % KV_TILE != 0:
         raise ValueError(f"attention: kv split size {split} must be a multiple of {KV_TILE}")
+    if variant.sinks is not None and variant.sinks.shape != (hq,):
+        raise ValueError(f"attention: sinks must be [{hq}], one per query head")
     if q.stride(-1) != 1:
         q = q.contiguous()
     max_chunks = max(1, -(-(block_tables.shape[1] * page) // split))
@@ -386,10 +462,21 @@ def paged_attention(
     options = launch_options(q.device, dependent)
     args = (q, k_cache, v_cache, block_tables, query_seq, query_pos, scale * math.log2(math.e), split, out)
     if chosen == "chunks":
-        _launch_chunks(*args, max_chunks, options)
+        _launch_chunks(*args, max_chunks, _constants(variant, q), options)
     else:
-        _launch_serial(*args, options)
+        _launch_serial(*args, _constants(variant, q), options)
     return out
+
+
+def _constants(variant: Variant, q: torch.Tensor) -> dict[str, Any]:
+    """A variant as the kernels take it: a runtime window, and what is settled when a kernel compiles."""
+    return {
+        "window": variant.window or 0,
+        "sinks_ptr": q if variant.sinks is None else variant.sinks,  # never read without sinks
+        "WINDOWED": variant.window is not None,
+        "SOFTCAP": float(variant.softcap or 0.0),
+        "SINKS": variant.sinks is not None,
+    }
 
 
 def _launch_serial(
@@ -402,6 +489,7 @@ def _launch_serial(
     scale_log2: float,
     split: int,
     out: torch.Tensor,
+    variant: dict[str, Any],
     options: dict[str, bool],
 ) -> None:
     t, hq, d = q.shape
@@ -413,31 +501,14 @@ def _launch_serial(
     # meets, are the same either way (the tests compare the two).
     tokens = 1 if t <= block_tables.shape[0] else _ROWS // group
     _paged_attention_kernel[(-(-t // tokens), hkv)](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        block_tables,
-        query_seq,
-        query_pos,
-        t,
-        scale_log2,
-        *q.stride()[:2],
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        *out.stride()[:2],
-        block_tables.stride(0),
-        GROUP=group,
-        TOKENS=tokens,
-        ROWS=_ROWS,
-        HEAD_DIM=d,
-        PAGE=k_cache.shape[1],
-        SPLIT=split,
-        BLOCK_N=KV_TILE,
-        **options,
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
-    )
+        q, k_cache, v_cache, out, block_tables, query_seq, query_pos, T=t, scale_log2=scale_log2,
+        stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_table=block_tables.stride(0),
+        GROUP=group, TOKENS=tokens, ROWS=_ROWS, HEAD_DIM=d, PAGE=k_cache.shape[1], SPLIT=split, BLOCK_N=KV_TILE,
+        **variant, **options, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )  # fmt: skip
 
 
 def _launch_chunks(
@@ -451,54 +522,28 @@ def _launch_chunks(
     split: int,
     out: torch.Tensor,
     max_chunks: int,
+    variant: dict[str, Any],
     options: dict[str, bool],
 ) -> None:
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
-    # Slots of chunks past a query's position are never written and never read.
+    # Slots of chunks past a query's position, or before its window, are never written and never read.
     m_ws = torch.empty((t, hq, max_chunks), device=q.device, dtype=torch.float32)
     l_ws = torch.empty_like(m_ws)
     acc_ws = torch.empty((t, hq, max_chunks, d), device=q.device, dtype=torch.float32)
+    shared = {"GROUP": group, "ROWS": _ROWS, "HEAD_DIM": d, "SPLIT": split, "WINDOWED": variant["WINDOWED"]}
     _paged_attention_chunk_kernel[(t, hkv, max_chunks)](
-        q,
-        k_cache,
-        v_cache,
-        m_ws,
-        l_ws,
-        acc_ws,
-        block_tables,
-        query_seq,
-        query_pos,
-        scale_log2,
-        *q.stride()[:2],
-        *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
-        block_tables.stride(0),
-        *m_ws.stride()[:2],
-        GROUP=group,
-        ROWS=_ROWS,
-        HEAD_DIM=d,
-        PAGE=k_cache.shape[1],
-        SPLIT=split,
-        BLOCK_N=KV_TILE,
-        **options,
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
-    )
+        q, k_cache, v_cache, m_ws, l_ws, acc_ws, block_tables, query_seq, query_pos,
+        scale_log2=scale_log2, window=variant["window"], stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_kb=k_cache.stride(0), stride_ks=k_cache.stride(1), stride_kh=k_cache.stride(2),
+        stride_vb=v_cache.stride(0), stride_vs=v_cache.stride(1), stride_vh=v_cache.stride(2),
+        stride_table=block_tables.stride(0), stride_wt=m_ws.stride(0), stride_wh=m_ws.stride(1),
+        PAGE=k_cache.shape[1], BLOCK_N=KV_TILE, SOFTCAP=variant["SOFTCAP"],
+        **shared, **options, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )  # fmt: skip
     _paged_attention_merge_kernel[(t, hkv)](
-        m_ws,
-        l_ws,
-        acc_ws,
-        out,
-        query_pos,
-        *m_ws.stride()[:2],
-        *out.stride()[:2],
-        GROUP=group,
-        ROWS=_ROWS,
-        HEAD_DIM=d,
-        SPLIT=split,
-        **options,
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
-    )
+        m_ws, l_ws, acc_ws, out, query_pos, variant["sinks_ptr"], window=variant["window"],
+        stride_wt=m_ws.stride(0), stride_wh=m_ws.stride(1), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        SINKS=variant["SINKS"], **shared, **options, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )  # fmt: skip
