@@ -64,6 +64,7 @@ from proxy.serving.record_ids import RecordIds
 from proxy.serving.redact import Redactor
 from proxy.serving.serve import Proxy
 from proxy.serving.unclosed import Unclosed
+from proxy.state.routes import routes as state_routes
 from proxy.ui import ui_app
 
 log = structlog.get_logger("stackpin.app")
@@ -111,6 +112,7 @@ def create_app(
     app[ROUTES] = settings.route_pins()
     app[PROMPTS] = PromptBook.from_config(settings.prompts)
     app.add_routes(routes())
+    app.add_routes(state_routes())
     if settings.ui.enabled:
         app.add_subapp("/ui", ui_app(settings, secrets))
     app.cleanup_ctx.extend(

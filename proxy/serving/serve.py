@@ -45,6 +45,7 @@ from proxy.serving.request import ClientRequest
 from proxy.serving.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
 from proxy.serving.sinks import BufferSink, Sink
 from proxy.serving.unclosed import Unclosed
+from proxy.state.stored_responses import unreadable
 
 RECORD_HEADER = "Stackpin-Record"
 STACK_HEADER = "Stackpin-Stack"
@@ -90,9 +91,11 @@ class Proxy:
             previous = recorded(record) if record is not None else None
         except BadRequest:
             previous = None
-        if previous is None or previous.endpoint != RESPONSES:
+        unstored = unreadable(record)  # deleted, or never stored (store: false)
+        if previous is None or previous.endpoint != RESPONSES or unstored is not None:
+            why = f" ({unstored})" if unstored is not None and previous is not None else ""
             raise BadRequest(
-                f"previous_response_id {request.previous_response_id!r} names no complete response of yours",
+                f"previous_response_id {request.previous_response_id!r} names no complete response of yours{why}",
                 param="previous_response_id",
             )
         expanded = expand(request.body, previous.client_request, previous.answered.body)
