@@ -24,7 +24,7 @@ from proxy.evidence.compare import Comparison
 from proxy.pins import Pin, parse_pin_body
 from proxy.serving.auth import authenticate
 from proxy.serving.records import Served
-from proxy.serving.request import parse_body, read_request
+from proxy.serving.request import ClientRequest, parse_body, read_request
 from proxy.serving.router import live_stacks
 from proxy.serving.serve import Proxy
 from proxy.serving.sinks import HttpSink
@@ -72,16 +72,7 @@ async def serve_completion(
     proxy = config[PROXY]
     started = time.perf_counter()
     received_at = proxy.clock()
-    client_request = read_request(
-        endpoint,
-        body,
-        pin_header=pin_header,
-        routes=config[ROUTES],
-        prompts=config[PROMPTS],
-        default_route=config[SETTINGS].server.default_route,
-        live_models=lambda: sorted(_model_objects(config)),
-    )
-    client_request = await proxy.continued(client_request, tenant)
+    client_request = await prepared(config, tenant, endpoint, body, pin_header)
     await proxy.limiter.admit(tenant)
     response: web.StreamResponse
     if client_request.stream:
@@ -94,11 +85,28 @@ async def serve_completion(
     else:
         served, answer = await proxy.complete(client_request, tenant, received_at)
         response = proxy.answer_response(served, answer)
-    _observe(proxy, endpoint, served, response.status, time.perf_counter() - started)
+    observe(proxy, endpoint, served, response.status, time.perf_counter() - started)
     return response
 
 
-def _observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: float) -> None:
+async def prepared(
+    config: Mapping[Any, Any], tenant: str, endpoint: str, body: dict[str, Any], pin_header: str | None
+) -> ClientRequest:
+    """A request read (its pin, route and prompt) and `previous_response_id` resolved: what the serving path takes,
+    from a client or from work the proxy runs itself (proxy/state/)."""
+    client_request = read_request(
+        endpoint,
+        body,
+        pin_header=pin_header,
+        routes=config[ROUTES],
+        prompts=config[PROMPTS],
+        default_route=config[SETTINGS].server.default_route,
+        live_models=lambda: sorted(_model_objects(config)),
+    )
+    return await config[PROXY].continued(client_request, tenant)
+
+
+def observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: float) -> None:
     stack = served.replica.stack
     labels = (endpoint, served.fingerprint, stack.model, stack.kernel_mode, stack.hardware)
     proxy.metrics.answered(labels, status, seconds)

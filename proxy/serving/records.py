@@ -57,6 +57,9 @@ class Served:
     translated_from: dict[str, Any] | None = None  # the client's request the forwarded one translates
     continues: str | None = None  # the record whose response this request continues (previous_response_id)
     replay_of: str | None = None
+    belongs_to: dict[str, Any] | None = (
+        None  # the stored state it was served for: a batch's line, a background run
+    )
 
     @property
     def fingerprint(self) -> str:
@@ -109,6 +112,8 @@ def _request_content(served: Served) -> dict[str, Any]:
         content["translated_from"] = served.translated_from
     if served.continues is not None:
         content["continues"] = served.continues
+    if served.belongs_to is not None:
+        content["belongs_to"] = served.belongs_to
     return content
 
 

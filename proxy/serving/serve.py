@@ -434,7 +434,7 @@ class Proxy:
         dispatched: Dispatched[Sent],
         replaying: Replaying | None,
     ) -> Served:
-        record_id = self.record_ids()
+        record_id = request.record_id or self.record_ids()
         # Every log line from here to the end of this request's task carries the record id.
         structlog.contextvars.bind_contextvars(
             record_id=record_id, replica=dispatched.replica.name, fingerprint=dispatched.replica.fingerprint
@@ -455,6 +455,7 @@ class Proxy:
             translated_from=dispatched.body if translated else None,
             continues=request.continues,
             replay_of=replaying.original.record_id if replaying is not None else None,
+            belongs_to=request.belongs_to,
         )
 
     def _count_tokens(self, served: Served, usage: Any) -> None:
