@@ -37,6 +37,7 @@ from proxy.audit.note import (
 from proxy.commands import prove
 from proxy.commands.auditor import audit, list_records, verify
 from proxy.commands.proxy_client import probe, replay
+from proxy.commands.replay_batch import replay_batch
 from proxy.commands.witness import HttpLogSource, WitnessStore, follow
 from proxy.config import Settings, load_settings, log_secrets, read_settings
 from proxy.errors import ConfigError, StackpinError
@@ -155,7 +156,10 @@ def _parser() -> argparse.ArgumentParser:
     replay = commands.add_parser(
         "replay", parents=[client], help="resend a record's exact request and compare"
     )
-    replay.add_argument("record")
+    replay.add_argument("record", nargs="?")
+    replay.add_argument(
+        "--batch", metavar="ID", help="replay every answered line of a batch instead of one record"
+    )
     replay.add_argument("--on", help="pin of another stack to replay on, e.g. 'kernel_mode=default'")
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(run=_replay)
@@ -396,10 +400,12 @@ def _moment(option: str, text: str | None) -> datetime | None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-
-    return asyncio.run(
-        replay(_client_target(args, _settings(args)), args.record, on=args.on, as_json=args.json)
-    )
+    if (args.record is None) == (args.batch is None):
+        raise ConfigError("replay takes a RECORD or --batch ID (one of them)")
+    target = _client_target(args, _settings(args))
+    if args.batch is not None:
+        return asyncio.run(replay_batch(target, args.batch, on=args.on, as_json=args.json))
+    return asyncio.run(replay(target, args.record, on=args.on, as_json=args.json))
 
 
 def _probe(args: argparse.Namespace) -> int:
