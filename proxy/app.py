@@ -68,9 +68,10 @@ from proxy.serving.record_ids import RecordIds
 from proxy.serving.redact import Redactor
 from proxy.serving.serve import Proxy
 from proxy.serving.unclosed import Unclosed
+from proxy.state.background import BackgroundKind
 from proxy.state.batch_run import BatchKind
 from proxy.state.routes import routes as state_routes
-from proxy.state.runner import JobRunner
+from proxy.state.runner import JobKind, JobRunner
 from proxy.state.store import StateStore
 from proxy.ui import ui_app
 
@@ -285,7 +286,10 @@ async def stored_state(app: web.Application, *, clock: Callable[[], datetime]) -
     """The stored state, and the runner that takes up its jobs here (any proxy of a fleet may run any of them)."""
     settings = app[SETTINGS]
     state = StateStore.open(settings.store.url, schema=settings.store.postgres_schema)
-    kinds = {"batch": BatchKind(app, state, app[STORE], settings.batches, clock)}
+    kinds: dict[str, JobKind] = {
+        "batch": BatchKind(app, state, app[STORE], settings.batches, clock),
+        "response": BackgroundKind(app, state, clock),
+    }
     runner = JobRunner(state.jobs, kinds, settings.jobs, clock)
     app[STATE], app[JOBS] = state, runner
     running = asyncio.create_task(runner.run(), name="job-runner")

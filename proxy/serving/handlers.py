@@ -16,18 +16,19 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from proxy.app_keys import FLEET, METRICS, PROMPTS, PROXY, REGISTRY, ROUTES, SECRETS, SETTINGS, STORE
+from proxy.app_keys import FLEET, METRICS, PROXY, REGISTRY, SECRETS, SETTINGS, STORE
 from proxy.audit import AuditRecord, NoSuchCheckpoint, ProofError
-from proxy.endpoints import ENDPOINTS
+from proxy.endpoints import ENDPOINTS, RESPONSES
 from proxy.errors import BadRequest, NotFound, RequestTimeout
 from proxy.evidence.compare import Comparison
 from proxy.pins import Pin, parse_pin_body
 from proxy.serving.auth import authenticate
-from proxy.serving.records import Served
-from proxy.serving.request import ClientRequest, parse_body, read_request
+from proxy.serving.prepare import model_objects, observe, prepared
+from proxy.serving.request import parse_body
 from proxy.serving.router import live_stacks
 from proxy.serving.serve import Proxy
 from proxy.serving.sinks import HttpSink
+from proxy.state.background import queued_response
 
 log = structlog.get_logger("stackpin.http")
 
@@ -56,6 +57,8 @@ async def openai_route(request: web.Request) -> web.StreamResponse:
     tenant = authenticate(request.headers, request.app[SECRETS])
     body = parse_body(await read_body(request))
     pin_header = request.headers.get("Stackpin-Pin")
+    if request.path == RESPONSES and body.get("background") is True:
+        return await queued_response(request, tenant, body, pin_header)  # any proxy of the fleet runs it
     return await serve_completion(request.config_dict, tenant, request.path, body, pin_header, request)
 
 
@@ -89,54 +92,15 @@ async def serve_completion(
     return response
 
 
-async def prepared(
-    config: Mapping[Any, Any], tenant: str, endpoint: str, body: dict[str, Any], pin_header: str | None
-) -> ClientRequest:
-    """A request read (its pin, route and prompt) and `previous_response_id` resolved: what the serving path takes,
-    from a client or from work the proxy runs itself (proxy/state/)."""
-    client_request = read_request(
-        endpoint,
-        body,
-        pin_header=pin_header,
-        routes=config[ROUTES],
-        prompts=config[PROMPTS],
-        default_route=config[SETTINGS].server.default_route,
-        live_models=lambda: sorted(_model_objects(config)),
-    )
-    return await config[PROXY].continued(client_request, tenant)
-
-
-def observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: float) -> None:
-    stack = served.replica.stack
-    labels = (endpoint, served.fingerprint, stack.model, stack.kernel_mode, stack.hardware)
-    proxy.metrics.answered(labels, status, seconds)
-
-
-def _model_objects(config: Mapping[Any, Any]) -> dict[str, dict[str, Any]]:
-    """What a client can name as `model`: each live stack's model, and each route."""
-    data: dict[str, dict[str, Any]] = {}
-    for stack in live_stacks(config[REGISTRY].all()):
-        name = stack["stack"]["model"]
-        entry = data.setdefault(
-            name, {"id": name, "object": "model", "created": 0, "owned_by": "stackpin", "stacks": []}
-        )
-        entry["stacks"].append(stack["fingerprint"])
-    for route in config[ROUTES]:
-        data.setdefault(
-            route, {"id": route, "object": "model", "created": 0, "owned_by": "stackpin", "route": True}
-        )
-    return data
-
-
 async def models(request: web.Request) -> web.Response:
     authenticate(request.headers, request.app[SECRETS])
-    data = _model_objects(request.app)
+    data = model_objects(request.app)
     return web.json_response({"object": "list", "data": [data[name] for name in sorted(data)]})
 
 
 async def model(request: web.Request) -> web.Response:
     authenticate(request.headers, request.app[SECRETS])
-    data = _model_objects(request.app)
+    data = model_objects(request.app)
     model_id = request.match_info["model_id"]
     if model_id not in data:
         raise NotFound(

@@ -25,7 +25,7 @@ from proxy.app_keys import PROXY, REDACTOR
 from proxy.audit import AuditStore, DuplicateEntry
 from proxy.config import BatchSettings
 from proxy.errors import RateLimited, StackpinError
-from proxy.serving.handlers import observe, prepared
+from proxy.serving.prepare import observe, prepared
 from proxy.state.batch_lines import DoneLine
 from proxy.state.batches import (
     BatchLine,

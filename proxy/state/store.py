@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from proxy.state.batch_lines import BatchLines
 from proxy.state.database import StateDatabase
 from proxy.state.files import Files
+from proxy.state.job_events import JobEvents
 from proxy.state.jobs import Jobs
 
 
@@ -17,11 +18,12 @@ class StateStore:
     jobs: Jobs
     files: Files
     lines: BatchLines
+    events: JobEvents
 
     @classmethod
     def open(cls, url: str, *, schema: str | None = None) -> StateStore:
         db = StateDatabase.open(url, schema=schema)
-        return cls(db=db, jobs=Jobs(db), files=Files(db), lines=BatchLines(db))
+        return cls(db=db, jobs=Jobs(db), files=Files(db), lines=BatchLines(db), events=JobEvents(db))
 
     async def close(self) -> None:
         await self.db.close()
