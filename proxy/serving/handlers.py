@@ -23,7 +23,7 @@ from proxy.errors import BadRequest, NotFound, RequestTimeout
 from proxy.evidence.compare import Comparison
 from proxy.pins import Pin, parse_pin_body
 from proxy.serving.auth import authenticate
-from proxy.serving.prepare import model_objects, observe, prepared
+from proxy.serving.prepare import answered, model_objects, observe, prepared
 from proxy.serving.request import parse_body
 from proxy.serving.router import live_stacks
 from proxy.serving.serve import Proxy
@@ -82,11 +82,14 @@ async def serve_completion(
         if http_request is None:
             raise BadRequest("this caller cannot stream; send 'stream': false", param="stream")
         sink = HttpSink(http_request)
-        served, _ = await proxy.stream(client_request, tenant, received_at, sink)
+        served, status = await proxy.stream(client_request, tenant, received_at, sink)
+        if status == "complete":
+            await answered(config, client_request, served, None)
         assert sink.response is not None
         response = sink.response
     else:
         served, answer = await proxy.complete(client_request, tenant, received_at)
+        await answered(config, client_request, served, answer)
         response = proxy.answer_response(served, answer)
     observe(proxy, endpoint, served, response.status, time.perf_counter() - started)
     return response

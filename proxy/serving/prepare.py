@@ -1,6 +1,6 @@
 """What every answer goes through before and after the serving path, whoever asks: a request read (its pin, route
-and prompt) with `previous_response_id` resolved, the models a client can name, and an answer counted in the
-metrics. The API's handlers (handlers.py), the audit page's probe and the work the proxy runs itself (background
+and prompt) with `conversation` and `previous_response_id` resolved, the models a client can name, what an answer
+changes of stored state (a conversation's turn), and an answer counted in the metrics. The API's handlers (handlers.py), the audit page's probe and the work the proxy runs itself (background
 responses and batches, proxy/state/) share them. `config` is the application's mapping (or a sub-application's)."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.app_keys import PROMPTS, PROXY, REGISTRY, ROUTES, SETTINGS
+from proxy.app_keys import PROMPTS, PROXY, REGISTRY, ROUTES, SETTINGS, STATE, STORE
 from proxy.serving.records import Served
 from proxy.serving.request import ClientRequest, read_request
 from proxy.serving.router import live_stacks
 from proxy.serving.serve import Proxy
+from proxy.state.conversations import in_conversation, keep_turn
 
 
 async def prepared(
@@ -29,7 +30,27 @@ async def prepared(
         default_route=config[SETTINGS].server.default_route,
         live_models=lambda: sorted(model_objects(config)),
     )
+    client_request = await in_conversation(config[STATE].conversations, client_request, tenant)
     return await config[PROXY].continued(client_request, tenant)
+
+
+async def answered(
+    config: Mapping[Any, Any], request: ClientRequest, served: Served, body: dict[str, Any] | None
+) -> None:
+    """What a recorded answer changes of stored state: a response in a conversation joins it, with its input and
+    output (a stream's output read back from its record). Before the answer is sent: a turn the conversation could
+    not keep is a 503 like any store failure, never a conversation that silently lacks it."""
+    if (request.belongs_to or {}).get("conversation") is None:
+        return
+    if body is None:
+        record = await config[STORE].get_record(served.record_id, served.tenant)
+        closed = next((e for e in record.entries if e.part == "closed"), None) if record is not None else None
+        answer = closed.content.get("answer") if closed is not None else None
+        body = answer if isinstance(answer, dict) else {}
+    output = body.get("output") if isinstance(body.get("output"), list) else []
+    await keep_turn(
+        config[STATE].conversations, request, served.record_id, served.tenant, output, config[PROXY].clock()
+    )
 
 
 def observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: float) -> None:

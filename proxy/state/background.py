@@ -25,7 +25,7 @@ from aiohttp import web
 from proxy.app_keys import JOBS, PROXY, STATE, STORE
 from proxy.endpoints import RESPONSES, TERMINAL_EVENTS
 from proxy.errors import BadRequest, StackpinError
-from proxy.serving.prepare import observe, prepared
+from proxy.serving.prepare import answered, observe, prepared
 from proxy.serving.responses_api import Echo, record_of, response_id
 from proxy.serving.serve import RECORD_HEADER
 from proxy.state.job_events import EventSink
@@ -146,7 +146,11 @@ class BackgroundKind:
             return
         try:
             request = await prepared(self.config, job.tenant, RESPONSES, body, job.request.get("pin_header"))
-            request = replace(request, record_id=record_of(job.id), belongs_to={"background": True})
+            request = replace(
+                request,
+                record_id=record_of(job.id),
+                belongs_to={**(request.belongs_to or {}), "background": True},
+            )
             await proxy.limiter.admit(job.tenant)
         except StackpinError as e:
             await self._fail(running, e)
@@ -177,6 +181,8 @@ class BackgroundKind:
             await self._fail(running, e)
             return
         observe(proxy, RESPONSES, served, 200, time.perf_counter() - started)
+        if not request.stream or result == "complete":
+            await answered(self.config, request, served, None if request.stream else result)
         outcome = "completed" if not request.stream or result == "complete" else "failed"
         detail = (
             {}

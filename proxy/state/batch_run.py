@@ -25,7 +25,7 @@ from proxy.app_keys import PROXY, REDACTOR
 from proxy.audit import AuditStore, DuplicateEntry
 from proxy.config import BatchSettings
 from proxy.errors import RateLimited, StackpinError
-from proxy.serving.prepare import observe, prepared
+from proxy.serving.prepare import answered, observe, prepared
 from proxy.state.batch_lines import DoneLine
 from proxy.state.batches import (
     BatchLine,
@@ -92,11 +92,14 @@ class BatchKind:
         for attempt in itertools.count():
             try:
                 request = await prepared(self.config, job.tenant, endpoint, line.body, None)
-                request = replace(request, record_id=record_id, belongs_to=belongs_to)
+                request = replace(
+                    request, record_id=record_id, belongs_to={**(request.belongs_to or {}), **belongs_to}
+                )
                 await proxy.limiter.admit(job.tenant)
                 started = asyncio.get_running_loop().time()
                 served, body = await proxy.complete(request, job.tenant, proxy.clock())
                 observe(proxy, endpoint, served, 200, asyncio.get_running_loop().time() - started)
+                await answered(self.config, request, served, body)
                 return DoneLine(index, line.custom_id, served.record_id, 200, body)
             except (
                 RateLimited

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from proxy.state.batch_lines import BatchLines
+from proxy.state.conversations import Conversations
 from proxy.state.database import StateDatabase
 from proxy.state.files import Files
 from proxy.state.job_events import JobEvents
@@ -19,11 +20,19 @@ class StateStore:
     files: Files
     lines: BatchLines
     events: JobEvents
+    conversations: Conversations
 
     @classmethod
     def open(cls, url: str, *, schema: str | None = None) -> StateStore:
         db = StateDatabase.open(url, schema=schema)
-        return cls(db=db, jobs=Jobs(db), files=Files(db), lines=BatchLines(db), events=JobEvents(db))
+        return cls(
+            db=db,
+            jobs=Jobs(db),
+            files=Files(db),
+            lines=BatchLines(db),
+            events=JobEvents(db),
+            conversations=Conversations(db),
+        )
 
     async def close(self) -> None:
         await self.db.close()
