@@ -94,6 +94,8 @@ async def test_a_batch_answers_every_line_through_the_serving_path_each_a_record
         ]  # fmt: skip
         assert named["input_file"]["sha256"] == uploaded.sha256  # type: ignore[attr-defined]
         assert [batch.id] == [b.id async for b in sdk.batches.list()]
+        await store.integrate()
+        assert (await store.verify()).ok
 
 
 async def test_a_cancelled_batch_stops_taking_up_lines_and_keeps_the_ones_done(

@@ -65,7 +65,9 @@ async def test_a_released_lease_is_anyone_s_at_once(state: StateStore) -> None:
     assert await state.jobs.claim("a", T0, LEASE_S) is not None
     await state.jobs.release("a")
     taken = await state.jobs.claim("b", T0, LEASE_S)
-    assert taken is not None and taken.owner == "b"
+    assert taken is not None and taken.owner == "b" and taken.attempts == 1, (
+        "a graceful stop is no failed attempt"
+    )
 
 
 async def test_cancelling_finishes_a_queued_job_and_asks_a_running_one_to_stop(state: StateStore) -> None:

@@ -166,12 +166,13 @@ class Jobs:
             return bool(result.rowcount)
 
     async def release(self, owner: str) -> None:
-        """Lets go of every lease `owner` holds: its jobs are anyone's to take up again, now."""
+        """Lets go of every lease `owner` holds (a graceful stop): its jobs are anyone's to take up again, now, and
+        this time does not count among their attempts, which bound the runs that a proxy's crash cut short."""
         async with self._db.write() as connection:
             await connection.execute(
                 update(JOBS)
                 .where(JOBS.c.owner == owner, JOBS.c.state == "running")
-                .values(owner=None, lease_until=None)
+                .values(owner=None, lease_until=None, attempts=JOBS.c.attempts - 1)
             )
 
     async def request_cancel(self, job_id: str, tenant: str, now: datetime) -> Job | None:
