@@ -5,12 +5,17 @@ queued or running; and what cannot run is refused at once or fails visibly."""
 from __future__ import annotations
 
 import asyncio
+import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from sqlalchemy import update
 
+from proxy.app_keys import STATE
+from proxy.state.tables import JOBS
 from tests.support.fake_replica import FakeReplica
 from tests.support.proxy_harness import Harness, running_proxy
 
@@ -85,7 +90,7 @@ async def test_a_streamed_background_response_is_read_as_it_comes_and_again_from
 async def test_a_queued_or_running_background_response_is_cancelled(
     replica: FakeReplica, tmp_path: Path
 ) -> None:
-    replica.answer_delay_s = 5.0
+    replica.answer_delay_s = 2.0
     replica.chunk_delay_s = 0.2
     async with running_proxy([replica], tmp_path, jobs=FAST_JOBS) as harness:
         sdk = client(harness)
@@ -141,3 +146,30 @@ async def test_what_cannot_run_in_the_background_is_refused_or_fails_visibly(
             sdk, (await sdk.responses.create(model="no-such-model", input="x", background=True)).id
         )
         assert unserved.status == "failed" and "no-such-model" in unserved.error.message  # type: ignore[union-attr]
+
+
+async def test_a_background_response_whose_proxy_was_killed_is_run_again_or_ended_by_its_record(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path, jobs=FAST_JOBS) as harness:
+        sdk, state = client(harness), harness.app[STATE]
+        answered = await ended(
+            sdk, (await sdk.responses.create(model="fake-model", input="Once.", background=True)).id
+        )
+        calls, never = len(replica.requests), "resp_" + "a" * 32
+        # Two jobs a killed proxy was running: one it answered (its record is complete), one it never answered.
+        killed = {"state": "running", "outcome": None, "owner": "killed-proxy", "attempts": 1,
+                  "lease_until": datetime.now(UTC) - timedelta(seconds=60)}  # fmt: skip
+        body = {"model": "fake-model", "input": "Twice.", "max_output_tokens": 3}
+        async with state.db.write() as connection:
+            await connection.execute(
+                JOBS.insert().values(id=never, kind="response", tenant="local", cancel_requested=False,
+                                     request=json.dumps({"body": body, "pin_header": None}), detail=None,
+                                     created_at=datetime.now(UTC), **killed)
+            )  # fmt: skip
+            await connection.execute(update(JOBS).where(JOBS.c.id == answered.id).values(**killed))
+        rerun = await ended(sdk, never)
+        assert rerun.status == "incomplete" and rerun.output_text, "never answered, so run again here"
+        again = await ended(sdk, answered.id)
+        assert again.status == answered.status and again.output_text == answered.output_text
+        assert len(replica.requests) == calls + 1, "an answer already recorded is never asked for twice"

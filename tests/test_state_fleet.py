@@ -57,7 +57,7 @@ async def test_what_one_proxy_stores_the_other_serves(replica: FakeReplica, tmp_
             final = sent[-1].response  # type: ignore[union-attr]
             again = [e async for e in await two.responses.retrieve(final.id, stream=True, starting_after=2)]
             assert [e.model_dump() for e in again] == [e.model_dump() for e in sent[3:]]
-            replica.answer_delay_s = 5.0
+            replica.answer_delay_s = 2.0
             slow = await two.responses.create(model="fake-model", input="Slow.", background=True)
             while (await one.responses.retrieve(slow.id)).status != "in_progress":
                 await asyncio.sleep(0.05)
