@@ -1,6 +1,7 @@
 """Background responses through the official SDK: created `queued`, run by the proxy, polled to their end and
 recorded like any response; streamed ones read as they come and again from a sequence number; cancelled while
-queued or running; and what cannot run is refused at once or fails visibly."""
+queued or running; what cannot run refused at once or failing visibly; and one whose proxy was killed run again
+or ended by its record."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ async def test_a_background_response_is_queued_then_polled_to_its_answer_and_rec
         assert "background" not in replica.requests[-1], (
             "the replica is asked for the answer, not a background run"
         )
+        with pytest.raises(openai.BadRequestError, match="not streamed"):
+            await sdk.responses.retrieve(queued.id, stream=True)
         items = await sdk.responses.input_items.list(queued.id)
         assert [i.content[0].text for i in items.data] == ["Of the sea."]  # type: ignore[union-attr]
 

@@ -64,6 +64,8 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     job = await request.app[STATE].jobs.get(response_id, tenant, kind="response")
     if queries.flag(request.query, "stream"):
         after = queries.whole(request.query, "starting_after", least=-1)
+        if job is not None and not job.request["body"].get("stream"):
+            raise BadRequest(f"response {response_id!r} was not streamed; leave 'stream' out", param="stream")
         if job is not None:
             return await follow(
                 request, request.app[STATE], job, -1 if after is None else after, _job_headers(job)
