@@ -1,7 +1,8 @@
 """What every answer goes through before and after the serving path, whoever asks: a request read (its pin, route
 and prompt) with `conversation` and `previous_response_id` resolved, the models a client can name, what an answer
-changes of stored state (a conversation's turn), and an answer counted in the metrics. The API's handlers (handlers.py), the audit page's probe and the work the proxy runs itself (background
-responses and batches, proxy/state/) share them. `config` is the application's mapping (or a sub-application's)."""
+changes of stored state (a conversation's turn), and an answer counted in the metrics. The API's handlers
+(handlers.py), the audit page's probe and the work the proxy runs itself (background responses and batches,
+proxy/state/) share them. `config` is the application's mapping (or a sub-application's)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from proxy.state.conversations import in_conversation, keep_turn
 async def prepared(
     config: Mapping[Any, Any], tenant: str, endpoint: str, body: dict[str, Any], pin_header: str | None
 ) -> ClientRequest:
-    """A request read (its pin, route and prompt) and `previous_response_id` resolved: what the serving path takes,
-    from a client or from work the proxy runs itself (proxy/state/)."""
+    """A request read (its pin, route and prompt), `conversation` and `previous_response_id` resolved into the input
+    they stand for: what the serving path takes, from a client or from work the proxy runs itself (proxy/state/)."""
     client_request = read_request(
         endpoint,
         body,
