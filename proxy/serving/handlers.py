@@ -1,7 +1,8 @@
 """HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in proxy/serving/middleware.py only.
 
 The OpenAI routes (chat, completions, embeddings, responses) share one handler and one serving path
-(proxy/serving/serve.py, under `PROXY`); `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for. Each
+(proxy/serving/serve.py, under `PROXY`), but a background response, which is queued as a job (proxy/state/background.py);
+the stored-state routes are proxy/state/'s. `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for. Each
 handler takes the resources it needs from the application's typed keys (proxy/app_keys.py), and nothing else.
 """
 
