@@ -102,6 +102,8 @@ class JobRunner:
                 log.error("job_abandoned", job=job.id, attempts=job.attempts - 1)
                 continue
             running = Running(job, self.owner)
+            if job.cancel_requested:  # asked of the proxy that ran it before and stopped
+                running.cancelled.set()
             task = asyncio.create_task(self._run(running), name=f"job-{job.id}")
             self._running[job.id] = (running, task)
 
