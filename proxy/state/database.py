@@ -3,7 +3,7 @@ either way is `StoreUnavailable` (the middleware answers 503 with Retry-After, a
 
 On SQLite the writer holds one connection and begins IMMEDIATE, so that a transaction that reads and then writes
 (a claim of a job) never upgrades its lock midway: one writer at a time, across the proxy's processes too. On
-PostgreSQL writes run on a small pool, and a claim takes its row with SELECT ... FOR UPDATE SKIP LOCKED, so that
+PostgreSQL reads and writes share one small pool, and a claim takes its row with SELECT ... FOR UPDATE SKIP LOCKED, so that
 proxies never wait for each other's jobs. The schema is the migrations' (the store opened first has checked it).
 """
 
@@ -29,11 +29,10 @@ class StateDatabase:
     @classmethod
     def open(cls, url: str, *, schema: str | None = None) -> StateDatabase:
         parsed = parse_url(url)
-        sqlite = parsed.get_backend_name() == "sqlite"
-        return cls(
-            reader=make_engine(parsed, schema=schema, writer=False),
-            writer=make_engine(parsed, schema=schema, writer=sqlite),
-        )
+        reader = make_engine(parsed, schema=schema, writer=False)
+        if parsed.get_backend_name() != "sqlite":
+            return cls(reader=reader, writer=reader)  # one small pool: reads and writes alike
+        return cls(reader=reader, writer=make_engine(parsed, schema=schema, writer=True))
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
@@ -55,5 +54,6 @@ class StateDatabase:
             raise StoreUnavailable(f"stored state cannot be written ({failure_reason(exc)})") from exc
 
     async def close(self) -> None:
-        await self.writer.dispose()
+        if self.writer is not self.reader:
+            await self.writer.dispose()
         await self.reader.dispose()
