@@ -167,11 +167,11 @@ PARTS = (
 # The relay's own work, by the first of its steps found in the stack (bare's is only its handler).
 OWN_STEPS = (
     ("read and check the request", ("read_request", "parse_body", "read_body", "authenticate",
-                                    "Proxy.continued", "RateLimiter.admit")),
+                                    "Proxy.continued", "in_conversation", "RateLimiter.admit")),
     ("build and seal the record (canonical JSON, hashes)", ("Proxy._entry", "opened_entry", "closed_entry")),
     ("commit: queue, batch, hand-off to the writer (loop side)", ("AuditStore.append", "GroupCommitter.")),
     ("choose a replica, check its answer", ("Proxy._dispatch", "dispatch", "post_json", "open_stream")),
-    ("answer, metrics, logs", ("Proxy.answer_response", "_observe", "Proxy._count_tokens",
+    ("answer, metrics, logs", ("Proxy.answer_response", "observe", "answered", "Proxy._count_tokens",
                                "Proxy._client_body", "Proxy._served")),
 )  # fmt: skip
 

@@ -17,6 +17,7 @@ from sqlalchemy.pool import NullPool
 
 from proxy.audit.models import Base
 from proxy.audit.schema import lock_for_migration
+from proxy.state import tables as _state_tables  # noqa: F401  (its tables join Base.metadata)
 
 config = context.config
 target_metadata = Base.metadata

@@ -13,7 +13,9 @@ released in reverse, and each is built with the ones before it:
 5. the replica registry with its health monitor, which checks every replica before the first request is accepted;
 6. the fleet (proxy/fleet/resource.py): rate limits, and in fleet mode the task that keeps the registry in step;
 7. the serving path (proxy/serving/serve.py) over all of them, with the task that records the ends of streams the
-   store was away for (proxy/serving/unclosed.py), which tries once more at a graceful stop.
+   store was away for (proxy/serving/unclosed.py), which tries once more at a graceful stop;
+8. the stored state (proxy/state/: files, jobs, conversations, in the audit database) and the runner of its jobs
+   (background responses and batches), which serve through the serving path and let their leases go at a stop.
 
 The audit page (proxy/ui/) is a sub-application at /ui over the same keys.
 """
@@ -37,6 +39,7 @@ from proxy.app_keys import (
     FLEET,
     FLEET_LINK,
     HEALTH,
+    JOBS,
     LOCAL_REPLICAS,
     METRICS,
     PROMPTS,
@@ -46,6 +49,7 @@ from proxy.app_keys import (
     ROUTES,
     SECRETS,
     SETTINGS,
+    STATE,
     STORE,
 )
 from proxy.audit import AuditStore
@@ -65,6 +69,11 @@ from proxy.serving.record_ids import RecordIds
 from proxy.serving.redact import Redactor
 from proxy.serving.serve import Proxy
 from proxy.serving.unclosed import Unclosed
+from proxy.state.background import BackgroundKind
+from proxy.state.batch_run import BatchKind
+from proxy.state.routes import routes as state_routes
+from proxy.state.runner import JobKind, JobRunner
+from proxy.state.store import StateStore
 from proxy.ui import ui_app
 
 log = structlog.get_logger("stackpin.app")
@@ -114,6 +123,7 @@ def create_app(
     app[ROUTES] = settings.route_pins()
     app[PROMPTS] = PromptBook.from_config(settings.prompts)
     app.add_routes(routes())
+    app.add_routes(state_routes())
     if settings.ui.enabled:
         app.add_subapp("/ui", ui_app(settings, secrets))
     app.cleanup_ctx.extend(
@@ -125,6 +135,7 @@ def create_app(
             functools.partial(replicas, clock=clock),
             functools.partial(fleet, clock=clock),
             functools.partial(serving_path, clock=clock),
+            functools.partial(stored_state, clock=clock),
         ]
     )
     return app
@@ -280,3 +291,24 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
             await unclosed.commit()
             if unclosed.held:
                 log.error("stream_ends_left_open", record_ids=unclosed.held)
+
+
+async def stored_state(app: web.Application, *, clock: Callable[[], datetime]) -> AsyncIterator[None]:
+    """The stored state, and the runner that takes up its jobs here (any proxy of a fleet may run any of them)."""
+    settings = app[SETTINGS]
+    state = StateStore.open(settings.store.url, schema=settings.store.postgres_schema)
+    kinds: dict[str, JobKind] = {
+        "batch": BatchKind(app, state, app[STORE], settings.batches, clock),
+        "response": BackgroundKind(app, state, clock),
+    }
+    runner = JobRunner(state.jobs, kinds, settings.jobs, clock)
+    app[STATE], app[JOBS] = state, runner
+    running = asyncio.create_task(runner.run(), name="job-runner")
+    try:
+        yield
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+        await runner.stop()
+        await state.close()

@@ -3,7 +3,8 @@
 Set when the application is built: the settings, the secrets, the metrics, the redactor, the named routes and the
 prompt book. Set by the cleanup context of each resource, in the order they are acquired: the audit store, the
 HTTP client for replicas, the embedded local backend as a replica and the fleet's link to Redis (each only when there is
-one), the registry with its health monitor, the fleet, and last the serving path built from them all.
+one), the registry with its health monitor, the fleet, the serving path built from them all, and the stored
+state (proxy/state/) with the runner of its jobs, which serve through that path.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from proxy.replicas.registry import Registry, Replica
 from proxy.serving.prompts import PromptBook
 from proxy.serving.redact import Redactor
 from proxy.serving.serve import Proxy
+from proxy.state.runner import JobRunner
+from proxy.state.store import StateStore
 
 SETTINGS = web.AppKey("settings", Settings)
 SECRETS = web.AppKey("secrets", Secrets)
@@ -38,3 +41,5 @@ REGISTRY = web.AppKey("registry", Registry)
 HEALTH = web.AppKey("health", HealthMonitor)
 FLEET = web.AppKey("fleet", Fleet)
 PROXY = web.AppKey("proxy", Proxy)
+STATE = web.AppKey("state", StateStore)
+JOBS = web.AppKey("jobs", JobRunner)

@@ -230,6 +230,23 @@ class UiSettings(_Section):
     secure_cookie: bool | None = None  # None: Secure when the server listens beyond loopback
 
 
+class JobsSettings(_Section):
+    """Background responses and batches: work any proxy of a fleet may take up (proxy/state/runner.py)."""
+
+    lease_s: float = Field(default=30.0, gt=0)  # a job a stopped proxy held is taken up by another after this
+    poll_interval_s: float = Field(default=0.5, gt=0)  # how often a proxy looks for jobs others queued
+    max_attempts: int = Field(default=3, ge=1)  # a job taken up this often without finishing is failed
+    concurrency: int = Field(default=16, ge=1)  # jobs one proxy runs at once
+
+
+class BatchSettings(_Section):
+    """The Batch API (proxy/state/batch_run.py) and the files it reads and writes."""
+
+    max_file_bytes: int = Field(default=100 * 1024 * 1024, ge=1)  # an upload past it is a 413 naming this key
+    max_lines: int = Field(default=50_000, ge=1)  # requests in one input file
+    concurrency: int = Field(default=4, ge=1)  # lines of one batch served at once
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STACKPIN_", env_nested_delimiter="__", extra="forbid")
 
@@ -240,6 +257,8 @@ class Settings(BaseSettings):
     fleet: FleetSettings = FleetSettings()
     ui: UiSettings = UiSettings()
     log: LogSettings = LogSettings()
+    jobs: JobsSettings = JobsSettings()
+    batches: BatchSettings = BatchSettings()
     replicas: list[ReplicaSettings] = Field(default_factory=list)
     prompts: dict[str, str] = Field(default_factory=dict)
     routes: dict[str, dict[str, str]] = Field(default_factory=dict)

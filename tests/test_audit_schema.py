@@ -31,6 +31,7 @@ from proxy.audit.entries import GENESIS_SHA256, chain_hash
 from proxy.audit.merkle import leaf_hash, verify_inclusion
 from proxy.audit.models import Base, UTCDateTime
 from proxy.audit.schema import downgrade_database, script_head
+from proxy.state import tables as state_tables
 from tests.support.audit_databases import (
     KINDS,
     LOG_SIGNER,
@@ -51,6 +52,10 @@ TABLES = {
     "prompts",
     "stacks",
     "tree_nodes",
+    # State that outlives a request (proxy/state/tables.py), declared on the same metadata.
+    *(table.name for table in (state_tables.JOBS, state_tables.JOB_EVENTS, state_tables.FILES)),
+    *(table.name for table in (state_tables.BATCH_LINES, state_tables.CONVERSATIONS)),
+    state_tables.CONVERSATION_ITEMS.name,
 }
 
 

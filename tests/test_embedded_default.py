@@ -9,6 +9,7 @@ import asyncio
 import io
 import json
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -148,3 +149,49 @@ async def test_a_long_start_reports_its_progress_while_it_runs() -> None:
     assert len(reports) >= 2 and {r["event"] for r in reports} == {"local_backend_loading"}
     assert reports[-1]["elapsed_s"] >= reports[0]["elapsed_s"]
     assert len(reports) <= 7, "the reports stop with the work"
+
+
+def test_stored_responses_background_runs_conversations_and_batches_on_the_embedded_default(
+    served: tuple[str, Path, dict[str, str]],
+) -> None:
+    url, folder, env = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = "smollm2-135m-instruct"
+    conversation = client.conversations.create()
+    first = client.responses.create(model=model, input="Name a colour.", conversation=conversation.id,
+                                    max_output_tokens=4, temperature=0)  # fmt: skip
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    queued = client.responses.create(model=model, input="Name a fruit.", conversation=conversation.id,
+                                     max_output_tokens=4, temperature=0, background=True)  # fmt: skip
+    assert queued.status == "queued"
+    deadline = time.monotonic() + 120
+    while (
+        client.responses.retrieve(queued.id).status in ("queued", "in_progress")
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+    assert client.responses.retrieve(queued.id).output_text
+    assert len(client.conversations.items.list(conversation.id).data) == 4, (
+        "both turns joined the conversation"
+    )
+
+    lines = [{"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": 4, "temperature": 0}}
+             for i, q in enumerate(("Say yes.", "Say no."))]  # fmt: skip
+    uploaded = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                   purpose="batch")  # fmt: skip
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    while (batch := client.batches.retrieve(batch.id)).status not in (
+        "completed",
+        "failed",
+    ) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.output_file_id is not None
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in output] == ["q0", "q1"]
+    replay = stackpin(folder, env, "replay", "--batch", batch.id, "--url", url)
+    assert replay.returncode == 0 and "2 identical, 0 diverged" in replay.stdout, (
+        replay.stdout + replay.stderr
+    )

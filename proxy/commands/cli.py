@@ -38,6 +38,7 @@ from proxy.audit.note import (
 from proxy.commands import prove, slice_command, study_command
 from proxy.commands.auditor import audit, list_records, verify
 from proxy.commands.proxy_client import probe, replay
+from proxy.commands.replay_batch import replay_batch
 from proxy.commands.witness import HttpLogSource, WitnessStore, follow
 from proxy.config import Settings, load_settings, log_secrets, read_settings
 from proxy.errors import ConfigError, StackpinError
@@ -158,6 +159,9 @@ def _parser() -> argparse.ArgumentParser:
         "replay", parents=[client], help="resend a record's exact request and compare"
     )
     replay.add_argument("record", nargs="?", help="the record to replay (or a slice: see below)")
+    replay.add_argument(
+        "--batch", metavar="ID", help="replay every answered line of a batch instead of one record"
+    )
     replay.add_argument("--on", help="pin of another stack to replay on, e.g. 'kernel_mode=default'")
     replay.add_argument("--json", action="store_true")
     slice_command.add_options(replay)
@@ -411,9 +415,16 @@ def _replay(args: argparse.Namespace) -> int:
     settings = _settings(args)
     if slice_command.wants_slice(args):
         return slice_command.run(args, settings, _client_target(args, settings), _moment)
+    if args.batch is not None:
+        if args.record is not None:
+            raise ConfigError("replay takes a RECORD or --batch ID, not both")
+        return asyncio.run(
+            replay_batch(_client_target(args, settings), args.batch, on=args.on, as_json=args.json)
+        )
     if args.record is None:
         raise ConfigError(
-            "name the RECORD to replay, or a slice of records with --since (and --model, --stack, ...)"
+            "name the RECORD to replay, a batch with --batch ID, or a slice of records with --since (and --model, "
+            "--stack, ...)"
         )
     return asyncio.run(replay(_client_target(args, settings), args.record, on=args.on, as_json=args.json))
 

@@ -16,7 +16,7 @@ from proxy.pins import parse_pin_header
 EXIT_OK, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
@@ -29,7 +29,7 @@ async def replay(target: tuple[str, str | None], record_id: str, *, on: str | No
         async with (
             aiohttp.ClientSession() as session,
             session.post(
-                f"{url}/v1/records/{record_id}/replay", json=body, headers=_headers(api_key)
+                f"{url}/v1/records/{record_id}/replay", json=body, headers=auth_headers(api_key)
             ) as response,
         ):
             result = await response.json(content_type=None)
@@ -79,7 +79,7 @@ def _print_replay(result: dict[str, Any]) -> None:
 
 async def probe(target: tuple[str, str | None], args: argparse.Namespace) -> int:
     url, api_key = target
-    headers = _headers(api_key)
+    headers = auth_headers(api_key)
     if args.pin:
         headers["Stackpin-Pin"] = args.pin
     body = probe_body(args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature)

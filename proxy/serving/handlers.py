@@ -1,7 +1,8 @@
 """HTTP handlers: parse, call the core, answer. Errors become OpenAI-style bodies in proxy/serving/middleware.py only.
 
 The OpenAI routes (chat, completions, embeddings, responses) share one handler and one serving path
-(proxy/serving/serve.py, under `PROXY`); `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for. Each
+(proxy/serving/serve.py, under `PROXY`), but a background response, which is queued as a job (proxy/state/background.py);
+the stored-state routes are proxy/state/'s. `GET /v1/models` and `GET /v1/models/{id}` name what a client can ask for. Each
 handler takes the resources it needs from the application's typed keys (proxy/app_keys.py), and nothing else.
 """
 
@@ -16,18 +17,19 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from proxy.app_keys import FLEET, METRICS, PROMPTS, PROXY, REGISTRY, ROUTES, SECRETS, SETTINGS, STORE
+from proxy.app_keys import FLEET, METRICS, PROXY, REGISTRY, SECRETS, SETTINGS, STORE
 from proxy.audit import AuditRecord, NoSuchCheckpoint, ProofError
-from proxy.endpoints import ENDPOINTS
+from proxy.endpoints import ENDPOINTS, RESPONSES
 from proxy.errors import BadRequest, NotFound, RequestTimeout
 from proxy.evidence.compare import Comparison
 from proxy.pins import Pin, parse_pin_body
 from proxy.serving.auth import authenticate
-from proxy.serving.records import Served
-from proxy.serving.request import TAG_HEADER, parse_body, read_request
+from proxy.serving.prepare import answered, model_objects, observe, prepared
+from proxy.serving.request import TAG_HEADER, parse_body
 from proxy.serving.router import live_stacks
 from proxy.serving.serve import Proxy
 from proxy.serving.sinks import HttpSink
+from proxy.state.background import queued_response
 
 log = structlog.get_logger("stackpin.http")
 
@@ -57,6 +59,8 @@ async def openai_route(request: web.Request) -> web.StreamResponse:
     body = parse_body(await read_body(request))
     pin_header = request.headers.get("Stackpin-Pin")
     tag = request.headers.get(TAG_HEADER)
+    if request.path == RESPONSES and body.get("background") is True:
+        return await queued_response(request, tenant, body, pin_header)  # any proxy of the fleet runs it
     return await serve_completion(
         request.config_dict, tenant, request.path, body, pin_header, request, tag=tag
     )
@@ -77,64 +81,35 @@ async def serve_completion(
     proxy = config[PROXY]
     started = time.perf_counter()
     received_at = proxy.clock()
-    client_request = read_request(
-        endpoint,
-        body,
-        pin_header=pin_header,
-        routes=config[ROUTES],
-        prompts=config[PROMPTS],
-        default_route=config[SETTINGS].server.default_route,
-        live_models=lambda: sorted(_model_objects(config)),
-        tag=tag,
-    )
-    client_request = await proxy.continued(client_request, tenant)
+    client_request = await prepared(config, tenant, endpoint, body, pin_header, tag=tag)
     await proxy.limiter.admit(tenant)
     response: web.StreamResponse
     if client_request.stream:
         if http_request is None:
             raise BadRequest("this caller cannot stream; send 'stream': false", param="stream")
         sink = HttpSink(http_request)
-        served, _ = await proxy.stream(client_request, tenant, received_at, sink)
+        served, status = await proxy.stream(client_request, tenant, received_at, sink)
+        if status == "complete":
+            await answered(config, client_request, served, None)
         assert sink.response is not None
         response = sink.response
     else:
         served, answer = await proxy.complete(client_request, tenant, received_at)
+        await answered(config, client_request, served, answer)
         response = proxy.answer_response(served, answer)
-    _observe(proxy, endpoint, served, response.status, time.perf_counter() - started)
+    observe(proxy, endpoint, served, response.status, time.perf_counter() - started)
     return response
-
-
-def _observe(proxy: Proxy, endpoint: str, served: Served, status: int, seconds: float) -> None:
-    stack = served.replica.stack
-    labels = (endpoint, served.fingerprint, stack.model, stack.kernel_mode, stack.hardware)
-    proxy.metrics.answered(labels, status, seconds)
-
-
-def _model_objects(config: Mapping[Any, Any]) -> dict[str, dict[str, Any]]:
-    """What a client can name as `model`: each live stack's model, and each route."""
-    data: dict[str, dict[str, Any]] = {}
-    for stack in live_stacks(config[REGISTRY].all()):
-        name = stack["stack"]["model"]
-        entry = data.setdefault(
-            name, {"id": name, "object": "model", "created": 0, "owned_by": "stackpin", "stacks": []}
-        )
-        entry["stacks"].append(stack["fingerprint"])
-    for route in config[ROUTES]:
-        data.setdefault(
-            route, {"id": route, "object": "model", "created": 0, "owned_by": "stackpin", "route": True}
-        )
-    return data
 
 
 async def models(request: web.Request) -> web.Response:
     authenticate(request.headers, request.app[SECRETS])
-    data = _model_objects(request.app)
+    data = model_objects(request.app)
     return web.json_response({"object": "list", "data": [data[name] for name in sorted(data)]})
 
 
 async def model(request: web.Request) -> web.Response:
     authenticate(request.headers, request.app[SECRETS])
-    data = _model_objects(request.app)
+    data = model_objects(request.app)
     model_id = request.match_info["model_id"]
     if model_id not in data:
         raise NotFound(

@@ -59,6 +59,9 @@ class Served:
     continues: str | None = None  # the record whose response this request continues (previous_response_id)
     replay_of: str | None = None
     tag: str | None = None  # the client's label for the request (proxy/serving/request.py)
+    belongs_to: dict[str, Any] | None = (
+        None  # the stored state it was served for: a batch's line, a background run
+    )
 
     @property
     def fingerprint(self) -> str:
@@ -114,6 +117,8 @@ def _request_content(served: Served) -> dict[str, Any]:
         content["continues"] = served.continues
     if served.tag is not None:
         content["tag"] = served.tag
+    if served.belongs_to is not None:
+        content["belongs_to"] = served.belongs_to
     return content
 
 

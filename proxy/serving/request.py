@@ -51,6 +51,10 @@ class ClientRequest:
         None  # a replay's exact chat request, sent instead of translating `body`
     )
     tag: str | None = None  # the client's label for the request (TAG_HEADER), kept in its record
+    # Set for work the proxy runs itself (a background response, a batch's line): the record id its answer
+    # must have, and what stored state it belongs to, which its record says.
+    record_id: str | None = None
+    belongs_to: dict[str, Any] | None = None
 
     def continuing(self, record_id: str, expanded: dict[str, Any]) -> ClientRequest:
         return replace(self, body=expanded, continues=record_id)

@@ -61,6 +61,7 @@ from proxy.serving.responses_api import (
 )
 from proxy.serving.sinks import BufferSink, Sink
 from proxy.serving.unclosed import Unclosed
+from proxy.state.stored_responses import unreadable
 
 RECORD_HEADER = "Stackpin-Record"
 STACK_HEADER = "Stackpin-Stack"
@@ -106,9 +107,11 @@ class Proxy:
             previous = recorded(record) if record is not None else None
         except BadRequest:
             previous = None
-        if previous is None or previous.endpoint != RESPONSES:
+        unstored = unreadable(record)  # deleted, or never stored (store: false)
+        if previous is None or previous.endpoint != RESPONSES or unstored is not None:
+            why = f" ({unstored})" if unstored is not None and previous is not None else ""
             raise BadRequest(
-                f"previous_response_id {request.previous_response_id!r} names no complete response of yours",
+                f"previous_response_id {request.previous_response_id!r} names no complete response of yours{why}",
                 param="previous_response_id",
             )
         expanded = expand(request.body, previous.client_request, previous.answered.body)
@@ -466,7 +469,7 @@ class Proxy:
         dispatched: Dispatched[Sent],
         replaying: Replaying | None,
     ) -> Served:
-        record_id = self.record_ids()
+        record_id = request.record_id or self.record_ids()
         # Every log line from here to the end of this request's task carries the record id.
         structlog.contextvars.bind_contextvars(
             record_id=record_id, replica=dispatched.replica.name, fingerprint=dispatched.replica.fingerprint
@@ -488,6 +491,7 @@ class Proxy:
             continues=request.continues,
             replay_of=replaying.original.record_id if replaying is not None else None,
             tag=request.tag,
+            belongs_to=request.belongs_to,
         )
 
     def _count_tokens(self, served: Served, usage: Any) -> None:

@@ -85,6 +85,7 @@ class FakeReplica:
     nondeterministic: bool = False
     nondeterministic_tokens: bool = False  # half its answers take another token from a random position on
     chunk_delay_s: float = 0.0  # pause between streamed chunks, as a model's decode steps would
+    answer_delay_s: float = 0.0  # pause before a whole (non-streamed) answer, as a model's decoding would
     # None, "500", "401", "garbage", "wrong_fingerprint", "drop_stream", "unsafe_int", or one of the upstreams
     # that quote the key they were sent: "echo_key" (an error of status `echo_status`), "echo_key_garbage" (a
     # non-JSON answer, plain or as a streamed event), "echo_key_midstream" (an error event inside a stream)
@@ -218,6 +219,7 @@ class FakeReplica:
                 ConnectionResetError
             ):  # the proxy let go of the stream: a client left, or nothing is served
                 return web.Response()
+        await asyncio.sleep(self.answer_delay_s)
         answer = {
             "id": f"cmpl-{random.randrange(10**9)}",  # a handle, different every time, as OpenAI's
             "object": "chat.completion" if chat else "text_completion",
