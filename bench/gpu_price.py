@@ -73,21 +73,23 @@ def qwen3_1_7b() -> ModelConfig:
     )
 
 
-def random_weights(config: ModelConfig, seed: int, embed_std: float = 1.0) -> dict[str, torch.Tensor]:
-    """Seeded weights on the GPU: matrices with std 1/sqrt(fan_in), embeddings std `embed_std`, norms near 1.
+def random_weights(
+    config: ModelConfig, seed: int, embed_std: float = 1.0, device: str = DEVICE
+) -> dict[str, torch.Tensor]:
+    """Seeded weights on `device` (one seed draws other numbers on another device): matrices with std 1/sqrt(fan_in), embeddings std `embed_std`, norms near 1.
 
     With tied embeddings the embedding std sets the logits' spread: at 1.0 (the speed runs) the logits have a
     std near 45 and the top token wins by whole units, so no last-bit change can flip it; at 0.02 (Hugging
     Face's initialisation) they spread like a real model's, with near-ties."""
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, shape in expected_shapes(config).items():
         if len(shape) == 1:
-            t = 1.0 + 0.1 * torch.randn(shape, device=DEVICE, generator=gen)
+            t = 1.0 + 0.1 * torch.randn(shape, device=device, generator=gen)
         elif name.endswith("embed_tokens.weight"):
-            t = embed_std * torch.randn(shape, device=DEVICE, generator=gen)
+            t = embed_std * torch.randn(shape, device=device, generator=gen)
         else:
-            t = torch.randn(shape, device=DEVICE, generator=gen) / math.sqrt(shape[1])
+            t = torch.randn(shape, device=device, generator=gen) / math.sqrt(shape[1])
         out[name] = t.to(torch.bfloat16)
     return out
 
