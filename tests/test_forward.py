@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 from pydantic import SecretStr
 
+from proxy.canonical import canonical_json
 from proxy.replicas.forward import (
     Answer,
     Event,
@@ -169,8 +170,19 @@ async def test_the_proxys_key_reaches_the_replica_as_a_bearer_token_and_no_key_s
 def test_a_replica_is_sent_json_that_reads_back_as_the_body(body: dict[str, Any]) -> None:
     sent = request_bytes(body)
     # repr, not ==: it tells -0.0 from 0.0 and 1.0 from 1
-    assert repr(json.loads(sent)) == repr(json.loads(json.dumps(body))), "the value json.dumps would send"
+    expected = json.loads(json.dumps(body, sort_keys=True))
+    assert repr(json.loads(sent)) == repr(expected), "the value json.dumps would send, keys sorted"
     assert b"\\u00e9" not in sent, "text goes as UTF-8, not escaped"
+
+
+def test_a_replica_gets_keys_in_the_order_a_replay_of_the_record_sends_them() -> None:
+    # A schema's properties reach the model's prompt and grammar in the order they arrive; the record keeps the
+    # request canonical (keys sorted), so the original is sent sorted too, or its replay would see another prompt.
+    schema = {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "integer"}}}
+    body = {"model": "m", "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+    sent = request_bytes(body)
+    assert sent.index(b'"alpha"') < sent.index(b'"zeta"')
+    assert sent == request_bytes(json.loads(canonical_json(body)))
 
 
 def test_a_body_orjson_refuses_is_still_sent_as_json_would_write_it() -> None:

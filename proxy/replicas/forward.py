@@ -35,14 +35,18 @@ class Answer:
 
 def request_bytes(body: dict[str, Any]) -> bytes:
     """The JSON a replica is sent for `body`: orjson's bytes, which read back as the value `json.dumps` would
-    send (only its spacing and number spelling differ), for every value a record can hold. orjson writes NaN and
-    infinities as null where `json.dumps` writes non-JSON; no body reaches here with one, since every body is
-    either checked by the recordable check or read back from a record, whose canonical JSON has none. Anything
-    orjson refuses (an integer beyond 64 bits) is sent as `json.dumps` writes it, as aiohttp's `json=` did."""
+    send (only its spacing and number spelling differ), for every value a record can hold, with every object's keys
+    in sorted order. Sorted, because a replay resends the request its record keeps, whose canonical JSON sorts keys,
+    and a model reads key order (a schema's properties, a tool's parameters are rendered into its prompt and its
+    grammar in that order): the original must go out in the order its replay will. (RFC 8785 sorts by UTF-16 code
+    units, orjson by code points: the two differ only between keys above U+FFFF and keys from U+E000 to U+FFFF.)
+    orjson writes NaN and infinities as null where `json.dumps` writes non-JSON; no body reaches here with one,
+    since every body is either checked by the recordable check or read back from a record, whose canonical JSON has
+    none. Anything orjson refuses (an integer beyond 64 bits) is sent as `json.dumps` writes it."""
     try:
-        return orjson.dumps(body)
+        return orjson.dumps(body, option=orjson.OPT_SORT_KEYS)
     except TypeError:  # orjson.JSONEncodeError is a TypeError
-        return json.dumps(body).encode("utf-8")
+        return json.dumps(body, sort_keys=True).encode("utf-8")
 
 
 def replica_headers(api_key: SecretStr | None) -> dict[str, str]:
