@@ -3,7 +3,7 @@
 function's result as a `tool` message, then the final answer, with `tool_choice` `required` and `auto`, streamed
 and not; a named function; the legacy `functions`; the Responses API with a function tool and with `text.format`.
 Every call's arguments parse and validate against their function's schema. In `batch_invariant` mode a tool-call
-answer is the same to the bit, tokens and logprobs, alone and amid other requests.
+answer is the same to the bit, tokens and logprobs, alone and amid other requests, and its replay reproduces it.
 
 One backend process serves the whole session (`smollm2_backend`); each test starts its own proxy in front of it.
 The model is small: a prompt that asks for the tag gets it to call under `auto`, and `parallel_tool_calls` is off
@@ -189,7 +189,7 @@ async def test_the_responses_api_honours_text_format_and_names_it_when_it_cannot
     assert "response_format" not in error["message"]
 
 
-async def test_in_batch_invariant_mode_a_tool_call_is_bit_identical_alone_and_amid_load(
+async def test_in_batch_invariant_mode_a_tool_call_is_bit_identical_alone_amid_load_and_replayed(
     proxy: Harness,
 ) -> None:
     body = {
@@ -212,7 +212,7 @@ async def test_in_batch_invariant_mode_a_tool_call_is_bit_identical_alone_and_am
         {**body, "tools": [WEATHER, TIME], "tool_choice": "auto"},
         {"model": MODEL, "messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 24},
     ]
-    status, alone, _ = await proxy.post("/v1/chat/completions", body)
+    status, alone, headers = await proxy.post("/v1/chat/completions", body)
     assert status == 200 and alone["choices"][0]["finish_reason"] == "tool_calls"
     answers = await asyncio.gather(*(proxy.post("/v1/chat/completions", b) for b in [body, *load]))
     amid = answers[0][1]
@@ -224,3 +224,6 @@ async def test_in_batch_invariant_mode_a_tool_call_is_bit_identical_alone_and_am
         "and the same logprob bits"
     )
     assert amid["choices"][0]["message"] == alone["choices"][0]["message"], "the same call, id included"
+    # The record keeps the request with its keys in RFC 8785's order, not the client's; the replay must not care.
+    status, replayed, _ = await proxy.post(f"/v1/records/{headers['Stackpin-Record']}/replay", {})
+    assert status == 200 and replayed["outcome"] == "reproduced", replayed
