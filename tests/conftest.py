@@ -13,8 +13,12 @@ from tests.support.backend_process import backend_process
 from tests.support.fake_replica import FakeReplica
 
 # The chart's fixtures (`rendered`, `variant`) live beside its helpers; the GPU kernels' (`triton_ops`,
-# `unwritten_elements_show`) in a module of their own.
-pytest_plugins = ["tests.support.helm_chart", "tests.support.triton_fixtures"]
+# `unwritten_elements_show`) and the embedded default's (`embedded_default`) in modules of their own.
+pytest_plugins = [
+    "tests.support.helm_chart",
+    "tests.support.triton_fixtures",
+    "tests.support.embedded_default",
+]
 
 
 @pytest.fixture(autouse=True)

@@ -264,6 +264,16 @@ async def test_bad_requests_get_a_400_that_names_the_field(
     assert words in error["error"]["message"]
 
 
+async def test_a_model_whose_tokenizer_cannot_be_constrained_refuses_an_output_format(
+    client: TestClient,
+) -> None:
+    # This checkpoint's character tokenizer decodes with a Fuse decoder, which llguidance cannot read.
+    status, error = await post(client, CHAT, {"messages": HELLO, "response_format": {"type": "json_object"}})
+    assert status == 400
+    assert error["error"]["param"] == "response_format"
+    assert "tokenizer cannot be constrained" in error["error"]["message"]
+
+
 async def test_malformed_json_and_unknown_routes_get_openai_errors(client: TestClient) -> None:
     response = await client.post(CHAT, data=b"{not json", headers={"Content-Type": "application/json"})
     assert response.status == 400

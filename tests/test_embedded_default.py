@@ -8,75 +8,24 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from proxy.local_backend import reporting_progress
 from proxy.logs import configure_logging
+from tests.support.embedded_default import stackpin
 from tests.support.ui_site import ARTIFACTS, chromium
 
 pytest.importorskip("torch")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def served(
-    smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Path, dict[str, str]]]:
-    folder = tmp_path_factory.mktemp("embedded")
-    port = free_port()
-    env = {**os.environ, "STACKPIN_SERVER__PORT": str(port)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve"],
-        cwd=folder,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=open(folder / "serve.log", "w"),  # noqa: SIM115 - the process owns it until the end
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert process.poll() is None, (folder / "serve.log").read_text()
-            try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            pytest.fail("stackpin serve did not become ready:\n" + (folder / "serve.log").read_text())
-        yield url, folder, env
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def stackpin(folder: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "proxy.cli", *args],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+@pytest.fixture
+def served(embedded_default: tuple[str, Path, dict[str, str]]) -> tuple[str, Path, dict[str, str]]:
+    """The one embedded default of the test run (tests/support/embedded_default.py)."""
+    return embedded_default
 
 
 def test_a_request_gets_a_record_and_its_replay_is_reproduced(
