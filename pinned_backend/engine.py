@@ -212,6 +212,8 @@ class StepStats:
     cached_tokens: int = 0
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    # Seconds the step spent on grammars after its forward pass: waiting for masks not yet done, and applying them.
+    grammar_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -270,6 +272,7 @@ class Engine:
         self._waiting: deque[_Sequence] = deque()
         self._running: list[_Sequence] = []
         self._masks = StepMasks()
+        self._grammar_seconds = 0.0  # this step's, for StepStats
         self._graphs: StepGraphs | None = None
         if config.step_graphs:
             self._graphs = StepGraphs(
@@ -351,6 +354,7 @@ class Engine:
             self._report(StepStats(0.0, 0, 0, 0, 0, self.queue_depth, self._kv_used()))
             return 0
         plan = self._plan()
+        self._grammar_seconds = 0.0
         prefill = sum(n for seq, n in plan if seq.prefilling)
         drafts = sum(len(seq.drafts) for seq, _ in plan)
         with torch.inference_mode():
@@ -378,6 +382,7 @@ class Engine:
                 cached_tokens=cached,
                 draft_tokens=drafts,
                 accepted_draft_tokens=accepted,
+                grammar_seconds=self._grammar_seconds,
             )
         )
         return sequences
@@ -515,7 +520,9 @@ class Engine:
         if not sampling:
             return {}
         if masks is not None:
+            started = self.clock()
             logits = masks.apply(logits)
+            self._grammar_seconds = self.clock() - started
         return self._sample(logits, [(plan[row][0], row, first, n) for row, first, n in sampling])
 
     def _eager_forward(

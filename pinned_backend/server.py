@@ -3,8 +3,9 @@ description, health and metrics, on aiohttp.
 
 `create_app(settings)` builds the application. Its one resource, the loaded runtime with its engine thread,
 lives in a `cleanup_ctx` and hangs on a typed `AppKey`. Handlers parse and validate the request
-(protocol.py), turn it into prompt ids and sampling parameters, hand it to the engine, and write the answer
-(responses.py) as one JSON body or as server-sent events. Errors become OpenAI-style JSON in one middleware.
+(protocol.py), turn it into prompt ids (with the tools it offers: tool_prompt.py) and sampling parameters with the
+grammar its answer follows (structured.py, tool_grammar.py), hand it to the engine, and write the answer
+(responses.py, its tool calls read back by tool_calls.py) as one JSON body or as server-sent events. Errors become OpenAI-style JSON in one middleware.
 Every response carries the stack's fingerprint in the `Stackpin-Stack` header.
 
 The server decides nothing about scheduling or sampling, and never touches the model or its cache directly.

@@ -34,7 +34,7 @@ from pinned_backend.protocol import BadRequest, ChatRequest
 from pinned_backend.structured import ANY_OBJECT, GUIDED, Constraint, requested_constraint
 from pinned_backend.tokenizer import Tokenizer
 from pinned_backend.tool_format import AFTER_ARGUMENTS, CLOSE, OPEN, SEPARATOR, head
-from pinned_backend.tools import AUTO, Function, ToolPlan
+from pinned_backend.tools import AUTO, Function, ToolPlan, key_ordered
 
 # A keyword llguidance does not implement is an error, never a constraint quietly dropped.
 _LAYOUT = {**JSON_OPTIONS, "lenient": False}
@@ -119,7 +119,7 @@ def _text_schema(request: ChatRequest) -> Mapping[str, Any] | None:
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         param = "response_format.json_schema.schema"
         raise BadRequest(f"{param}: a json_schema response format needs the JSON schema", param=param)
-    return fmt.json_schema.schema_
+    return key_ordered(fmt.json_schema.schema_, "response_format.json_schema.schema")
 
 
 def _call(function: Function) -> str:

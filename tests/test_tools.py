@@ -39,6 +39,23 @@ def test_tools_default_to_auto_and_parallel_calls_of_any_offered_function() -> N
     assert [f.name for f in offered.callable] == ["get_weather", "get_time"]
 
 
+def test_parameters_keep_the_key_order_a_record_keeps_whatever_the_clients() -> None:
+    parameters = WEATHER["function"]["parameters"]
+    reordered = {"required": ["city"], "properties": parameters["properties"], "type": "object"}
+    mixed = plan(tools=[{"type": "function", "function": {**WEATHER["function"], "parameters": reordered}}])
+    as_given = plan(tools=[WEATHER])
+    assert mixed is not None and as_given is not None
+    assert (
+        list(mixed.functions[0].parameters)
+        == list(as_given.functions[0].parameters)
+        == [
+            "properties",
+            "required",
+            "type",
+        ]
+    ), "a replay, sent in the record's key order, must render and constrain as the original did"
+
+
 def test_a_function_without_parameters_takes_an_empty_object() -> None:
     offered = plan(tools=[TIME])
     assert offered is not None and offered.functions[0].parameters == NO_ARGUMENTS

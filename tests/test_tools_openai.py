@@ -3,25 +3,25 @@
 function's result as a `tool` message, then the final answer, with `tool_choice` `required` and `auto`, streamed
 and not; a named function; the legacy `functions`; the Responses API with a function tool and with `text.format`.
 Every call's arguments parse and validate against their function's schema. In `batch_invariant` mode a tool-call
-answer is the same to the bit, tokens and logprobs, alone and amid other requests.
+answer is the same to the bit, tokens and logprobs, alone and amid other requests, and its replay reproduces it.
 
-One backend process serves the whole session (`smollm2_backend`); each test starts its own proxy in front of it.
-The model is small: a prompt that asks for the tag gets it to call under `auto`, and `parallel_tool_calls` is off
+The embedded default (`stackpin serve`, one process for the session, shared with the other modules that need it)
+serves every test. The model is small: a prompt that asks for the tag gets it to call under `auto`, and `parallel_tool_calls` is off
 where one call is wanted, since left free it repeats its call."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.support.proxy_harness import Harness, running_proxy
+pytest.importorskip("torch")
 
 MODEL = "smollm2-135m-instruct"
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}
@@ -39,14 +39,22 @@ CALL_TOKENS = 40  # a call of get_weather in the generic format is about 30 toke
 ANSWER_TOKENS = 6  # the final answer only has to be one
 
 
+Served = tuple[str, Path, dict[str, str]]
+
+
 @pytest.fixture
-async def proxy(smollm2_backend: str, tmp_path: Path) -> AsyncIterator[Harness]:
-    async with running_proxy([], tmp_path, replicas=[{"name": "smollm2", "url": smollm2_backend}]) as harness:
-        yield harness
+def proxy(embedded_default: Served) -> str:
+    return embedded_default[0]
 
 
-def sdk(harness: Harness) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=harness.v1, api_key="unused-on-loopback", max_retries=0)
+def sdk(proxy: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{proxy}/v1", api_key="unused-on-loopback", max_retries=0)
+
+
+async def post(proxy: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], httpx.Headers]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        response = await client.post(proxy + path, json=body)
+    return response.status_code, response.json(), response.headers
 
 
 async def answer(client: openai.AsyncOpenAI, stream: bool, **fields: Any) -> Any:
@@ -68,7 +76,7 @@ def checked(name: str, arguments: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("choice", ["required", "auto"])
-async def test_a_call_its_result_then_the_final_answer(proxy: Harness, choice: str, stream: bool) -> None:
+async def test_a_call_its_result_then_the_final_answer(proxy: str, choice: str, stream: bool) -> None:
     client = sdk(proxy)
     tools = {"tools": [WEATHER], "parallel_tool_calls": False}
     first = await answer(client, stream, messages=ASK, tool_choice=choice, max_tokens=CALL_TOKENS, **tools)
@@ -88,7 +96,7 @@ async def test_a_call_its_result_then_the_final_answer(proxy: Harness, choice: s
     assert not final.message.tool_calls
 
 
-async def test_a_named_function_is_the_one_called(proxy: Harness) -> None:
+async def test_a_named_function_is_the_one_called(proxy: str) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     first = await answer(
         sdk(proxy),
@@ -104,7 +112,7 @@ async def test_a_named_function_is_the_one_called(proxy: Harness) -> None:
     checked(call.function.name, call.function.arguments)
 
 
-async def test_legacy_functions_call_then_answer(proxy: Harness) -> None:
+async def test_legacy_functions_call_then_answer(proxy: str) -> None:
     client = sdk(proxy)
     functions = {"functions": [WEATHER["function"]]}
     first = await answer(
@@ -131,7 +139,7 @@ async def test_legacy_functions_call_then_answer(proxy: Harness) -> None:
     assert isinstance(final.message.content, str) and final.message.content
 
 
-async def test_the_responses_api_calls_a_function_tool_and_takes_its_output(proxy: Harness) -> None:
+async def test_the_responses_api_calls_a_function_tool_and_takes_its_output(proxy: str) -> None:
     client = sdk(proxy)
     tool = {"type": "function", **WEATHER["function"]}
     response = await client.responses.create(
@@ -157,7 +165,7 @@ async def test_the_responses_api_calls_a_function_tool_and_takes_its_output(prox
     assert final.output_text and not [item for item in final.output if item.type == "function_call"]
 
 
-async def test_the_responses_api_honours_text_format_and_names_it_when_it_cannot(proxy: Harness) -> None:
+async def test_the_responses_api_honours_text_format_and_names_it_when_it_cannot(proxy: str) -> None:
     client = sdk(proxy)
     schema = {
         "type": "object",
@@ -189,8 +197,8 @@ async def test_the_responses_api_honours_text_format_and_names_it_when_it_cannot
     assert "response_format" not in error["message"]
 
 
-async def test_in_batch_invariant_mode_a_tool_call_is_bit_identical_alone_and_amid_load(
-    proxy: Harness,
+async def test_in_batch_invariant_mode_a_tool_call_is_bit_identical_alone_amid_load_and_replayed(
+    proxy: str,
 ) -> None:
     body = {
         "model": MODEL,
@@ -212,9 +220,9 @@ async def test_in_batch_invariant_mode_a_tool_call_is_bit_identical_alone_and_am
         {**body, "tools": [WEATHER, TIME], "tool_choice": "auto"},
         {"model": MODEL, "messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 24},
     ]
-    status, alone, _ = await proxy.post("/v1/chat/completions", body)
+    status, alone, headers = await post(proxy, "/v1/chat/completions", body)
     assert status == 200 and alone["choices"][0]["finish_reason"] == "tool_calls"
-    answers = await asyncio.gather(*(proxy.post("/v1/chat/completions", b) for b in [body, *load]))
+    answers = await asyncio.gather(*(post(proxy, "/v1/chat/completions", b) for b in [body, *load]))
     amid = answers[0][1]
     assert amid["stackpin"]["batch"]["max"] > 1, "the answer was computed amid other requests"
     assert amid["stackpin"]["token_ids"] == alone["stackpin"]["token_ids"], (
@@ -224,3 +232,6 @@ async def test_in_batch_invariant_mode_a_tool_call_is_bit_identical_alone_and_am
         "and the same logprob bits"
     )
     assert amid["choices"][0]["message"] == alone["choices"][0]["message"], "the same call, id included"
+    # The record keeps the request with its keys in RFC 8785's order, not the client's; the replay must not care.
+    status, replayed, _ = await post(proxy, f"/v1/records/{headers['Stackpin-Record']}/replay", {})
+    assert status == 200 and replayed["outcome"] == "reproduced", replayed
