@@ -43,6 +43,7 @@ def test_the_entries_table_holds_each_declared_field_as_declared() -> None:
         "content",
         "sha256",
         "prev_sha256",
+        "receipt",
     ]
 
 

@@ -59,21 +59,24 @@ class Written:
     new_prompts: set[str]
 
 
-def entry_row(entry: SealedEntry, seq: int) -> dict[str, Any]:
-    """The `entries` row of `entry` at `seq`, by column name: the fields its bytes hold, and their hash."""
+def entry_row(entry: SealedEntry, seq: int, receipt: str | None = None) -> dict[str, Any]:
+    """The `entries` row of `entry` at `seq`, by column name: the fields its bytes hold, their hash, and the log's
+    receipt for it."""
     row = entry.values()
-    row.update(seq=seq, content=entry.content_json, sha256=entry.sha256, prev_sha256=None)
+    row.update(seq=seq, content=entry.content_json, sha256=entry.sha256, prev_sha256=None, receipt=receipt)
     return row
 
 
-def plan_batch(entries: Iterable[SealedEntry], known_stacks: set[str], known_prompts: set[str]) -> Batch:
-    """The batch for `entries`, skipping stacks and prompts already known to be stored. Hashing happens here, on
-    the caller's side of the transaction (an entry's bytes depend on no other entry), and once per entry."""
+def plan_batch(
+    entries: Iterable[tuple[SealedEntry, str | None]], known_stacks: set[str], known_prompts: set[str]
+) -> Batch:
+    """The batch for `entries` (each with its receipt), skipping stacks and prompts already known to be stored.
+    Hashing happens before, when an entry is sealed (an entry's bytes depend on no other entry), once per entry."""
     planned: list[BatchEntry] = []
     stacks: dict[str, dict[str, Any]] = {}
     prompts: dict[str, dict[str, Any]] = {}
-    for entry in entries:
-        row = entry_row(entry, 0)
+    for entry, receipt in entries:
+        row = entry_row(entry, 0, receipt)
         del row["seq"]
         fingerprint, prompt_sha = row["fingerprint"], row["prompt_sha256"]
         planned.append(BatchEntry(fingerprint, prompt_sha, row, entry.leaf_hash.hex()))

@@ -22,6 +22,8 @@ from proxy.audit.entries import (
     sha256_hex,
 )
 from proxy.audit.merkle import EMPTY_ROOT, Node, fold, grow, leaf_hash, node_hash
+from proxy.audit.note import Verifier
+from proxy.audit.receipts import mismatch
 
 ProblemKind = Literal[
     "gap",
@@ -42,6 +44,9 @@ ProblemKind = Literal[
     "stack_missing",
     "prompt_hash_mismatch",
     "prompt_missing",
+    "receipt_mismatch",
+    "receipt_invalid",
+    "receipt_unfulfilled",
 ]
 
 
@@ -62,6 +67,7 @@ class Leaf:
     index: int
     entry: StoredFields | None
     stored_hash: bytes | None
+    receipt: str | None = None  # the log's receipt the row keeps, if any
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,10 @@ class TreeWalker:
     Keeps only the tree's peaks (O(log n)). `feed` returns the first problem and the walker stops there.
     """
 
-    def __init__(self, claims: list[Claim]) -> None:
+    def __init__(self, claims: list[Claim], receipt_keys: list[Verifier] | None = None) -> None:
         self.size = 0
+        self.receipts = 0  # stored receipts checked
+        self._receipt_keys = receipt_keys or []
         self.problem: LogProblem | None = None
         self._peaks: list[tuple[Node, bytes]] = []
         self._claims: list[Claim] = []
@@ -163,12 +171,28 @@ class TreeWalker:
         if problem is not None:
             return problem
         assert digest is not None and leaf.entry is not None
-        problem = self._check_chain(leaf.index, leaf.entry)
+        problem = self._check_chain(leaf.index, leaf.entry) or self._check_receipt(leaf, digest)
         if problem is not None:
             return problem
         growth = grow(self.size, self._peaks, [digest])
         self._peaks, self.size = growth.peaks, self.size + 1
         return self._check_claims()
+
+    def _check_receipt(self, leaf: Leaf, digest: bytes) -> LogProblem | None:
+        """A receipt the row keeps must be the log's, for this very entry."""
+        if leaf.receipt is None or leaf.entry is None:
+            return None
+        fields = leaf.entry.fields
+        wrong = mismatch(leaf.receipt, fields.record_id, fields.part, digest, self._receipt_keys)
+        if wrong is not None:
+            return LogProblem(
+                kind="receipt_mismatch",
+                message=f"entry {leaf.index} keeps a receipt that is not the log's for it: {wrong}",
+                position=leaf.index,
+                record_id=fields.record_id,
+            )
+        self.receipts += 1
+        return None
 
     def _check_chain(self, index: int, entry: StoredFields) -> LogProblem | None:
         """Chained entries come first, in their chain's order, each naming its predecessor's hash."""

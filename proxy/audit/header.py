@@ -157,6 +157,19 @@ def _bound(f: HeaderField) -> str | None:
     return f"({value} is None or ({within}))" if f.nullable else f"({value} is not None and {within})"
 
 
+def storable(value: str, max_length: int) -> bool:
+    """Whether a text column of `max_length` could hold `value`: 1 to that many characters, no NUL (PostgreSQL's
+    text cannot hold one) and no lone surrogate (neither driver can send one). A value that fails this names no
+    stored row, and asking the database would fail as if it were down."""
+    if not 0 < len(value) <= max_length or "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def out_of_bounds(header: EntryHeader) -> str | None:
     """What is wrong with the first field of `header` that is not within its declared bounds, naming it."""
     for f in header_fields(type(header)):

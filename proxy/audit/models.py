@@ -137,6 +137,9 @@ ENTRIES = Table(
     Column("content", Text, nullable=False),
     Column("sha256", String(64), nullable=False),
     Column("prev_sha256", String(64), nullable=True),  # only on entries written as a hash chain
+    # The log's receipt for the entry (receipts.py), signed before it was committed; no hash covers it, and
+    # entries appended without the log's key (or before receipts) have none.
+    Column("receipt", Text, nullable=True),
     *choice_constraints(HEADER),
     CheckConstraint("seq > 0", name="seq"),
     Index("ix_entries_record_id", "record_id"),

@@ -40,10 +40,12 @@ from proxy.audit.errors import (
     StoreUnavailable,
     failure_reason,
 )
+from proxy.audit.header import storable
 from proxy.audit.integrate import Integrator
 from proxy.audit.listing import RecordFilter
 from proxy.audit.models import Entry, LogLeaf, Prompt, Stack
 from proxy.audit.note import Signer, Verifier
+from proxy.audit.receipts import Receipt, ReceiptSigner
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
 from proxy.audit.sealed import SealedEntry
 from proxy.audit.tree import (
@@ -98,12 +100,14 @@ class AuditStore:
         integration: TransactionRunner | None,
         committer: GroupCommitter,
         integrator: Integrator | None,
+        receipts: ReceiptSigner | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._integration = integration
         self._committer = committer
         self._integrator = integrator
+        self._receipts = receipts
 
     @classmethod
     async def open(
@@ -125,7 +129,8 @@ class AuditStore:
         database that holds no table at all is migrated instead (the embedded default's first run).
         `schema` (PostgreSQL only) names the schema that holds the tables. `durability`: see make_writer.
         With `signer` (the log's key), the store also integrates entries into the tree and signs a checkpoint
-        every `checkpoint_interval_s` while entries arrive; without it, it only appends and reads.
+        every `checkpoint_interval_s` while entries arrive, and signs a receipt for every entry it appends;
+        without it, it only appends (without receipts) and reads.
         """
         if batch_max < 1:
             raise ValueError(f"batch_max must be at least 1, got {batch_max}")
@@ -156,12 +161,16 @@ class AuditStore:
         committer.start()
         if integrator is not None:
             integrator.start()
-        return cls(reader, writer, integration, committer, integrator)
+        receipts = None if signer is None else ReceiptSigner(signer)
+        return cls(reader, writer, integration, committer, integrator, receipts)
 
     async def append(self, entry: SealedEntry) -> StoredEntry:
         """Appends `entry` (made by `seal`) to the log; returns only once it is committed (durably), before it is
-        in the tree."""
-        return await self._committer.submit(entry)
+        in the tree, with the log's receipt for it when this store holds the log's key."""
+        # Signed before the commit and stored with the entry; handed out only after it, so never for an entry
+        # that did not commit.
+        receipt = None if self._receipts is None else self._receipts.issue(entry)
+        return await self._committer.submit(entry, receipt)
 
     async def integrate(self) -> SignedCheckpoint | None:
         """Puts every committed entry in the tree now and signs the checkpoint (None: another proxy is at it)."""
@@ -415,15 +424,20 @@ class AuditStore:
         *,
         verifiers: list[Verifier] | None = None,
         witnessed: list[Witnessed] | None = None,
+        receipts: list[Receipt] | None = None,
         page_size: int = PAGE_SIZE,
     ) -> VerifyReport:
         """Rebuilds the tree from the entries, `page_size` at a time, and holds it to every signed checkpoint (each
-        signature checked with `verifiers`, the trusted log keys) and every `witnessed` one; reports the first
-        problem and where it is."""
+        signature checked with `verifiers`, the trusted log keys) and every `witnessed` one, and holds the log to
+        every receipt it gave (`receipts`, kept by clients); reports the first problem and where it is."""
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         return await verify_log(
-            self._reader, verifiers=verifiers or [], witnessed=witnessed or [], page_size=page_size
+            self._reader,
+            verifiers=verifiers or [],
+            witnessed=witnessed or [],
+            receipts=receipts or [],
+            page_size=page_size,
         )
 
     async def check_record(
@@ -441,16 +455,8 @@ class AuditStore:
 
 
 def _could_be_stored(record_id: str) -> bool:
-    """Whether an entry could carry this id. One that none could is no record, without asking the database:
-    PostgreSQL refuses NUL in text and neither driver can send a lone surrogate, and either failure would read as
-    the store being down."""
-    if not 0 < len(record_id) <= RECORD_ID_LENGTH or "\x00" in record_id:
-        return False
-    try:
-        record_id.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    """Whether an entry could carry this id. One that none could is no record, without asking the database."""
+    return storable(record_id, RECORD_ID_LENGTH)
 
 
 def _declared(row: RowMapping) -> bool | None:
@@ -505,6 +511,7 @@ def _view(row: RowMapping) -> EntryView:
         stack_declared=_declared(row),
         content=load_canonical(row["content"]),
         sha256=row["sha256"],
+        receipt=row["receipt"],
     )
 
 

@@ -24,6 +24,9 @@ class StoredEntry(BaseModel):
     sha256: str
     leaf_hash: str = Field(description="hex SHA-256(0x00 || entry bytes), the leaf it becomes")
     created_at: datetime
+    receipt: str | None = Field(
+        default=None, description="the log's signed promise to integrate it (receipts.py); None without a key"
+    )
 
 
 class EntryView(BaseModel):
@@ -38,6 +41,7 @@ class EntryView(BaseModel):
     stack_declared: bool | None
     content: dict[str, Any]
     sha256: str
+    receipt: str | None = Field(default=None, description="the log's receipt for it, as its client got it")
 
 
 class AuditRecord(BaseModel):
@@ -161,6 +165,13 @@ class VerifyReport(BaseModel):
     witnessed_checked: int = Field(description="checkpoints held by witnesses or kept elsewhere, matched")
     stacks_checked: int
     prompts_checked: int
+    stored_receipts_checked: int = Field(
+        default=0, description="receipts rows keep, each the log's for its entry"
+    )
+    receipts_checked: int = Field(
+        default=0, description="receipts given whose entries are in the tree verified"
+    )
+    receipts_pending: int = Field(default=0, description="receipts given whose entries wait to be integrated")
     tree_size: int
     root_hash: str = Field(description="base64 root of the rebuilt tree")
     checkpoint: str | None = Field(description="the latest signed checkpoint, to keep elsewhere")

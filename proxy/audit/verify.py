@@ -4,7 +4,8 @@ Never loads a whole table. In order: the snapshot (the latest checkpoint's size,
 entries that are neither, in one statement), then the leaves in index order with their entries and stored leaf
 hashes, rebuilding the tree from the entries' bytes and holding it to every checkpoint the log signed (each
 signature checked with the trusted log keys) and every checkpoint a witness holds or someone kept; then every
-stored inner node against its children, then the stacks and prompts against their content addresses. The
+stored inner node against its children, then the stacks and prompts against their content addresses. A receipt
+a row keeps must be the log's for that entry; receipts a client kept must each name an entry the log holds. The
 first problem is reported with its leaf index and record id.
 """
 
@@ -25,8 +26,11 @@ from proxy.audit.checks import (
     check_stack_row,
     node_problem,
 )
+from proxy.audit.header import storable
+from proxy.audit.merkle import leaf_hash
 from proxy.audit.models import Entry, LogCheckpoint, LogLeaf, LogQueue, Prompt, Stack, TreeNode
 from proxy.audit.note import NoteError, Verifier, cosigned_at, open_checkpoint, parse_checkpoint, parse_note
+from proxy.audit.receipts import Receipt, ReceiptError, signed_by
 from proxy.audit.tree import b64, read_nodes, stored_fields
 from proxy.audit.values import VerifyReport
 
@@ -56,6 +60,8 @@ class _Tally:
     witnessed: int = 0
     nodes: int = 0
     latest: str | None = None
+    receipts: int = 0  # receipts given whose entries are in the tree verified
+    receipts_pending: int = 0  # receipts given whose entries are committed and not yet in that tree
 
 
 def _snapshot(connection: Connection) -> tuple[int, int, int, int]:
@@ -159,6 +165,7 @@ def _leaf_page(connection: Connection, after: int, end: int, limit: int) -> list
             index=int(row["leaf_index"]),
             entry=None if row["seq"] is None else stored_fields(row),
             stored_hash=None if row["leaf_node"] is None else bytes.fromhex(row["leaf_node"]),
+            receipt=row["receipt"],
         )
         for row in connection.execute(query).mappings()
     ]
@@ -261,14 +268,70 @@ def _walk_rows(
         after = rows[-1][0]
 
 
+RECEIPT_CHUNK = 500  # records looked up per query
+
+
+def _receipts(
+    connection: Connection, receipts: list[Receipt], verifiers: list[Verifier], size: int, tally: _Tally
+) -> LogProblem | None:
+    """Each receipt given must be the log's (when keys are trusted) and name an entry the log holds: in the tree
+    verified (of `size` leaves), or committed and waiting for it; otherwise the log broke its promise."""
+    wanted: dict[str, list[Receipt]] = {}
+    for receipt in receipts:
+        try:
+            if verifiers:
+                signed_by(receipt, verifiers)
+        except ReceiptError as exc:
+            return LogProblem(
+                kind="receipt_invalid",
+                message=f"a receipt for record {receipt.record_id} ({receipt.part}) is not the log's: {exc}",
+                record_id=receipt.record_id,
+            )
+        wanted.setdefault(receipt.record_id, []).append(receipt)
+    names = sorted(name for name in wanted if storable(name, ENTRIES.c.record_id.type.length))
+    held: dict[tuple[str, bytes], int | None] = {}
+    for start in range(0, len(names), RECEIPT_CHUNK):
+        rows = connection.execute(
+            select(ENTRIES, LEAVES.c.leaf_index)
+            .select_from(ENTRIES.outerjoin(LEAVES, LEAVES.c.seq == ENTRIES.c.seq))
+            .where(ENTRIES.c.record_id.in_(names[start : start + RECEIPT_CHUNK]))
+        ).mappings()
+        for row in rows:
+            try:
+                leaf = leaf_hash(stored_fields(row).text().encode("utf-8"))
+            except ValueError:  # an edited row, which the walk reports
+                continue
+            held[(row["record_id"], leaf)] = row["leaf_index"]
+    for receipt in receipts:
+        key = (receipt.record_id, receipt.leaf_hash)
+        if key not in held:
+            return LogProblem(
+                kind="receipt_unfulfilled",
+                message=f"the log's receipt promises leaf {receipt.leaf_b64} of record {receipt.record_id} "
+                f"({receipt.part}, {receipt.time}, in the tree by {receipt.integrate_by}), and the log holds no "
+                "such entry (dropped before it was integrated, or replaced)",
+                record_id=receipt.record_id,
+            )
+        index = held[key]
+        if index is not None and index < size:
+            tally.receipts += 1
+        else:
+            tally.receipts_pending += 1
+    return None
+
+
 def _verify(
-    connection: Connection, verifiers: list[Verifier], witnessed: list[Witnessed], page_size: int
+    connection: Connection,
+    verifiers: list[Verifier],
+    witnessed: list[Witnessed],
+    receipts: list[Receipt],
+    page_size: int,
 ) -> VerifyReport:
     tally = _Tally()
     signed, leaves, pending, orphans = _snapshot(connection)
     size = max(signed, 0)
     outside, problem = _witnessed_claims(witnessed, verifiers, tally)
-    walker = TreeWalker(outside)
+    walker = TreeWalker(outside, verifiers)
     if problem is None and orphans:
         problem = LogProblem(
             kind="orphan_entry",
@@ -284,6 +347,7 @@ def _verify(
         )
     problem = problem or _walk(connection, size, walker, verifiers, tally, page_size)
     problem = problem or _inner_nodes(connection, size, tally, page_size)
+    problem = problem or _receipts(connection, receipts, verifiers, size, tally)
     stacks, stack_problem = _walk_rows(
         connection, STACKS, "fingerprint", "canonical_json", check_stack_row, page_size
     )
@@ -299,6 +363,9 @@ def _verify(
         witnessed_checked=tally.witnessed,
         stacks_checked=stacks,
         prompts_checked=prompts,
+        stored_receipts_checked=walker.receipts,
+        receipts_checked=tally.receipts,
+        receipts_pending=tally.receipts_pending,
         tree_size=walker.size,
         root_hash=b64(walker.root),
         checkpoint=tally.latest,
@@ -311,6 +378,7 @@ async def verify_log(
     *,
     verifiers: list[Verifier],
     witnessed: list[Witnessed],
+    receipts: list[Receipt] | None = None,
     page_size: int = PAGE_SIZE,
 ) -> VerifyReport:
     """Checks the log up to its latest signed checkpoint; later appends wait for the next run.
@@ -319,4 +387,4 @@ async def verify_log(
     checkpoint read first, and is left alone.
     """
     async with engine.connect() as connection:
-        return await connection.run_sync(_verify, verifiers, witnessed, page_size)
+        return await connection.run_sync(_verify, verifiers, witnessed, receipts or [], page_size)

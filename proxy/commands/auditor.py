@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from proxy.audit import AuditError, AuditRecord, AuditStore, NoteError, Verifier, Witnessed
+from proxy.audit.receipts import Receipt
 from proxy.audit.store import LIST_LIMIT_MAX
 from proxy.config import StoreSettings
 
@@ -31,9 +32,14 @@ async def _store(settings: StoreSettings) -> AsyncIterator[AuditStore]:
         await store.close()
 
 
-async def verify(store_settings: StoreSettings, log_keys: list[Verifier], witnessed: list[Witnessed]) -> int:
+async def verify(
+    store_settings: StoreSettings,
+    log_keys: list[Verifier],
+    witnessed: list[Witnessed],
+    receipts: list[Receipt] | None = None,
+) -> int:
     async with _store(store_settings) as store:
-        report = await store.verify(verifiers=log_keys, witnessed=witnessed)
+        report = await store.verify(verifiers=log_keys, witnessed=witnessed, receipts=receipts)
         streams = await store.stream_counts()
     print(
         f"checked {report.entries_checked} entries (the tree rebuilt from their bytes), {report.nodes_checked} "
@@ -50,6 +56,12 @@ async def verify(store_settings: StoreSettings, log_keys: list[Verifier], witnes
         print("WARNING: signatures NOT checked: no trusted log key (--log-key, or [log] public_keys)")
     if witnessed:
         print(f"{report.witnessed_checked} checkpoints held outside the database matched")
+    print(f"receipts the log keeps: {report.stored_receipts_checked} checked, each the log's for its entry")
+    if receipts:
+        print(
+            f"receipts given: {report.receipts_checked} of {len(receipts)} fulfilled (their entries in the tree), "
+            f"{report.receipts_pending} committed and waiting to be integrated"
+        )
     print(f"tree: size {report.tree_size}, root {report.root_hash}")
     if report.ok:
         print("log intact")

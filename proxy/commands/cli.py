@@ -34,6 +34,7 @@ from proxy.audit.note import (
     parse_signer,
     parse_vkey,
 )
+from proxy.audit.receipts import Receipt, ReceiptError, read_receipts
 from proxy.commands import prove
 from proxy.commands.auditor import audit, list_records, verify
 from proxy.commands.proxy_client import probe, replay
@@ -124,6 +125,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a checkpoint kept elsewhere, to detect a cut or rewritten log (repeatable)",
     )
+    verify.add_argument(
+        "--receipt",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE|DIR",
+        help="receipts clients kept (Stackpin-Receipt), one a line; a folder: every file in it (repeatable)",
+    )
     verify.set_defaults(run=_verify)
 
     audit = commands.add_parser(
@@ -176,7 +185,16 @@ def _parser() -> argparse.ArgumentParser:
     prove = commands.add_parser(
         "prove", parents=[client, log_key], help="show and check that a record's entries are in the log"
     )
-    prove.add_argument("record")
+    prove.add_argument("record", nargs="?", help="the record (default: the one the receipt names)")
+    prove.add_argument(
+        "--receipt",
+        type=Path,
+        metavar="FILE",
+        help="the answer's receipt (its Stackpin-Receipt header): checked, then its entry in the checkpoint",
+    )
+    prove.add_argument(
+        "--offline", action="store_true", help="with --receipt: check the receipt's signature only, no proof"
+    )
     prove.add_argument(
         "--checkpoint", type=Path, metavar="FILE", help="a checkpoint you kept (default: the proxy's latest)"
     )
@@ -289,7 +307,17 @@ def _verify(args: argparse.Namespace) -> int:
     witnessed += [
         Witnessed(f"the checkpoint kept in {p}", _read(p, "checkpoint file")) for p in args.checkpoint
     ]
-    return asyncio.run(verify(settings.store, _log_keys(args, settings), witnessed))
+    receipts = [receipt for path in args.receipt for receipt in _receipts(path)]
+    return asyncio.run(verify(settings.store, _log_keys(args, settings), witnessed, receipts))
+
+
+def _receipts(path: Path) -> list[Receipt]:
+    """The receipts in a file (one a line), or in every file of a folder."""
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    try:
+        return [r for file in files for r in read_receipts(_read(file, "receipt file"), str(file))]
+    except ReceiptError as e:
+        raise ConfigError(f"--receipt: {e}") from e
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -302,27 +330,27 @@ def _prove(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     keys = _log_keys(args, settings)
+
+    def fetch(record: str, size: int | None) -> dict[str, Any]:
+        url, api_key = _client_target(args, settings)
+        return asyncio.run(prove.fetch_proof(url, api_key, record, size))
+
     try:
-        kept = (
-            prove.read_checkpoint(_read(args.checkpoint, "checkpoint file"), keys)
-            if args.checkpoint
-            else None
+        return prove.run(
+            prove.Asked(
+                record=args.record,
+                receipt=_read(args.receipt, "receipt file") if args.receipt else None,
+                checkpoint=_read(args.checkpoint, "checkpoint file") if args.checkpoint else None,
+                proof=json.loads(_read(args.proof, "proof file")) if args.proof else None,
+                offline=args.offline,
+                as_json=args.json,
+            ),
+            keys,
+            fetch,
         )
-        if args.proof:
-            proof = json.loads(_read(args.proof, "proof file"))
-        else:
-            url, api_key = _client_target(args, settings)
-            proof = asyncio.run(prove.fetch_proof(url, api_key, args.record, kept.size if kept else None))
-        checkpoint = kept or prove.read_checkpoint(proof["checkpoint"]["note"], keys)
-        verdicts = prove.check_proof(args.record, proof, checkpoint)
     except (prove.ProveError, ValueError, KeyError, TypeError) as e:
         print(f"stackpin: {e}", file=sys.stderr)
         return EXIT_ERROR
-    if args.json:
-        print_json(proof)
-    else:
-        prove.print_verdicts(proof, checkpoint, verdicts, signed=bool(keys))
-    return prove.EXIT_OK if all(v.proven for v in verdicts) else prove.EXIT_NOT_PROVEN
 
 
 def _witness(args: argparse.Namespace) -> int:
@@ -500,10 +528,6 @@ def _safe_url(url: str) -> str:
         user = credentials.split(":", 1)[0]
         return f"{scheme}{sep}{user}:***@{host}"
     return url
-
-
-def print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
 if __name__ == "__main__":

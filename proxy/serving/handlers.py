@@ -92,8 +92,8 @@ async def serve_completion(
         assert sink.response is not None
         response = sink.response
     else:
-        served, answer = await proxy.complete(client_request, tenant, received_at)
-        response = proxy.answer_response(served, answer)
+        served, answer, receipt = await proxy.complete(client_request, tenant, received_at)
+        response = proxy.answer_response(served, answer, receipt)
     _observe(proxy, endpoint, served, response.status, time.perf_counter() - started)
     return response
 
