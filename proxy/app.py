@@ -5,7 +5,8 @@ prompts). Each resource is one cleanup context under its own key (proxy/app_keys
 released in reverse, and each is built with the ones before it:
 
 1. the audit store, whose streams left open by a stopped proxy are closed as interrupted first (proxy/process/sweep.py),
-   and which integrates the log and signs its checkpoints with the log's key;
+   which integrates the log and signs its checkpoints with the log's key, and whose tenants' retention policies are
+   applied every `store.retention_interval_s` (proxy/audit/retention.py);
 2. the HTTP client for replicas;
 3. the embedded local backend, when configured;
 4. in fleet mode, the link to Redis (proxy/fleet/link.py) that the registry counts through and the health monitor
@@ -50,6 +51,7 @@ from proxy.app_keys import (
 )
 from proxy.audit import AuditStore
 from proxy.audit.keys import serving_signer
+from proxy.audit.retention import keep_retention
 from proxy.config import Secrets, Settings
 from proxy.fleet.resource import fleet_for, fleet_link
 from proxy.metrics import ProxyMetrics
@@ -153,7 +155,17 @@ async def audit_store(
                 replica_timeout_s=settings.server.replica_timeout_s,
             )
         app[STORE] = store
-        yield
+        retention = None
+        if days := settings.retention_days():
+            interval_s = settings.store.retention_interval_s
+            retention = asyncio.create_task(keep_retention(store, days, clock, interval_s), name="retention")
+        try:
+            yield
+        finally:
+            if retention is not None:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
     finally:
         await store.close()
 

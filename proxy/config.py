@@ -39,6 +39,7 @@ from proxy.pins import PIN_KEYS, Pin, parse_prompt_ref
 from proxy.stack import Stack
 
 DEFAULT_CONFIG_FILE = Path("stackpin.toml")
+LOCAL_TENANT = "local"  # every request's tenant when no [[tenants]] are configured (loopback only)
 
 
 class _Section(BaseModel):
@@ -84,6 +85,11 @@ class StoreSettings(_Section):
     # "disk": an answer waits until its record is on disk. "process": until it is committed, which survives the
     # proxy's crash but not the machine's (SQLite synchronous=NORMAL, PostgreSQL synchronous_commit=off).
     durability: Literal["disk", "process"] = "disk"
+    # Days a record's payload (its request and answer) is kept before it is erased, for a tenant that does not set
+    # its own `retention_days` (and for `local`, the tenant without [[tenants]]); None: kept for ever. The log keeps
+    # the record's entries and their proofs (docs/audit.md, retention and erasure).
+    retention_days: int | None = Field(default=None, ge=1)
+    retention_interval_s: float = Field(default=3600.0, gt=0)  # how often a proxy applies retention
 
 
 class LogSettings(_Section):
@@ -192,6 +198,9 @@ class TenantSettings(_Section):
     api_key_sha256: list[str] = Field(default_factory=list)
     requests_per_minute: int | None = Field(default=None, ge=1)  # across the fleet when Redis is configured
     tokens_per_minute: int | None = Field(default=None, ge=1)  # prompt plus completion tokens
+    retention_days: int | None = Field(
+        default=None, ge=1
+    )  # its records' payloads; default [store] retention_days
 
     @model_validator(mode="after")
     def _has_a_key(self) -> TenantSettings:
@@ -284,6 +293,14 @@ class Settings(BaseSettings):
                 f"server.default_route {default!r} names no route; [routes] defines {sorted(self.routes)}"
             )
         return self
+
+    def retention_days(self) -> dict[str, int]:
+        """Days each tenant's payloads are kept, for the tenants whose payloads are erased at all."""
+        default = self.store.retention_days
+        if not self.tenants:
+            return {} if default is None else {LOCAL_TENANT: default}
+        days = {t.name: t.retention_days if t.retention_days is not None else default for t in self.tenants}
+        return {tenant: kept for tenant, kept in days.items() if kept is not None}
 
     def route_pins(self) -> dict[str, Pin]:
         return {name: Pin.model_validate(keys) for name, keys in self.routes.items()}

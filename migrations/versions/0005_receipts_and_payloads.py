@@ -27,15 +27,41 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+ADDED = {"payload_sha256": sa.String(64), "receipt": sa.Text()}
+
+
 def upgrade() -> None:
-    op.add_column("entries", sa.Column("receipt", sa.Text(), nullable=True))
+    for name, kind in ADDED.items():
+        op.add_column("entries", sa.Column(name, kind, nullable=True))
+    op.create_table(
+        "payloads",
+        sa.Column("seq", sa.BigInteger(), autoincrement=False, nullable=False),
+        sa.Column("tenant", sa.String(200), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("salt", sa.String(64), nullable=False),
+        sa.Column("payload", sa.Text(), nullable=False),
+        sa.PrimaryKeyConstraint("seq", name="pk_payloads"),
+        sa.ForeignKeyConstraint(["seq"], ["entries.seq"], name="fk_payloads_seq_entries"),
+    )
+    op.create_index("ix_payloads_tenant_created", "payloads", ["tenant", "created_at"])
 
 
 def downgrade() -> None:
     bind = op.get_bind()
-    if bind.dialect.name == "sqlite":
-        # In place (SQLite 3.35 and later): copying the table, as batch mode would, breaks the foreign keys
-        # that name it.
-        op.execute("ALTER TABLE entries DROP COLUMN receipt")
-    else:
-        op.drop_column("entries", "receipt")
+    apart = bind.execute(
+        sa.text("SELECT count(*) FROM entries WHERE payload_sha256 IS NOT NULL")
+    ).scalar_one()
+    if apart:
+        raise RuntimeError(
+            f"{apart} entries hold their payload apart, under its hash: this database cannot go back below "
+            "revision 0005"
+        )
+    op.drop_index("ix_payloads_tenant_created", table_name="payloads")
+    op.drop_table("payloads")
+    for name in ADDED:
+        if bind.dialect.name == "sqlite":
+            # In place (SQLite 3.35 and later): copying the table, as batch mode would, breaks the foreign keys
+            # that name it.
+            op.execute(f"ALTER TABLE entries DROP COLUMN {name}")
+        else:
+            op.drop_column("entries", name)

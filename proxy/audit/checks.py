@@ -18,6 +18,7 @@ from proxy.audit.entries import (
     StoredFields,
     is_json_object,
     parse_content,
+    payload_sha256,
     prompt_sha256,
     sha256_hex,
 )
@@ -47,6 +48,8 @@ ProblemKind = Literal[
     "receipt_mismatch",
     "receipt_invalid",
     "receipt_unfulfilled",
+    "payload_mismatch",
+    "payload_missing",
 ]
 
 
@@ -278,6 +281,26 @@ def check_stack_row(fingerprint: str, canonical_text: str) -> LogProblem | None:
         return LogProblem(
             kind="stack_hash_mismatch",
             message=f"the stored stack {fingerprint} is not canonical JSON of an object",
+        )
+    return None
+
+
+def check_payload_row(
+    seq: int, record_id: str, committed: str | None, salt: str, text: str
+) -> LogProblem | None:
+    """A payload kept apart must be canonical JSON of an object and hash, with its salt, to what its entry's bytes
+    commit to."""
+    content, canonical = parse_content(text)
+    try:
+        digest = payload_sha256(bytes.fromhex(salt), text)
+    except ValueError:
+        digest = None
+    if content is None or not canonical or committed is None or digest != committed:
+        return LogProblem(
+            kind="payload_mismatch",
+            message=f"the payload kept for entry seq {seq} does not hash to what the entry commits to (the payload or "
+            "its salt was edited, or the entry commits to none)",
+            record_id=record_id,
         )
     return None
 

@@ -22,10 +22,11 @@ from typing import Protocol
 
 import structlog
 
-from proxy.audit.batch import EntryRefused, plan_batch
+from proxy.audit.batch import NOTHING_TO_ERASE, EntryRefused, plan_batch
 from proxy.audit.errors import (
     AuditError,
     DuplicateEntry,
+    NotErasable,
     StoreClosed,
     StoreUnavailable,
     UnknownStack,
@@ -271,6 +272,8 @@ def _duplicate(entry: SealedEntry) -> DuplicateEntry:
 
 
 def _explain_refusal(entry: SealedEntry, exc: EntryRefused) -> AuditError:
+    if exc.reason.startswith(NOTHING_TO_ERASE):
+        return NotErasable(f"record {entry.record_id}: {exc.reason}")
     reason = exc.reason.lower()
     if "uq_entries_record_part" in reason or "unique" in reason:
         return _duplicate(entry)

@@ -23,6 +23,9 @@ from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 Part = Literal["answer", "opened", "closed", "flag"]
+# The status of the flag that erases a record's payload (proxy/audit/erasure.py): a mark on the record like any flag,
+# but one that says what was removed, not what was found.
+ERASED = "erased"
 STORABLE = (str, bool, datetime)
 
 
@@ -204,6 +207,12 @@ class EntryHeader:
     # Whether the stack was declared by configuration rather than proved; None for an entry without a stack,
     # and for chained entries, whose bytes never held it (their content may).
     stack_declared: bool | None = field(default=None, metadata=declared(chained=False))
+    # SHA-256 of a salt and the canonical JSON of the entry's payload (the request and the answer), which is kept
+    # beside the log, not in its content, so that it can be erased and every proof stay valid; None for an entry
+    # without a payload, and for every entry written before payloads were kept apart (their content holds it).
+    payload_sha256: str | None = field(
+        default=None, metadata=declared(max_length=64, chained=False, absent_when_null=True)
+    )
 
     def values(self) -> dict[str, Any]:
         """Every header field's value, by name, as it is (a row's columns)."""

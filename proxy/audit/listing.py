@@ -15,6 +15,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, field_validator
 from sqlalchemy import Select, and_, case, exists, func, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from proxy.audit.header import ERASED
 from proxy.audit.models import Entry
 
 ENTRIES = Entry.__table__
@@ -56,9 +57,11 @@ class RecordFilter(BaseModel):
 
 
 def flagged() -> ColumnElement[bool]:
-    """True for a first entry whose record carries at least one flag."""
+    """True for a first entry whose record carries at least one flag (an erasure is not one that flags it)."""
     flags = ENTRIES.alias("flags")
-    return exists().where(flags.c.record_id == ENTRIES.c.record_id, flags.c.part == "flag")
+    return exists().where(
+        flags.c.record_id == ENTRIES.c.record_id, flags.c.part == "flag", flags.c.status != ERASED
+    )
 
 
 def where(query: Select[Any], selected: RecordFilter) -> Select[Any]:

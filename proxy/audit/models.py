@@ -168,6 +168,24 @@ class Entry(Base):
     __table__ = ENTRIES
 
 
+class Payload(Base):
+    """An entry's payload (the request and the answer), kept beside the log: its canonical JSON and the salt that
+    `entries.payload_sha256` hashes with it. Erased (the row deleted) by an erasure entry (erasure.py) when its
+    tenant's retention ends or on request; the entry, its leaf and every proof stay. The entry's tenant and time
+    are repeated here so that finding what a retention policy erases walks only payloads still kept."""
+
+    __tablename__ = "payloads"
+    __table_args__ = (Index("ix_payloads_tenant_created", "tenant", "created_at"),)
+
+    seq: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("entries.seq"), primary_key=True, autoincrement=False
+    )
+    tenant: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    salt: Mapped[str] = mapped_column(String(64))  # hex
+    payload: Mapped[str] = mapped_column(Text)
+
+
 class LogQueue(Base):
     """Batches committed but not yet in the tree: entries `first_seq` to `first_seq + count - 1`, with the leaf
     hashes their writer computed, 64 hex digits each, in order (None: compute them from the entries)."""

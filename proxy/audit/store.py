@@ -21,7 +21,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from proxy.audit import listing, proofs
+from proxy.audit import erasure, listing, proofs
 from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import (
     Durability,
@@ -40,10 +40,10 @@ from proxy.audit.errors import (
     StoreUnavailable,
     failure_reason,
 )
-from proxy.audit.header import storable
+from proxy.audit.header import ERASED, storable
 from proxy.audit.integrate import Integrator
 from proxy.audit.listing import RecordFilter
-from proxy.audit.models import Entry, LogLeaf, Prompt, Stack
+from proxy.audit.models import Entry, LogLeaf, Payload, Prompt, Stack
 from proxy.audit.note import Signer, Verifier
 from proxy.audit.receipts import Receipt, ReceiptSigner
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
@@ -70,6 +70,7 @@ from proxy.audit.writer import BatchWriter, TransactionRunner
 
 ENTRIES = Entry.__table__
 LEAVES = LogLeaf.__table__
+PAYLOADS = Payload.__table__
 STACKS = Stack.__table__
 PROMPTS = Prompt.__table__
 LIST_LIMIT_MAX = 1000
@@ -217,8 +218,12 @@ class AuditStore:
             rows = (
                 (
                     await connection.execute(
-                        select(ENTRIES, LEAVES.c.leaf_index)
-                        .select_from(ENTRIES.outerjoin(LEAVES, LEAVES.c.seq == ENTRIES.c.seq))
+                        select(ENTRIES, LEAVES.c.leaf_index, PAYLOADS.c.payload.label("payload_text"))
+                        .select_from(
+                            ENTRIES.outerjoin(LEAVES, LEAVES.c.seq == ENTRIES.c.seq).outerjoin(
+                                PAYLOADS, PAYLOADS.c.seq == ENTRIES.c.seq
+                            )
+                        )
                         .where(ENTRIES.c.record_id == record_id)
                         .order_by(ENTRIES.c.seq)
                     )
@@ -259,7 +264,8 @@ class AuditStore:
             prompt_sha256=prompt_sha,
             prompt_text=prompt_text,
             entries=[_view(row) for row in main],
-            flags=[_view(row) for row in rows if row["part"] == "flag"],
+            flags=[_view(row) for row in rows if row["part"] == "flag" and row["status"] != ERASED],
+            erasures=[_view(row) for row in rows if row["part"] == "flag" and row["status"] == ERASED],
         )
 
     async def list_records(
@@ -335,6 +341,25 @@ class AuditStore:
         for row in rows:
             later.setdefault(row["record_id"], []).append(row)
         return later
+
+    async def erase(self, record_id: str, policy: erasure.Policy, now: datetime) -> StoredEntry:
+        """Erases the record's payload (its request and answer) and appends the entry that says so, in one
+        transaction (erasure.py); the erasure entry. NotErasable when the record holds nothing to erase, LookupError
+        when there is no such record."""
+        if not _could_be_stored(record_id):
+            raise LookupError(f"no record {record_id!r}")
+        async with self._read() as connection:
+            found = await connection.run_sync(erasure.held, record_id)
+        if found is None:
+            raise LookupError(f"no record {record_id!r}")
+        return await self.append(erasure.erasure_entry(found, policy, now))
+
+    async def expired(self, tenant: str, before: datetime, limit: int = 500) -> list[str]:
+        """Records of `tenant` whose payloads, kept still, are from before `before` (what retention erases)."""
+        if before.tzinfo is None:
+            raise ValueError("before must carry a time zone")
+        async with self._read() as connection:
+            return await connection.run_sync(erasure.expired, tenant, before, limit)
 
     async def records_served_since(self, replica: str, since: datetime) -> list[str]:
         """Ids of records `replica` served at or after `since`, oldest first: to mark when it changed."""
@@ -499,6 +524,12 @@ async def _ensure_schema(url: str, *, schema: str | None, create_if_empty: bool)
 
 
 def _view(row: RowMapping) -> EntryView:
+    content, payload = load_canonical(row["content"]), None
+    if row["payload_sha256"] is not None:
+        kept = row["payload_text"]
+        payload = "erased" if kept is None else "kept"
+        if kept is not None:
+            content = {**content, **load_canonical(kept)}
     return EntryView(
         seq=row["seq"],
         index=row["leaf_index"],
@@ -509,7 +540,8 @@ def _view(row: RowMapping) -> EntryView:
         model=row["model"],
         fingerprint=row["fingerprint"],
         stack_declared=_declared(row),
-        content=load_canonical(row["content"]),
+        content=content,
+        payload=payload,
         sha256=row["sha256"],
         receipt=row["receipt"],
     )
@@ -527,5 +559,6 @@ def _summary(start: RowMapping, later: list[RowMapping]) -> RecordSummary:
         status=closed[-1]["status"] if closed else start["status"],
         replay_of=start["replay_of"],
         part="closed" if closed else start["part"],
-        flagged=any(row["part"] == "flag" for row in later),
+        flagged=any(row["part"] == "flag" and row["status"] != ERASED for row in later),
+        erased=any(row["part"] == "flag" and row["status"] == ERASED for row in later),
     )

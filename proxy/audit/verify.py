@@ -22,13 +22,16 @@ from proxy.audit.checks import (
     Leaf,
     LogProblem,
     TreeWalker,
+    check_payload_row,
     check_prompt_row,
     check_stack_row,
     node_problem,
 )
-from proxy.audit.header import storable
+from proxy.audit.entries import load_canonical
+from proxy.audit.erasure import erased_seqs
+from proxy.audit.header import ERASED, storable
 from proxy.audit.merkle import leaf_hash
-from proxy.audit.models import Entry, LogCheckpoint, LogLeaf, LogQueue, Prompt, Stack, TreeNode
+from proxy.audit.models import Entry, LogCheckpoint, LogLeaf, LogQueue, Payload, Prompt, Stack, TreeNode
 from proxy.audit.note import NoteError, Verifier, cosigned_at, open_checkpoint, parse_checkpoint, parse_note
 from proxy.audit.receipts import Receipt, ReceiptError, signed_by
 from proxy.audit.tree import b64, read_nodes, stored_fields
@@ -42,6 +45,7 @@ QUEUE = LogQueue.__table__
 CHECKPOINTS = LogCheckpoint.__table__
 STACKS = Stack.__table__
 PROMPTS = Prompt.__table__
+PAYLOADS = Payload.__table__
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,8 @@ class _Tally:
     latest: str | None = None
     receipts: int = 0  # receipts given whose entries are in the tree verified
     receipts_pending: int = 0  # receipts given whose entries are committed and not yet in that tree
+    payloads: int = 0  # payloads kept apart that hash to what their entries commit to
+    erased: int = 0  # payloads erased, each by an erasure entry of its record
 
 
 def _snapshot(connection: Connection) -> tuple[int, int, int, int]:
@@ -271,6 +277,67 @@ def _walk_rows(
 RECEIPT_CHUNK = 500  # records looked up per query
 
 
+def _kept_payloads(connection: Connection, tally: _Tally, page_size: int) -> LogProblem | None:
+    """Every payload kept apart hashes, with its salt, to what its entry's bytes commit to."""
+    after = 0
+    while True:
+        rows = connection.execute(
+            select(
+                PAYLOADS.c.seq,
+                PAYLOADS.c.salt,
+                PAYLOADS.c.payload,
+                ENTRIES.c.payload_sha256,
+                ENTRIES.c.record_id,
+            )
+            .select_from(PAYLOADS.join(ENTRIES, ENTRIES.c.seq == PAYLOADS.c.seq))
+            .where(PAYLOADS.c.seq > after)
+            .order_by(PAYLOADS.c.seq)
+            .limit(page_size)
+        ).all()
+        if not rows:
+            return None
+        for seq, salt, text, committed, record_id in rows:
+            problem = check_payload_row(int(seq), record_id, committed, salt, text)
+            if problem is not None:
+                return problem
+            tally.payloads += 1
+        after = int(rows[-1][0])
+
+
+def _erased_payloads(connection: Connection, tally: _Tally, page_size: int) -> LogProblem | None:
+    """Every payload gone from an entry that committed to one was erased by an erasure entry of its record that
+    names it; otherwise it was deleted behind the log's back."""
+    kept = select(PAYLOADS.c.seq).where(PAYLOADS.c.seq == ENTRIES.c.seq).exists()
+    after = 0
+    while True:
+        gone = connection.execute(
+            select(ENTRIES.c.seq, ENTRIES.c.record_id)
+            .where(ENTRIES.c.seq > after, ENTRIES.c.payload_sha256.is_not(None), ~kept)
+            .order_by(ENTRIES.c.seq)
+            .limit(page_size)
+        ).all()
+        if not gone:
+            return None
+        erasures = connection.execute(
+            select(ENTRIES.c.content).where(
+                ENTRIES.c.record_id.in_({record_id for _, record_id in gone}),
+                ENTRIES.c.part == "flag",
+                ENTRIES.c.status == ERASED,
+            )
+        ).scalars()
+        named = set().union(*(erased_seqs(load_canonical(text)) for text in erasures))
+        for seq, record_id in gone:
+            if seq not in named:
+                return LogProblem(
+                    kind="payload_missing",
+                    message=f"the payload of entry seq {seq} is gone and no erasure entry of record {record_id} "
+                    "names it (deleted behind the log's back)",
+                    record_id=record_id,
+                )
+            tally.erased += 1
+        after = int(gone[-1][0])
+
+
 def _receipts(
     connection: Connection, receipts: list[Receipt], verifiers: list[Verifier], size: int, tally: _Tally
 ) -> LogProblem | None:
@@ -348,6 +415,11 @@ def _verify(
     problem = problem or _walk(connection, size, walker, verifiers, tally, page_size)
     problem = problem or _inner_nodes(connection, size, tally, page_size)
     problem = problem or _receipts(connection, receipts, verifiers, size, tally)
+    problem = (
+        problem
+        or _kept_payloads(connection, tally, page_size)
+        or _erased_payloads(connection, tally, page_size)
+    )
     stacks, stack_problem = _walk_rows(
         connection, STACKS, "fingerprint", "canonical_json", check_stack_row, page_size
     )
@@ -366,6 +438,8 @@ def _verify(
         stored_receipts_checked=walker.receipts,
         receipts_checked=tally.receipts,
         receipts_pending=tally.receipts_pending,
+        payloads_checked=tally.payloads,
+        payloads_erased=tally.erased,
         tree_size=walker.size,
         root_hash=b64(walker.root),
         checkpoint=tally.latest,

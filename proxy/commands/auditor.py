@@ -57,6 +57,10 @@ async def verify(
     if witnessed:
         print(f"{report.witnessed_checked} checkpoints held outside the database matched")
     print(f"receipts the log keeps: {report.stored_receipts_checked} checked, each the log's for its entry")
+    print(
+        f"payloads: {report.payloads_checked} kept, each hashing to what its entry commits to; "
+        f"{report.payloads_erased} erased, each named by an erasure entry"
+    )
     if receipts:
         print(
             f"receipts given: {report.receipts_checked} of {len(receipts)} fulfilled (their entries in the tree), "
@@ -129,9 +133,12 @@ async def audit(
         verdict = {True: f"proven in the {size}", False: f"NOT proven in the {size}", None: "pending"}[
             check.included
         ]
+        payload = {None: "", "matches": ", payload matches", "erased": ", payload erased"}.get(
+            check.payload, ", PAYLOAD DOES NOT MATCH"
+        )
         print(
             f"entry    seq {check.seq} {check.part} ({where}) {check.sha256}: "
-            f"{'recomputes' if check.recomputes else 'DOES NOT RECOMPUTE'}, {verdict}"
+            f"{'recomputes' if check.recomputes else 'DOES NOT RECOMPUTE'}, {verdict}{payload}"
         )
     print(f"log      {size}, {signed}")
     for flag in record.flags:
@@ -141,6 +148,8 @@ async def audit(
 
 def answer_lines(record: AuditRecord) -> list[str]:
     """What the client got, choice by choice (or embedding, or output item), for reading."""
+    if record.erased:
+        return [f"answer   (none: its {record.erasure()})"]
     parts = {entry.part: entry.content for entry in record.entries}
     opened = parts.get("answer") or parts.get("opened") or {}
     endpoint = opened.get("endpoint", "")

@@ -2,7 +2,8 @@
 heartbeat sidecar that registers a backend in a fleet (`stackpin fleet heartbeat`).
 
 Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error; `verify` 0 when the
-log is intact, 1 when it is not; `prove` 0 when every entry is proven, 1 when one is not; `witness --once` 0 when
+log is intact, 1 when it is not; `prove` 0 when every entry is proven, 1 when one is not; `erase` 0 when every
+record named is erased, 1 when one is not; `witness --once` 0 when
 the checkpoint is accepted, 1 when refused; `serve --workers N` exits 1 when a worker died; every command exits 2
 on a usage or configuration error.
 """
@@ -37,6 +38,7 @@ from proxy.audit.note import (
 from proxy.audit.receipts import Receipt, ReceiptError, read_receipts
 from proxy.commands import prove
 from proxy.commands.auditor import audit, list_records, verify
+from proxy.commands.erase import erase, erase_expired
 from proxy.commands.proxy_client import probe, replay
 from proxy.commands.witness import HttpLogSource, WitnessStore, follow
 from proxy.config import Settings, load_settings, log_secrets, read_settings
@@ -141,6 +143,18 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("record")
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(run=_audit)
+
+    erase = commands.add_parser(
+        "erase",
+        parents=[config],
+        help="erase records' payloads (requests and answers); the log and every proof stay valid",
+    )
+    erase.add_argument("records", nargs="*", metavar="RECORD", help="the records whose payloads to erase")
+    erase.add_argument("--reason", help="why, kept in the erasure entry (required with RECORD)")
+    erase.add_argument(
+        "--expired", action="store_true", help="apply every tenant's retention policy now (retention_days)"
+    )
+    erase.set_defaults(run=_erase)
 
     records = commands.add_parser("records", parents=[config], help="list records")
     records.add_argument("--stack", help="fingerprint, or its first characters (the listing shows 12)")
@@ -391,6 +405,20 @@ def _keygen(args: argparse.Namespace) -> int:
     write_key(args.out, signer)
     print(signer.verifier.vkey)
     return EXIT_OK
+
+
+def _erase(args: argparse.Namespace) -> int:
+
+    settings = _settings(args)
+    if args.expired:
+        if args.records:
+            raise ConfigError("erase either RECORD... or --expired, not both")
+        return asyncio.run(erase_expired(settings, utc_now))
+    if not args.records:
+        raise ConfigError("name the records to erase, or --expired to apply the retention policies")
+    if not args.reason or not args.reason.strip():
+        raise ConfigError("--reason is required: it is kept in the log with the erasure")
+    return asyncio.run(erase(settings, args.records, args.reason.strip(), utc_now))
 
 
 def _records(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 
+from proxy.audit.entries import payload_sha256
 from proxy.audit.merkle import ProofError, leaf_hash, verify_inclusion
 from proxy.audit.note import Checkpoint, NoteError, Verifier, open_checkpoint, parse_checkpoint, parse_note
 from proxy.audit.receipts import Receipt, ReceiptError, parse_receipt, signed_by
@@ -78,7 +79,15 @@ def _entry_verdict(record_id: str, entry: dict[str, Any], checkpoint: Checkpoint
         verify_inclusion(index, checkpoint.size, leaf, proof, checkpoint.root)
     except ProofError as e:
         return verdict(False, str(e))
-    return verdict(True, f"leaf {index} of the tree of size {checkpoint.size}")
+    where = f"leaf {index} of the tree of size {checkpoint.size}"
+    committed = fields.get("payload_sha256")
+    if committed is None:
+        return verdict(True, where)
+    if entry.get("payload") is None:
+        return verdict(True, f"{where}; its payload (request and answer) was erased")
+    if payload_sha256(bytes.fromhex(entry["salt"]), entry["payload"]) != committed:
+        return verdict(False, f"{where}, but the payload given does not hash to what the entry commits to")
+    return verdict(True, f"{where}, with the payload it commits to")
 
 
 def check_proof(record_id: str, proof: dict[str, Any], checkpoint: Checkpoint) -> list[Verdict]:
