@@ -21,7 +21,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from proxy.audit import erasure, listing, proofs
+from proxy.audit import erasure, export, listing, proofs
 from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import (
     Durability,
@@ -438,6 +438,22 @@ class AuditStore:
             return None
         async with self._reader.connect() as connection:
             return await connection.run_sync(proofs.record_proof, record_id, tenant, size)
+
+    async def export(
+        self, window: export.Window, checkpoint: SignedCheckpoint | None, *, page_size: int = export.PAGE_SIZE
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """Every entry created in `window`, oldest first, a page at a time, each with its inclusion proof in
+        `checkpoint`'s tree (none for an entry integrated after it), its payload while kept and its receipt."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        after: tuple[datetime, int] | None = None
+        while True:
+            async with self._read() as connection:
+                rows, after = await connection.run_sync(export.page, window, checkpoint, after, page_size)
+            if rows:
+                yield rows
+            if after is None:
+                return
 
     async def consistency(self, old: int, new: int | None = None) -> ConsistencyProof:
         """The proof that the tree of size `new` (default: the latest checkpoint's) extends the tree of `old`."""

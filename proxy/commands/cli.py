@@ -25,6 +25,7 @@ import aiohttp
 
 from proxy.app import utc_now
 from proxy.audit import AuditError, Witnessed, upgrade_database
+from proxy.audit.export import Window
 from proxy.audit.keys import trusted_log_keys, write_key
 from proxy.audit.note import (
     COSIGNATURE,
@@ -39,6 +40,7 @@ from proxy.audit.receipts import Receipt, ReceiptError, read_receipts
 from proxy.commands import prove
 from proxy.commands.auditor import audit, list_records, verify
 from proxy.commands.erase import erase, erase_expired
+from proxy.commands.export import export
 from proxy.commands.proxy_client import probe, replay
 from proxy.commands.witness import HttpLogSource, WitnessStore, follow
 from proxy.config import Settings, load_settings, log_secrets, read_settings
@@ -155,6 +157,20 @@ def _parser() -> argparse.ArgumentParser:
         "--expired", action="store_true", help="apply every tenant's retention policy now (retention_days)"
     )
     erase.set_defaults(run=_erase)
+
+    export = commands.add_parser(
+        "export",
+        parents=[config],
+        help="the log's entries of a time window with their proofs, for your own tools",
+    )
+    export.add_argument("--since", required=True, help="ISO 8601 time with its zone (inclusive)")
+    export.add_argument("--until", help="ISO 8601 time with its zone (exclusive; default: now)")
+    export.add_argument("--tenant", help="only this tenant's entries")
+    export.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    export.add_argument(
+        "--out", type=Path, metavar="FILE", help="where to write (JSON lines: default stdout)"
+    )
+    export.set_defaults(run=_export)
 
     records = commands.add_parser("records", parents=[config], help="list records")
     records.add_argument("--stack", help="fingerprint, or its first characters (the listing shows 12)")
@@ -419,6 +435,14 @@ def _erase(args: argparse.Namespace) -> int:
     if not args.reason or not args.reason.strip():
         raise ConfigError("--reason is required: it is kept in the log with the erasure")
     return asyncio.run(erase(settings, args.records, args.reason.strip(), utc_now))
+
+
+def _export(args: argparse.Namespace) -> int:
+
+    since = _moment("--since", args.since)
+    assert since is not None
+    window = Window(since, _moment("--until", args.until), args.tenant)
+    return asyncio.run(export(_settings(args).store, window, args.format, args.out))
 
 
 def _records(args: argparse.Namespace) -> int:
