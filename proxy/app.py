@@ -14,7 +14,8 @@ released in reverse, and each is built with the ones before it:
 5. the replica registry with its health monitor, which checks every replica before the first request is accepted;
 6. the fleet (proxy/fleet/resource.py): rate limits, and in fleet mode the task that keeps the registry in step;
 7. the serving path (proxy/serving/serve.py) over all of them, with the task that records the ends of streams the
-   store was away for (proxy/serving/unclosed.py), which tries once more at a graceful stop.
+   store was away for (proxy/serving/unclosed.py), which tries once more at a graceful stop, and the OpenTelemetry
+   exporter of its answers' spans when `[telemetry]` names one (proxy/telemetry.py), flushed at the stop.
 
 The audit page (proxy/ui/) is a sub-application at /ui over the same keys.
 """
@@ -66,6 +67,7 @@ from proxy.serving.record_ids import RecordIds
 from proxy.serving.redact import Redactor
 from proxy.serving.serve import Proxy
 from proxy.serving.unclosed import Unclosed
+from proxy.telemetry import telemetry_for
 from proxy.ui import ui_app
 
 log = structlog.get_logger("stackpin.app")
@@ -253,6 +255,7 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
     task that records the ends of streams the store was away for (proxy/serving/unclosed.py)."""
     closing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-close")
     unclosed = Unclosed(app[STORE])
+    telemetry = telemetry_for(app[SETTINGS].telemetry, app[SECRETS], clock)
     late_ends = asyncio.create_task(unclosed.run(), name="late-stream-ends")
     app[PROXY] = Proxy(
         store=app[STORE],
@@ -268,6 +271,7 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
         unclosed=unclosed,
         clock=clock,
         record_ids=RecordIds(),
+        telemetry=telemetry,
     )
     try:
         yield
@@ -281,3 +285,4 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
             await unclosed.commit()
             if unclosed.held:
                 log.error("stream_ends_left_open", record_ids=unclosed.held)
+        await asyncio.to_thread(telemetry.shutdown)  # exports the spans still batched

@@ -115,6 +115,23 @@ class LogSettings(_Section):
         return keys
 
 
+class TelemetrySettings(_Section):
+    """OpenTelemetry (proxy/telemetry.py): one span per answer over OTLP/HTTP; off unless `otlp_endpoint` is set."""
+
+    otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces (the collector's traces path)
+    service_name: str = "stackpin"
+    # The variable holding headers to send, as `k=v,k2=v2` (a Langfuse key: Authorization=Basic ...).
+    headers_env: str | None = None
+    timeout_s: float = Field(default=10.0, gt=0)  # one export
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(r"^https?://[^\s/]+", url):
+            raise ValueError(f"otlp_endpoint must start with http:// or https://, got {url!r}")
+        return url
+
+
 class HealthSettings(_Section):
     interval_s: float = Field(default=10.0, gt=0)
     timeout_s: float = Field(default=5.0, gt=0)
@@ -229,6 +246,7 @@ class Settings(BaseSettings):
     fleet: FleetSettings = FleetSettings()
     ui: UiSettings = UiSettings()
     log: LogSettings = LogSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
     replicas: list[ReplicaSettings] = Field(default_factory=list)
     prompts: dict[str, str] = Field(default_factory=dict)
     routes: dict[str, dict[str, str]] = Field(default_factory=dict)
@@ -315,6 +333,7 @@ class Secrets(BaseModel):
     tenant_key_hashes: dict[str, str] = Field(default_factory=dict)  # sha256(client key) -> tenant name
     ui_session_key: SecretStr | None = None  # signs and encrypts the audit page's session cookies
     log_signing_key: SecretStr | None = None  # the log's private key text, when it could be read
+    otlp_headers: SecretStr | None = None  # what [telemetry] headers_env names
 
 
 def hash_api_key(key: str) -> str:
@@ -390,11 +409,20 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str]) -> Secrets:
             f"server.host is {settings.server.host!r}, which is reachable from other machines, and no [[tenants]] "
             "are configured: add a tenant with api_key_env, or bind to 127.0.0.1"
         )
+    otlp_headers = None
+    if settings.telemetry.headers_env:
+        if not environ.get(settings.telemetry.headers_env):
+            raise ConfigError(
+                f"telemetry.headers_env: environment variable {settings.telemetry.headers_env} is not set "
+                "(it holds the OTLP exporter's headers, k=v,k2=v2)"
+            )
+        otlp_headers = SecretStr(environ[settings.telemetry.headers_env])
     return Secrets(
         replica_keys=replica_keys,
         tenant_key_hashes=tenant_key_hashes,
         ui_session_key=ui_session_key,
         log_signing_key=_log_signing_key(settings, environ),
+        otlp_headers=otlp_headers,
     )
 
 

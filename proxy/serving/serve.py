@@ -16,7 +16,7 @@ import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -46,6 +46,7 @@ from proxy.serving.request import ClientRequest
 from proxy.serving.responses_api import Echo, expand, from_chat, record_of, response_id, to_chat
 from proxy.serving.sinks import BufferSink, Sink
 from proxy.serving.unclosed import Unclosed
+from proxy.telemetry import NoTelemetry, Telemetry
 
 RECORD_HEADER = "Stackpin-Record"
 STACK_HEADER = "Stackpin-Stack"
@@ -81,6 +82,7 @@ class Proxy:
     unclosed: Unclosed  # streams' ends the store was away for, committed once it is back
     clock: Callable[[], datetime]
     record_ids: Callable[[], str]  # each call a new record id (proxy/serving/record_ids.py)
+    telemetry: Telemetry = field(default_factory=NoTelemetry)  # a span per answer, when configured
 
     async def continued(self, request: ClientRequest, tenant: str) -> ClientRequest:
         """A Responses request with `previous_response_id` resolved into the input it stands for."""
@@ -126,6 +128,7 @@ class Proxy:
             replay=replay,
         )
         stored = await self.store.append(entry)
+        self.telemetry.answered(served, lambda: body, stored, "complete")
         log.info("answered", tenant=tenant, endpoint=request.endpoint)
         self._count_tokens(served, body.get("usage"))
         return served, body, stored.receipt
@@ -322,6 +325,7 @@ class Proxy:
                 build = functools.partial(self._unconfirmed, served, relay, error, sent)
                 self.unclosed.hold(await asyncio.get_running_loop().run_in_executor(self.closing, build))
             return "unrecorded", sent
+        self.telemetry.answered(served, relay.answer, stored, closed.status)
         if terminal is not None:
             terminal = receipt_comment(stored.receipt) + terminal
         return closed.status, terminal
