@@ -46,6 +46,7 @@ async def records(request: web.Request) -> web.Response:
     return render(
         request,
         "records.html",
+        status=400 if wanted.problems else 200,  # shown beside the form, which says what to fix
         rows=rows,
         counts=counts,
         form=wanted.form,
