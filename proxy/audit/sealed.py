@@ -17,7 +17,7 @@ from dataclasses import InitVar, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from proxy.audit.entries import EntryFields, entry_bytes, payload_sha256, sha256_hex
+from proxy.audit.entries import EntryFields, entry_bytes, sha256_hex
 from proxy.audit.header import Part, out_of_bounds
 from proxy.audit.merkle import leaf_hash
 from proxy.canonical import CanonicalDocument, NotCanonicalizable, canonical_json
@@ -127,13 +127,15 @@ def seal(
         if content.keys() & payload.keys():
             raise InvalidEntry(f"payload: {sorted(content.keys() & payload.keys())} are in the content too")
         try:
-            payload_json = canonical_json(payload).decode("utf-8")
+            payload_bytes = canonical_json(payload)
         except ValueError as exc:
             raise InvalidEntry(f"payload: {exc}") from exc
         salt = secrets.token_bytes(32) if salt is None else salt
         if len(salt) != 32:
             raise InvalidEntry("salt must be 32 bytes")
-        payload_hash = payload_sha256(salt, payload_json)
+        digest = hashlib.sha256(salt)
+        digest.update(payload_bytes)  # payload_sha256 (entries.py), from the bytes already encoded
+        payload_json, payload_hash = payload_bytes.decode("utf-8"), digest.hexdigest()
     return SealedEntry(
         record_id=record_id,
         part=part,
