@@ -4,9 +4,10 @@ Never loads a whole table. In order: the snapshot (the latest checkpoint's size,
 entries that are neither, in one statement), then the leaves in index order with their entries and stored leaf
 hashes, rebuilding the tree from the entries' bytes and holding it to every checkpoint the log signed (each
 signature checked with the trusted log keys) and every checkpoint a witness holds or someone kept; then every
-stored inner node against its children, then the stacks and prompts against their content addresses. A receipt
-a row keeps must be the log's for that entry; receipts a client kept must each name an entry the log holds. The
-first problem is reported with its leaf index and record id.
+stored inner node against its children, then what the log promised beyond its tree (promises.py: the receipts
+clients kept, the payloads kept and erased), then the stacks and prompts against their content addresses. A
+receipt a row keeps must be the log's for that entry. The first problem is reported with its leaf index and
+record id.
 """
 
 from __future__ import annotations
@@ -17,23 +18,19 @@ from typing import Any
 from sqlalchemy import Connection, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from proxy.audit import promises
 from proxy.audit.checks import (
     Claim,
     Leaf,
     LogProblem,
     TreeWalker,
-    check_payload_row,
     check_prompt_row,
     check_stack_row,
     node_problem,
 )
-from proxy.audit.entries import load_canonical
-from proxy.audit.erasure import erased_seqs
-from proxy.audit.header import ERASED, storable
-from proxy.audit.merkle import leaf_hash
-from proxy.audit.models import Entry, LogCheckpoint, LogLeaf, LogQueue, Payload, Prompt, Stack, TreeNode
+from proxy.audit.models import Entry, LogCheckpoint, LogLeaf, LogQueue, Prompt, Stack, TreeNode
 from proxy.audit.note import NoteError, Verifier, cosigned_at, open_checkpoint, parse_checkpoint, parse_note
-from proxy.audit.receipts import Receipt, ReceiptError, signed_by
+from proxy.audit.receipts import Receipt
 from proxy.audit.tree import b64, read_nodes, stored_fields
 from proxy.audit.values import VerifyReport
 
@@ -45,7 +42,6 @@ QUEUE = LogQueue.__table__
 CHECKPOINTS = LogCheckpoint.__table__
 STACKS = Stack.__table__
 PROMPTS = Prompt.__table__
-PAYLOADS = Payload.__table__
 
 
 @dataclass(frozen=True)
@@ -64,10 +60,6 @@ class _Tally:
     witnessed: int = 0
     nodes: int = 0
     latest: str | None = None
-    receipts: int = 0  # receipts given whose entries are in the tree verified
-    receipts_pending: int = 0  # receipts given whose entries are committed and not yet in that tree
-    payloads: int = 0  # payloads kept apart that hash to what their entries commit to
-    erased: int = 0  # payloads erased, each by an erasure entry of its record
 
 
 def _snapshot(connection: Connection) -> tuple[int, int, int, int]:
@@ -274,119 +266,6 @@ def _walk_rows(
         after = rows[-1][0]
 
 
-RECEIPT_CHUNK = 500  # records looked up per query
-
-
-def _kept_payloads(connection: Connection, tally: _Tally, page_size: int) -> LogProblem | None:
-    """Every payload kept apart hashes, with its salt, to what its entry's bytes commit to."""
-    after = 0
-    while True:
-        rows = connection.execute(
-            select(
-                PAYLOADS.c.seq,
-                PAYLOADS.c.salt,
-                PAYLOADS.c.payload,
-                ENTRIES.c.payload_sha256,
-                ENTRIES.c.record_id,
-            )
-            .select_from(PAYLOADS.join(ENTRIES, ENTRIES.c.seq == PAYLOADS.c.seq))
-            .where(PAYLOADS.c.seq > after)
-            .order_by(PAYLOADS.c.seq)
-            .limit(page_size)
-        ).all()
-        if not rows:
-            return None
-        for seq, salt, text, committed, record_id in rows:
-            problem = check_payload_row(int(seq), record_id, committed, salt, text)
-            if problem is not None:
-                return problem
-            tally.payloads += 1
-        after = int(rows[-1][0])
-
-
-def _erased_payloads(connection: Connection, tally: _Tally, page_size: int) -> LogProblem | None:
-    """Every payload gone from an entry that committed to one was erased by an erasure entry of its record that
-    names it; otherwise it was deleted behind the log's back."""
-    kept = select(PAYLOADS.c.seq).where(PAYLOADS.c.seq == ENTRIES.c.seq).exists()
-    after = 0
-    while True:
-        gone = connection.execute(
-            select(ENTRIES.c.seq, ENTRIES.c.record_id)
-            .where(ENTRIES.c.seq > after, ENTRIES.c.payload_sha256.is_not(None), ~kept)
-            .order_by(ENTRIES.c.seq)
-            .limit(page_size)
-        ).all()
-        if not gone:
-            return None
-        erasures = connection.execute(
-            select(ENTRIES.c.content).where(
-                ENTRIES.c.record_id.in_({record_id for _, record_id in gone}),
-                ENTRIES.c.part == "flag",
-                ENTRIES.c.status == ERASED,
-            )
-        ).scalars()
-        named = set().union(*(erased_seqs(load_canonical(text)) for text in erasures))
-        for seq, record_id in gone:
-            if seq not in named:
-                return LogProblem(
-                    kind="payload_missing",
-                    message=f"the payload of entry seq {seq} is gone and no erasure entry of record {record_id} "
-                    "names it (deleted behind the log's back)",
-                    record_id=record_id,
-                )
-            tally.erased += 1
-        after = int(gone[-1][0])
-
-
-def _receipts(
-    connection: Connection, receipts: list[Receipt], verifiers: list[Verifier], size: int, tally: _Tally
-) -> LogProblem | None:
-    """Each receipt given must be the log's (when keys are trusted) and name an entry the log holds: in the tree
-    verified (of `size` leaves), or committed and waiting for it; otherwise the log broke its promise."""
-    wanted: dict[str, list[Receipt]] = {}
-    for receipt in receipts:
-        try:
-            if verifiers:
-                signed_by(receipt, verifiers)
-        except ReceiptError as exc:
-            return LogProblem(
-                kind="receipt_invalid",
-                message=f"a receipt for record {receipt.record_id} ({receipt.part}) is not the log's: {exc}",
-                record_id=receipt.record_id,
-            )
-        wanted.setdefault(receipt.record_id, []).append(receipt)
-    names = sorted(name for name in wanted if storable(name, ENTRIES.c.record_id.type.length))
-    held: dict[tuple[str, bytes], int | None] = {}
-    for start in range(0, len(names), RECEIPT_CHUNK):
-        rows = connection.execute(
-            select(ENTRIES, LEAVES.c.leaf_index)
-            .select_from(ENTRIES.outerjoin(LEAVES, LEAVES.c.seq == ENTRIES.c.seq))
-            .where(ENTRIES.c.record_id.in_(names[start : start + RECEIPT_CHUNK]))
-        ).mappings()
-        for row in rows:
-            try:
-                leaf = leaf_hash(stored_fields(row).text().encode("utf-8"))
-            except ValueError:  # an edited row, which the walk reports
-                continue
-            held[(row["record_id"], leaf)] = row["leaf_index"]
-    for receipt in receipts:
-        key = (receipt.record_id, receipt.leaf_hash)
-        if key not in held:
-            return LogProblem(
-                kind="receipt_unfulfilled",
-                message=f"the log's receipt promises leaf {receipt.leaf_b64} of record {receipt.record_id} "
-                f"({receipt.part}, {receipt.time}, in the tree by {receipt.integrate_by}), and the log holds no "
-                "such entry (dropped before it was integrated, or replaced)",
-                record_id=receipt.record_id,
-            )
-        index = held[key]
-        if index is not None and index < size:
-            tally.receipts += 1
-        else:
-            tally.receipts_pending += 1
-    return None
-
-
 def _verify(
     connection: Connection,
     verifiers: list[Verifier],
@@ -414,12 +293,10 @@ def _verify(
         )
     problem = problem or _walk(connection, size, walker, verifiers, tally, page_size)
     problem = problem or _inner_nodes(connection, size, tally, page_size)
-    problem = problem or _receipts(connection, receipts, verifiers, size, tally)
-    problem = (
-        problem
-        or _kept_payloads(connection, tally, page_size)
-        or _erased_payloads(connection, tally, page_size)
-    )
+    kept = promises.Kept()
+    problem = problem or promises.receipts_kept(connection, receipts, verifiers, size, kept)
+    problem = problem or promises.payloads_kept(connection, kept, page_size)
+    problem = problem or promises.payloads_erased(connection, kept, page_size)
     stacks, stack_problem = _walk_rows(
         connection, STACKS, "fingerprint", "canonical_json", check_stack_row, page_size
     )
@@ -436,10 +313,10 @@ def _verify(
         stacks_checked=stacks,
         prompts_checked=prompts,
         stored_receipts_checked=walker.receipts,
-        receipts_checked=tally.receipts,
-        receipts_pending=tally.receipts_pending,
-        payloads_checked=tally.payloads,
-        payloads_erased=tally.erased,
+        receipts_checked=kept.receipts,
+        receipts_pending=kept.receipts_pending,
+        payloads_checked=kept.payloads,
+        payloads_erased=kept.erased,
         tree_size=walker.size,
         root_hash=b64(walker.root),
         checkpoint=tally.latest,
