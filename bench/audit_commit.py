@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import platform
@@ -101,7 +102,9 @@ def entry_values(i: int) -> dict[str, Any]:
 def entry_steps() -> tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Any]]:
     """How the measured tree makes an entry from its values: what it does before the timed part, and what on the
     request path, which is timed. `seal` is the request path's (the stack canonicalised once, as the proxy's
-    registry does); a tree from before `seal` validated a `NewEntry` first and sealed it when appended."""
+    registry does); a tree from before `seal` validated a `NewEntry` first and sealed it when appended. A tree that
+    keeps payloads apart is given the request and the response as the entry's payload, as the proxy's records are
+    (a salted hash in the entry, a row in `payloads` beside it)."""
     import proxy.audit as audit  # the measured tree's, imported in the worker
 
     if not hasattr(audit, "seal"):
@@ -109,7 +112,15 @@ def entry_steps() -> tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Any]
     from proxy.canonical import CanonicalDocument
 
     stack = CanonicalDocument.of(STACK)
-    return (lambda values: values), (lambda values: audit.seal(**values, stack=stack))
+    if "payload" not in inspect.signature(audit.seal).parameters:
+        return (lambda values: values), (lambda values: audit.seal(**values, stack=stack))
+
+    def apart(values: dict[str, Any]) -> dict[str, Any]:
+        content = dict(values["content"])
+        payload = {key: content.pop(key) for key in ("request", "response")}
+        return {**values, "content": content, "payload": payload}
+
+    return apart, (lambda values: audit.seal(**values, stack=stack))
 
 
 async def measure(

@@ -37,6 +37,7 @@ async def test_an_erased_record_says_erased_everywhere_and_its_proof_stays_valid
         _, _, headers = await harness.post("/v1/chat/completions", CHAT)
         _, _, kept = await harness.post("/v1/chat/completions", CHAT)
         record_id = headers["Stackpin-Record"]
+        _, replayed, _ = await harness.post(f"/v1/records/{record_id}/replay", {})
         config = _config(harness, tmp_path)
         erase = ["erase", record_id, "--config", config[1], "--reason", "the customer asked"]
         assert await asyncio.to_thread(stackpin, erase) == 0
@@ -61,8 +62,8 @@ async def test_an_erased_record_says_erased_everywhere_and_its_proof_stays_valid
         printed = capsys.readouterr().out
         assert "request and answer were erased at" in printed and "payload erased" in printed
         assert await asyncio.to_thread(stackpin, ["verify", *config]) == 0
-        assert "2 kept, each hashing to what its entry commits to; 1 erased" in capsys.readouterr().out, (
-            "the other and its replay"
+        assert "3 kept, each hashing to what its entry commits to; 1 erased" in capsys.readouterr().out, (
+            "the other record and both replays"
         )
         async with (
             aiohttp.ClientSession() as session,
@@ -70,6 +71,9 @@ async def test_an_erased_record_says_erased_everywhere_and_its_proof_stays_valid
         ):
             html = await page.text()
         assert page.status == 200 and 'id="erased"' in html and "1 Main St" not in html
+        diff = f"{harness.url}/ui/records/{replayed['replay_record']}/diff"
+        async with aiohttp.ClientSession() as session, session.get(diff) as page:
+            assert page.status == 410 and "nothing is left to compare" in await page.text()
 
 
 async def test_erase_refuses_what_it_cannot_do_and_says_how(
