@@ -1,7 +1,8 @@
 """What a durable audit commit costs: CPU and wall time per transaction, alone (one appender, batches of one) and
 under group commit (64 appenders, batches of about 64), on SQLite and PostgreSQL at both durabilities.
 
-Each measurement is a fresh process (`--worker`) that opens the store on a migrated database (SQLite in WAL mode,
+Each measurement is a fresh process (`--worker`) that migrates a blank database with its own tree's migrations
+and opens the store on it (SQLite in WAL mode,
 a file in a temporary folder; PostgreSQL in a fresh schema, dropped after), appends `--appends` entries from the
 given number of concurrent tasks, then integrates them, checks that the log verifies, and reports: appends per
 second; per transaction, the process's CPU time (every thread: the writer's thread and the event loop, not the
@@ -129,8 +130,10 @@ async def measure(
     """One configuration, in this process, with the tree on its path."""
     from proxy.audit import AuditStore
     from proxy.audit.note import generate_signer
+    from proxy.audit.schema import upgrade_database_async
 
     observed = Observed()
+    await upgrade_database_async(url, schema=schema)  # the blank database, with this tree's migrations
     store = await AuditStore.open(
         url,
         schema=schema,
@@ -182,13 +185,10 @@ async def measure(
 
 
 async def prepared_database(config: Config, folder: Path, postgres_url: str) -> tuple[str, str | None]:
-    """A migrated, empty database for one run: (url, schema)."""
-    from proxy.audit.schema import upgrade_database_async
-
+    """A blank database for one run, (url, schema), which the worker migrates with its own tree's migrations: two
+    trees may be at different schema revisions."""
     if config.database == "SQLite":
-        url = f"sqlite+aiosqlite:///{folder / f'audit-{uuid.uuid4().hex[:12]}.db'}"
-        await upgrade_database_async(url)
-        return url, None
+        return f"sqlite+aiosqlite:///{folder / f'audit-{uuid.uuid4().hex[:12]}.db'}", None
     import asyncpg
 
     schema = f"audit_bench_{uuid.uuid4().hex[:12]}"
@@ -197,7 +197,6 @@ async def prepared_database(config: Config, folder: Path, postgres_url: str) -> 
         await connection.execute(f'CREATE SCHEMA "{schema}"')
     finally:
         await connection.close()
-    await upgrade_database_async(postgres_url, schema=schema)
     return postgres_url, schema
 
 

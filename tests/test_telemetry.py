@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from proxy.telemetry import NoTelemetry, OtlpTelemetry
+from proxy.audit import StoredEntry
+from proxy.pins import Pin
+from proxy.replicas.registry import ReplicaSnapshot
+from proxy.serving.records import Served
+from proxy.stack import Stack
+from proxy.telemetry import NoTelemetry, OtlpTelemetry, answer_attributes
 from tests.support.fake_replica import FakeReplica
 from tests.support.proxy_harness import running_proxy
 
@@ -147,3 +153,27 @@ async def test_without_an_endpoint_there_is_no_exporter_and_no_span(
         assert isinstance(harness.proxy.telemetry, NoTelemetry)
         status, _, _ = await harness.post("/v1/chat/completions", CHAT)
         assert status == 200
+
+
+def test_a_responses_answer_names_its_usage_and_status_and_an_interrupted_stream_says_so() -> None:
+    replica = FakeReplica()
+    snapshot = ReplicaSnapshot("replica-0", "http://10.0.0.5:8000", True, Stack.model_validate(replica.stack),
+                               replica.fingerprint, None)  # fmt: skip
+    served = Served("rec_1", "acme", "/v1/responses", Pin(), None, None, snapshot, {"model": "chat-x"},
+                    datetime(2026, 12, 1, tzinfo=UTC), translated_from={"model": "fake-model", "stop": "\n"})  # fmt: skip
+    stored = StoredEntry(record_id="rec_1", part="closed", seq=9, sha256="ab" * 32, leaf_hash="cd" * 32,
+                         created_at=datetime(2026, 12, 1, tzinfo=UTC))  # fmt: skip
+    body = {
+        "id": "resp_1",
+        "model": "fake-model",
+        "status": "incomplete",
+        "usage": {"input_tokens": 5, "output_tokens": 2},
+    }
+    attributes = answer_attributes(served, body, stored, "interrupted")
+    assert attributes["gen_ai.request.model"] == "fake-model", "the client's request, not its translation"
+    assert attributes["gen_ai.request.stop_sequences"] == ["\n"]
+    assert attributes["gen_ai.response.finish_reasons"] == ["incomplete"]
+    assert (attributes["gen_ai.usage.input_tokens"], attributes["gen_ai.usage.output_tokens"]) == (5, 2)
+    assert attributes["stackpin.stack.declared"] is True and attributes["stackpin.stream"] is True
+    assert (attributes["server.address"], attributes["server.port"]) == ("10.0.0.5", 8000)
+    assert attributes["stackpin.status"] == "interrupted" and attributes["stackpin.log.seq"] == 9
