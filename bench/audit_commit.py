@@ -1,18 +1,18 @@
 """What a durable audit commit costs: CPU and wall time per transaction, alone (one appender, batches of one) and
 under group commit (64 appenders, batches of about 64), on SQLite and PostgreSQL at both durabilities.
 
-Each measurement is a fresh process (`--worker`) that migrates a blank database with its own tree's migrations
-and opens the store on it (SQLite in WAL mode,
-a file in a temporary folder; PostgreSQL in a fresh schema, dropped after), appends `--appends` entries from the
-given number of concurrent tasks, then integrates them, checks that the log verifies, and reports: appends per
-second; per transaction, the process's CPU time (every thread: the writer's thread and the event loop, not the
-PostgreSQL server's) and wall time; per append, the CPU and the p50/p99 latency (queue wait included: what a
-request waits before the proxy may answer); the mean batch; and the integrator's CPU per entry. Beside each
-one-appender row, the driver floor: the p50 of one-row transactions straight on `sqlite3` or asyncpg with the
-same sync setting, measured in the same round (on a loaded disk, mostly its fsync). With
-`--baseline DIR` (another source tree, e.g. `git archive` of an earlier commit unpacked), every configuration
-runs in that tree's process and this one's in turn, for `--rounds` interleaved rounds, and the table gives both
-medians and the median of the per-round ratios: on a machine that others load, the ratios are the figure.
+Each measurement is a fresh process (`--worker`) that migrates a blank database with its own tree's migrations and
+opens the store on it (SQLite in WAL mode, a file in a temporary folder; PostgreSQL in a fresh schema, dropped
+after), appends `--appends` entries from the given number of concurrent tasks, then integrates them, checks that
+the log verifies, and reports: appends per second; per transaction, the process's CPU time (every thread: the
+writer's thread and the event loop, not the PostgreSQL server's) and wall time; per append, the CPU and the p50/p99
+latency (queue wait included: what a request waits before the proxy may answer); the mean batch; and the
+integrator's CPU per entry. Beside each one-appender row, the driver floor: the p50 of one-row transactions
+straight on `sqlite3` or asyncpg with the same sync setting, measured in the same round (on a loaded disk, mostly
+its fsync). With `--baseline DIR` (another source tree, e.g. `git archive` of an earlier commit unpacked), every
+configuration runs in that tree's process and this one's in turn, for `--rounds` interleaved rounds, and the table
+gives both medians and the median of the per-round ratios: on a machine that others load, the ratios are the
+figure.
 
 `--integrating` integrates during the appends instead, every 0.5 s as the proxy does: its cost then shows in the
 appends' CPU and in their p99.
