@@ -1,17 +1,18 @@
 """What a durable audit commit costs: CPU and wall time per transaction, alone (one appender, batches of one) and
 under group commit (64 appenders, batches of about 64), on SQLite and PostgreSQL at both durabilities.
 
-Each measurement is a fresh process (`--worker`) that opens the store on a migrated database (SQLite in WAL mode,
-a file in a temporary folder; PostgreSQL in a fresh schema, dropped after), appends `--appends` entries from the
-given number of concurrent tasks, then integrates them, checks that the log verifies, and reports: appends per
-second; per transaction, the process's CPU time (every thread: the writer's thread and the event loop, not the
-PostgreSQL server's) and wall time; per append, the CPU and the p50/p99 latency (queue wait included: what a
-request waits before the proxy may answer); the mean batch; and the integrator's CPU per entry. Beside each
-one-appender row, the driver floor: the p50 of one-row transactions straight on `sqlite3` or asyncpg with the
-same sync setting, measured in the same round (on a loaded disk, mostly its fsync). With
-`--baseline DIR` (another source tree, e.g. `git archive` of an earlier commit unpacked), every configuration
-runs in that tree's process and this one's in turn, for `--rounds` interleaved rounds, and the table gives both
-medians and the median of the per-round ratios: on a machine that others load, the ratios are the figure.
+Each measurement is a fresh process (`--worker`) that migrates a blank database with its own tree's migrations and
+opens the store on it (SQLite in WAL mode, a file in a temporary folder; PostgreSQL in a fresh schema, dropped
+after), appends `--appends` entries from the given number of concurrent tasks, then integrates them, checks that
+the log verifies, and reports: appends per second; per transaction, the process's CPU time (every thread: the
+writer's thread and the event loop, not the PostgreSQL server's) and wall time; per append, the CPU and the p50/p99
+latency (queue wait included: what a request waits before the proxy may answer); the mean batch; and the
+integrator's CPU per entry. Beside each one-appender row, the driver floor: the p50 of one-row transactions
+straight on `sqlite3` or asyncpg with the same sync setting, measured in the same round (on a loaded disk, mostly
+its fsync). With `--baseline DIR` (another source tree, e.g. `git archive` of an earlier commit unpacked), every
+configuration runs in that tree's process and this one's in turn, for `--rounds` interleaved rounds, and the table
+gives both medians and the median of the per-round ratios: on a machine that others load, the ratios are the
+figure.
 
 `--integrating` integrates during the appends instead, every 0.5 s as the proxy does: its cost then shows in the
 appends' CPU and in their p99.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import platform
@@ -101,7 +103,9 @@ def entry_values(i: int) -> dict[str, Any]:
 def entry_steps() -> tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Any]]:
     """How the measured tree makes an entry from its values: what it does before the timed part, and what on the
     request path, which is timed. `seal` is the request path's (the stack canonicalised once, as the proxy's
-    registry does); a tree from before `seal` validated a `NewEntry` first and sealed it when appended."""
+    registry does); a tree from before `seal` validated a `NewEntry` first and sealed it when appended. A tree that
+    keeps payloads apart is given the request and the response as the entry's payload, as the proxy's records are
+    (a salted hash in the entry, a row in `payloads` beside it)."""
     import proxy.audit as audit  # the measured tree's, imported in the worker
 
     if not hasattr(audit, "seal"):
@@ -109,7 +113,15 @@ def entry_steps() -> tuple[Callable[[dict[str, Any]], Any], Callable[[Any], Any]
     from proxy.canonical import CanonicalDocument
 
     stack = CanonicalDocument.of(STACK)
-    return (lambda values: values), (lambda values: audit.seal(**values, stack=stack))
+    if "payload" not in inspect.signature(audit.seal).parameters:
+        return (lambda values: values), (lambda values: audit.seal(**values, stack=stack))
+
+    def apart(values: dict[str, Any]) -> dict[str, Any]:
+        content = dict(values["content"])
+        payload = {key: content.pop(key) for key in ("request", "response")}
+        return {**values, "content": content, "payload": payload}
+
+    return apart, (lambda values: audit.seal(**values, stack=stack))
 
 
 async def measure(
@@ -118,8 +130,10 @@ async def measure(
     """One configuration, in this process, with the tree on its path."""
     from proxy.audit import AuditStore
     from proxy.audit.note import generate_signer
+    from proxy.audit.schema import upgrade_database_async
 
     observed = Observed()
+    await upgrade_database_async(url, schema=schema)  # the blank database, with this tree's migrations
     store = await AuditStore.open(
         url,
         schema=schema,
@@ -171,13 +185,10 @@ async def measure(
 
 
 async def prepared_database(config: Config, folder: Path, postgres_url: str) -> tuple[str, str | None]:
-    """A migrated, empty database for one run: (url, schema)."""
-    from proxy.audit.schema import upgrade_database_async
-
+    """A blank database for one run, (url, schema), which the worker migrates with its own tree's migrations: two
+    trees may be at different schema revisions."""
     if config.database == "SQLite":
-        url = f"sqlite+aiosqlite:///{folder / f'audit-{uuid.uuid4().hex[:12]}.db'}"
-        await upgrade_database_async(url)
-        return url, None
+        return f"sqlite+aiosqlite:///{folder / f'audit-{uuid.uuid4().hex[:12]}.db'}", None
     import asyncpg
 
     schema = f"audit_bench_{uuid.uuid4().hex[:12]}"
@@ -186,7 +197,6 @@ async def prepared_database(config: Config, folder: Path, postgres_url: str) -> 
         await connection.execute(f'CREATE SCHEMA "{schema}"')
     finally:
         await connection.close()
-    await upgrade_database_async(postgres_url, schema=schema)
     return postgres_url, schema
 
 

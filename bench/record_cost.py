@@ -3,8 +3,10 @@
     python -m bench.record_cost --baseline DIR [--rounds 7] [--entries 300] [--output bench/results/record_cost.md]
 
 Per entry, as the request path and the committer do it: the entry is built from a served request
-(`proxy.serving.records`), which canonicalises it (RFC 8785), then its bytes are hashed as the committer reads them
-(`sha256`, the leaf hash, the row `proxy.audit.batch.entry_row` makes). Two entries: a small chat answer, and the
+(`proxy.serving.records`), which canonicalises it (RFC 8785), then, in a tree whose store signs receipts, the log's
+receipt for it is signed as `AuditStore.append` signs it (`proxy.audit.receipts`: one Ed25519 signature), then its
+bytes are hashed as the committer reads them (`sha256`, the leaf hash, the row `proxy.audit.batch.entry_row`
+makes). Two entries: a small chat answer, and the
 `closed` entry of a 64-token stream with logprobs (five alternatives per token), its events and the answer they
 assemble into. `DIR` is another source tree (e.g. `git worktree add /tmp/base main`), whose `proxy` package is
 imported in a process of its own; rounds alternate which tree goes first. Printed: per entry and tree, the median
@@ -100,6 +102,13 @@ def measure(case: str, entries: int) -> list[float]:
     from proxy.serving.records import Served, answer_entry, closed_entry
     from proxy.stack import Stack
 
+    try:
+        from proxy.audit.note import generate_signer
+        from proxy.audit.receipts import ReceiptSigner
+
+        receipts: Any = ReceiptSigner(generate_signer("bench.example/log", seed=bytes(32)))
+    except ImportError:  # a tree from before receipts
+        receipts = None
     stack = Stack.model_validate(STACK)
     replica = Replica("replica-0", "http://127.0.0.1:1", STACKPIN, stack=stack, fingerprint=stack.fingerprint)
     prompt = PromptVersion("support", 3, "Be terse.")
@@ -119,9 +128,13 @@ def measure(case: str, entries: int) -> list[float]:
             entry = closed_entry(served, now, status="complete", events=events, terminal="data: [DONE]\n\n",
                                  answer=answer, replica_answer=None, upstream_fingerprint="cd" * 32,
                                  error=None)  # fmt: skip
+        receipt = None if receipts is None else receipts.issue(entry)
         # What the committer reads of a sealed entry: its leaf hash (queue row), its row, the stored summary.
         entry.leaf_hash.hex()
-        entry_row(entry, i + 1)  # type: ignore[arg-type]  (each tree's own entry type)
+        if receipt is None:
+            entry_row(entry, i + 1)  # type: ignore[arg-type]  (each tree's own entry type)
+        else:
+            entry_row(entry, i + 1, receipt)  # type: ignore[call-arg]
         entry.sha256, entry.leaf_hash.hex()
         times.append((time.perf_counter() - started) * 1e6)
     return times

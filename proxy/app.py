@@ -5,7 +5,8 @@ prompts). Each resource is one cleanup context under its own key (proxy/app_keys
 released in reverse, and each is built with the ones before it:
 
 1. the audit store, whose streams left open by a stopped proxy are closed as interrupted first (proxy/process/sweep.py),
-   and which integrates the log and signs its checkpoints with the log's key;
+   which integrates the log and signs its checkpoints with the log's key, and whose tenants' retention policies are
+   applied every `store.retention_interval_s` (proxy/audit/retention.py);
 2. the HTTP client for replicas;
 3. the embedded local backends, when configured (one a kernel mode);
 4. in fleet mode, the link to Redis (proxy/fleet/link.py) that the registry counts through and the health monitor
@@ -13,7 +14,8 @@ released in reverse, and each is built with the ones before it:
 5. the replica registry with its health monitor, which checks every replica before the first request is accepted;
 6. the fleet (proxy/fleet/resource.py): rate limits, and in fleet mode the task that keeps the registry in step;
 7. the serving path (proxy/serving/serve.py) over all of them, with the task that records the ends of streams the
-   store was away for (proxy/serving/unclosed.py), which tries once more at a graceful stop;
+   store was away for (proxy/serving/unclosed.py), which tries once more at a graceful stop, and the OpenTelemetry
+   exporter of its answers' spans when `[telemetry]` names one (proxy/telemetry.py), flushed at the stop;
 8. the stored state (proxy/state/: files, jobs, conversations, in the audit database) and the runner of its jobs
    (background responses and batches), which serve through the serving path and let their leases go at a stop.
 
@@ -54,6 +56,7 @@ from proxy.app_keys import (
 )
 from proxy.audit import AuditStore
 from proxy.audit.keys import serving_signer
+from proxy.audit.retention import keep_retention
 from proxy.config import Secrets, Settings
 from proxy.fleet.resource import fleet_for, fleet_link
 from proxy.metrics import ProxyMetrics
@@ -74,6 +77,7 @@ from proxy.state.batch_run import BatchKind
 from proxy.state.routes import routes as state_routes
 from proxy.state.runner import JobKind, JobRunner
 from proxy.state.store import StateStore
+from proxy.telemetry import telemetry_for
 from proxy.ui import ui_app
 
 log = structlog.get_logger("stackpin.app")
@@ -167,7 +171,17 @@ async def audit_store(
                 replica_timeout_s=settings.server.replica_timeout_s,
             )
         app[STORE] = store
-        yield
+        retention = None
+        if days := settings.retention_days():
+            interval_s = settings.store.retention_interval_s
+            retention = asyncio.create_task(keep_retention(store, days, clock, interval_s), name="retention")
+        try:
+            yield
+        finally:
+            if retention is not None:
+                retention.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await retention
     finally:
         await store.close()
 
@@ -263,6 +277,7 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
     task that records the ends of streams the store was away for (proxy/serving/unclosed.py)."""
     closing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stream-close")
     unclosed = Unclosed(app[STORE])
+    telemetry = telemetry_for(app[SETTINGS].telemetry, app[SECRETS], clock)
     late_ends = asyncio.create_task(unclosed.run(), name="late-stream-ends")
     app[PROXY] = Proxy(
         store=app[STORE],
@@ -278,6 +293,7 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
         unclosed=unclosed,
         clock=clock,
         record_ids=RecordIds(),
+        telemetry=telemetry,
     )
     try:
         yield
@@ -291,6 +307,7 @@ async def serving_path(app: web.Application, *, clock: Callable[[], datetime]) -
             await unclosed.commit()
             if unclosed.held:
                 log.error("stream_ends_left_open", record_ids=unclosed.held)
+        await asyncio.to_thread(telemetry.shutdown)  # exports the spans still batched
 
 
 async def stored_state(app: web.Application, *, clock: Callable[[], datetime]) -> AsyncIterator[None]:

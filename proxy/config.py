@@ -40,6 +40,7 @@ from proxy.replicas.kinds import kind_named
 from proxy.stack import Stack
 
 DEFAULT_CONFIG_FILE = Path("stackpin.toml")
+LOCAL_TENANT = "local"  # every request's tenant when no [[tenants]] are configured (loopback only)
 
 
 class _Section(BaseModel):
@@ -85,6 +86,11 @@ class StoreSettings(_Section):
     # "disk": an answer waits until its record is on disk. "process": until it is committed, which survives the
     # proxy's crash but not the machine's (SQLite synchronous=NORMAL, PostgreSQL synchronous_commit=off).
     durability: Literal["disk", "process"] = "disk"
+    # Days a record's payload (its request and answer) is kept before it is erased, for a tenant that does not set
+    # its own `retention_days` (and for `local`, the tenant without [[tenants]]); None: kept for ever. The log keeps
+    # the record's entries and their proofs (docs/audit.md, retention and erasure).
+    retention_days: int | None = Field(default=None, ge=1)
+    retention_interval_s: float = Field(default=3600.0, gt=0)  # how often a proxy applies retention
 
 
 class LogSettings(_Section):
@@ -108,6 +114,23 @@ class LogSettings(_Section):
             except NoteError as e:
                 raise ValueError(str(e)) from e
         return keys
+
+
+class TelemetrySettings(_Section):
+    """OpenTelemetry (proxy/telemetry.py): one span per answer over OTLP/HTTP; off unless `otlp_endpoint` is set."""
+
+    otlp_endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces (the collector's traces path)
+    service_name: str = "stackpin"
+    # The variable holding headers to send, as `k=v,k2=v2` (a Langfuse key: Authorization=Basic ...).
+    headers_env: str | None = None
+    timeout_s: float = Field(default=10.0, gt=0)  # one export
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(r"^https?://[^\s/]+", url):
+            raise ValueError(f"otlp_endpoint must start with http:// or https://, got {url!r}")
+        return url
 
 
 class HealthSettings(_Section):
@@ -212,6 +235,9 @@ class TenantSettings(_Section):
     api_key_sha256: list[str] = Field(default_factory=list)
     requests_per_minute: int | None = Field(default=None, ge=1)  # across the fleet when Redis is configured
     tokens_per_minute: int | None = Field(default=None, ge=1)  # prompt plus completion tokens
+    retention_days: int | None = Field(
+        default=None, ge=1
+    )  # its records' payloads; default [store] retention_days
 
     @model_validator(mode="after")
     def _has_a_key(self) -> TenantSettings:
@@ -259,6 +285,7 @@ class Settings(BaseSettings):
     log: LogSettings = LogSettings()
     jobs: JobsSettings = JobsSettings()
     batches: BatchSettings = BatchSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
     replicas: list[ReplicaSettings] = Field(default_factory=list)
     prompts: dict[str, str] = Field(default_factory=dict)
     routes: dict[str, dict[str, str]] = Field(default_factory=dict)
@@ -324,6 +351,14 @@ class Settings(BaseSettings):
             )
         return self
 
+    def retention_days(self) -> dict[str, int]:
+        """Days each tenant's payloads are kept, for the tenants whose payloads are erased at all."""
+        default = self.store.retention_days
+        if not self.tenants:
+            return {} if default is None else {LOCAL_TENANT: default}
+        days = {t.name: t.retention_days if t.retention_days is not None else default for t in self.tenants}
+        return {tenant: kept for tenant, kept in days.items() if kept is not None}
+
     def route_pins(self) -> dict[str, Pin]:
         return {name: Pin.model_validate(keys) for name, keys in self.routes.items()}
 
@@ -337,6 +372,7 @@ class Secrets(BaseModel):
     tenant_key_hashes: dict[str, str] = Field(default_factory=dict)  # sha256(client key) -> tenant name
     ui_session_key: SecretStr | None = None  # signs and encrypts the audit page's session cookies
     log_signing_key: SecretStr | None = None  # the log's private key text, when it could be read
+    otlp_headers: SecretStr | None = None  # what [telemetry] headers_env names
 
 
 def hash_api_key(key: str) -> str:
@@ -412,11 +448,20 @@ def resolve_secrets(settings: Settings, environ: Mapping[str, str]) -> Secrets:
             f"server.host is {settings.server.host!r}, which is reachable from other machines, and no [[tenants]] "
             "are configured: add a tenant with api_key_env, or bind to 127.0.0.1"
         )
+    otlp_headers = None
+    if settings.telemetry.headers_env:
+        if not environ.get(settings.telemetry.headers_env):
+            raise ConfigError(
+                f"telemetry.headers_env: environment variable {settings.telemetry.headers_env} is not set "
+                "(it holds the OTLP exporter's headers, k=v,k2=v2)"
+            )
+        otlp_headers = SecretStr(environ[settings.telemetry.headers_env])
     return Secrets(
         replica_keys=replica_keys,
         tenant_key_hashes=tenant_key_hashes,
         ui_session_key=ui_session_key,
         log_signing_key=_log_signing_key(settings, environ),
+        otlp_headers=otlp_headers,
     )
 
 

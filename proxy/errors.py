@@ -6,6 +6,7 @@
       NotFound (404)               unknown route or record (also another tenant's record)
       RequestTimeout (408)         a body that did not arrive within `server.body_timeout_s`
       PayloadTooLarge (413)        a body over `server.max_body_bytes`
+      PayloadErased (410)          a record whose request and answer were erased: there is nothing to replay
       NoMatchingStack (409)        no known stack matches the pin
         ModelNotFound (404)        the pin's model is no known stack's model (OpenAI's `model_not_found`)
       NoLiveReplica (503)          stacks match the pin but none of their replicas is in rotation
@@ -115,6 +116,12 @@ class PayloadTooLarge(StackpinError):
     status = 413
     type = "invalid_request_error"
     code = "body_too_large"
+
+
+class PayloadErased(StackpinError):
+    status = 410
+    type = "invalid_request_error"
+    code = "payload_erased"
 
 
 class NoMatchingStack(StackpinError):

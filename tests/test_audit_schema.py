@@ -49,6 +49,7 @@ TABLES = {
     "entries",
     "log_leaves",
     "log_queue",
+    "payloads",
     "prompts",
     "stacks",
     "tree_nodes",

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from proxy.audit.models import Entry, LogQueue, Prompt, Stack
-from proxy.audit.statements import DialectName, commit_statements
+from proxy.audit.models import Entry, LogQueue, Payload, Prompt, Stack
+from proxy.audit.statements import PAYLOAD_ARRAYS, DialectName, commit_statements
 from tests.support.audit_databases import KINDS, audit_database, entry
 
 # The columns whose values differ between the two rows compared below, by construction.
-OWN_TO_EACH_ROW = {"seq", "record_id", "sha256", "content"}
+OWN_TO_EACH_ROW = {"seq", "record_id", "sha256", "content", "receipt"}
 
 
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
@@ -20,6 +20,7 @@ def test_every_insert_names_every_column_of_its_model_in_order(dialect: DialectN
     statements = commit_statements(dialect)
     for prepared, model in [
         (statements.insert_entry, Entry),
+        (statements.insert_payload, Payload),
         (statements.insert_queue, LogQueue),
         (statements.insert_stack, Stack),
         (statements.insert_prompt, Prompt),
@@ -33,8 +34,9 @@ def test_postgresqls_one_statement_batch_takes_every_entry_column_and_the_queues
     batch = commit_statements("postgresql").insert_batch
     assert batch is not None
     entry_columns = tuple(c.name for c in Entry.__table__.columns if c.name != "seq")
-    assert batch.columns == (*entry_columns, "count", "leaf_hashes")
+    assert batch.columns == (*entry_columns, *PAYLOAD_ARRAYS, "count", "leaf_hashes")
     assert f"INSERT INTO entries ({', '.join(Entry.__table__.columns.keys())})" in batch.sql
+    assert f"INSERT INTO payloads ({', '.join(Payload.__table__.columns.keys())})" in batch.sql
     assert f"INSERT INTO log_queue ({', '.join(LogQueue.__table__.columns.keys())})" in batch.sql
 
 

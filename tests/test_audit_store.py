@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from proxy.audit import (
     AuditStore,
@@ -349,6 +350,21 @@ async def test_listing_filters_by_fingerprint_prefix_replays_and_flags_and_count
         await store.list_records(fingerprint="9A%")
     with pytest.raises(TypeError, match="not both"):
         await store.list_records(RecordFilter(), tenant="acme")
+
+
+@pytest.mark.parametrize("field", ["model", "tenant", "replay_of"])
+@pytest.mark.parametrize(
+    "value", ["a\x00", "\ud800", "", "m" * 201], ids=["nul", "surrogate", "empty", "long"]
+)
+async def test_a_text_filter_no_column_could_hold_is_the_callers_to_fix_not_the_store_down(
+    store: AuditStore, field: str, value: str
+) -> None:
+    await store.append(entry("r1"))
+    with pytest.raises(ValidationError, match=f"{field} must be 1 to"):
+        await store.list_records(**{field: value})
+    with pytest.raises(ValidationError, match=f"{field} must be 1 to"):
+        await store.count_records(RecordFilter(**{field: value}))
+    assert [r.id for r in await store.list_records()] == ["r1"], "and the store is not down"
 
 
 async def test_pages_are_keyset_pages_that_appends_do_not_shift(store: AuditStore) -> None:

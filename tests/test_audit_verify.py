@@ -21,6 +21,7 @@ from proxy.audit import AuditStore, VerifyReport, Witnessed
 from proxy.audit.entries import entry_text
 from proxy.audit.merkle import grow, leaf_hash, peaks
 from proxy.audit.note import Checkpoint, generate_signer, parse_note, sign_note
+from proxy.audit.receipts import Receipt, ReceiptSigner, parse_receipt
 from proxy.commands.witness import WitnessStore, observe
 from tests.support.audit_databases import (
     KINDS,
@@ -245,3 +246,58 @@ async def test_an_invalid_cosignature_in_the_witness_store_is_refused(log: Log, 
     report = await log.store.verify(verifiers=TRUSTED, witnessed=held)
     assert _where(report) == ("witness_signature_invalid", None)
     assert parse_note(log.witness.notes()[-1]).signatures[-1].name == "witness.test/w1"
+
+
+async def _kept_receipts(log: Log) -> list[Receipt]:
+    """The receipts the log handed out for the fixture's ten entries, as their clients kept them."""
+    texts = [await log.database.scalar(f"SELECT receipt FROM entries WHERE seq = {seq}") for seq in log.seqs]
+    return [parse_receipt(text) for text in texts]
+
+
+async def test_receipts_clients_kept_are_each_an_entry_of_the_log(log: Log) -> None:
+    kept = await _kept_receipts(log)
+    report = await log.store.verify(verifiers=TRUSTED, receipts=kept)
+    assert report.ok, report.problem
+    assert (report.receipts_checked, report.receipts_pending, report.stored_receipts_checked) == (10, 0, 10)
+    pending = parse_receipt((await log.store.append(entry("t10", seconds=10))).receipt or "")
+    report = await log.store.verify(verifiers=TRUSTED, receipts=[*kept, pending])
+    assert report.ok and (report.receipts_checked, report.receipts_pending) == (10, 1), (
+        "committed, not yet in"
+    )
+
+
+async def test_an_entry_dropped_before_its_integration_breaks_its_receipts_promise(log: Log) -> None:
+    dropped = await log.store.append(entry("t10", seconds=10))
+    await log.database.execute(
+        f"DELETE FROM log_queue WHERE first_seq = {dropped.seq}",
+        f"DELETE FROM entries WHERE seq = {dropped.seq}",
+    )
+    await log.store.integrate()
+    assert (await log.verify()).ok, "without the receipt, nothing shows the entry was ever appended"
+    receipt = parse_receipt(dropped.receipt or "")
+    report = await log.store.verify(verifiers=TRUSTED, receipts=[receipt])
+    assert _where(report) == ("receipt_unfulfilled", None)
+    assert report.problem is not None and report.problem.record_id == "t10"
+
+
+async def test_an_entry_replaced_before_its_integration_no_longer_matches_the_receipt_it_keeps(
+    log: Log,
+) -> None:
+    original = await log.store.append(entry("t10", seconds=10))
+    forged = entry("t10", seconds=10, content={"forged": True})
+    await log.database.execute(
+        f"UPDATE entries SET content = '{forged.content_json}', sha256 = '{forged.sha256}' WHERE seq = {original.seq}",
+        f"UPDATE log_queue SET leaf_hashes = '{forged.leaf_hash.hex()}' WHERE first_seq = {original.seq}",
+    )
+    await log.store.integrate()  # the log signs the forged leaf, as it would have in that moment
+    assert _where(await log.verify()) == ("receipt_mismatch", 10)
+    await log.database.execute(f"UPDATE entries SET receipt = NULL WHERE seq = {original.seq}")
+    assert (await log.verify()).ok, "with the kept receipt gone too, only the client's copy shows it"
+    report = await log.store.verify(verifiers=TRUSTED, receipts=[parse_receipt(original.receipt or "")])
+    assert _where(report) == ("receipt_unfulfilled", None)
+
+
+async def test_a_receipt_the_log_did_not_sign_is_refused(log: Log) -> None:
+    impostor = ReceiptSigner(generate_signer(LOG_SIGNER.name))
+    report = await log.store.verify(verifiers=TRUSTED, receipts=[parse_receipt(impostor.issue(entry("t1")))])
+    assert _where(report) == ("receipt_invalid", None)

@@ -4,17 +4,24 @@ it), models.retrieve, and its error classes map from the proxy's statuses."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
+from proxy.audit.note import parse_signer, parse_vkey
+from proxy.audit.receipts import parse_receipt, signed_by
+from proxy.commands.cli import main as stackpin
+from proxy.config import log_key_file
 from tests.support.fake_replica import FakeReplica, decode_embedding
 from tests.support.proxy_harness import Harness, running_proxy
 
 MESSAGES = [{"role": "user", "content": "Say something about lighthouses."}]
+BODY = {"model": "fake-model", "messages": MESSAGES, "temperature": 0, "max_tokens": 5}
 
 
 def client(harness: Harness, **kwargs: object) -> openai.AsyncOpenAI:
@@ -351,3 +358,66 @@ async def test_an_upstream_that_serves_the_responses_api_gets_it_forwarded_under
         with pytest.raises(openai.ConflictError) as raised:
             await sdk.embeddings.create(model="fake-model", input="x")
         assert "serves /v1/embeddings" in raised.value.message
+
+
+def _log_key(harness: Harness) -> str:
+    """The verifier key of the log the harness's proxy made itself (the embedded default's key file)."""
+    path = log_key_file(harness.settings)
+    assert path is not None
+    return parse_signer(path.read_text()).verifier.vkey
+
+
+async def test_a_client_keeps_the_answers_receipt_and_proves_it_later_without_trusting_the_proxy(
+    replica: FakeReplica, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        raw = await client(harness).chat.completions.with_raw_response.create(
+            model="fake-model", messages=MESSAGES, temperature=0, max_tokens=4
+        )
+        raw.parse()
+        kept = tmp_path / "receipts" / raw.headers["Stackpin-Record"]
+        kept.parent.mkdir()
+        kept.write_text(raw.headers["Stackpin-Receipt"])
+        vkey = _log_key(harness)
+        receipt = parse_receipt(kept.read_text())
+        assert receipt.record_id == raw.headers["Stackpin-Record"] and receipt.part == "answer"
+        assert receipt.fingerprint == raw.headers["Stackpin-Stack"] == replica.fingerprint
+        signed_by(receipt, [parse_vkey(vkey)])
+        await harness.proxy.store.integrate()
+        prove = ["prove", "--receipt", str(kept), "--url", harness.url, "--log-key", vkey]
+        assert await asyncio.to_thread(stackpin, prove) == 0
+        assert "PROVEN: leaf 0 of the tree" in capsys.readouterr().out
+        store = ["--config", str(_config(tmp_path, harness)), "--log-key", vkey]
+        assert await asyncio.to_thread(stackpin, ["verify", *store, "--receipt", str(kept.parent)]) == 0
+        assert "receipts given: 1 of 1 fulfilled" in capsys.readouterr().out
+
+
+def _config(folder: Path, harness: Harness) -> Path:
+    path = folder / "stackpin.toml"
+    path.write_text(f'[store]\nurl = "{harness.settings.store.url}"\n')
+    return path
+
+
+async def test_a_stream_carries_its_opened_entrys_receipt_in_its_headers_and_its_closed_entrys_before_its_end(
+    replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with running_proxy([replica], tmp_path) as harness:
+        raw = await client(harness).chat.completions.with_raw_response.create(
+            model="fake-model", messages=MESSAGES, temperature=0, max_tokens=5, stream=True
+        )
+        pieces = [chunk.choices[0].delta.content async for chunk in raw.parse() if chunk.choices]
+        assert "".join(p or "" for p in pieces), "the SDK reads the stream, the receipt's comment skipped"
+        record = await harness.proxy.store.get_record(raw.headers["Stackpin-Record"], "local")
+        assert record is not None
+        opened, closed = record.entries
+        assert raw.headers["Stackpin-Receipt"] == opened.receipt
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{harness.v1}/chat/completions", json={**BODY, "stream": True}) as response,
+        ):
+            read = (await response.read()).decode()
+        record = await harness.proxy.store.get_record(response.headers["Stackpin-Record"], "local")
+        assert record is not None
+        closed = record.entries[-1]
+        assert read.endswith(f"\n\n: Stackpin-Receipt {closed.receipt}\n\ndata: [DONE]\n\n")
+        assert parse_receipt(closed.receipt or "").part == "closed"

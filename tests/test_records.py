@@ -7,18 +7,21 @@ as forwarded and the stack that served it; what a field holds is what these test
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from proxy.audit import InvalidEntry, OpenStream, SealedEntry
+from proxy.audit.entries import payload_sha256
 from proxy.pins import Pin
 from proxy.replicas.kinds import STACKPIN, UPSTREAM
 from proxy.replicas.registry import Registry, Replica, ReplicaSnapshot
 from proxy.serving.prompts import PromptBook
 from proxy.serving.records import (
     DECODING_KEYS,
+    PAYLOAD_KEYS,
     Served,
     answer_entry,
     closed_entry,
@@ -226,9 +229,9 @@ def test_a_translated_or_replayed_stream_keeps_the_replicas_own_answer_and_the_o
 def test_an_answer_the_log_cannot_hold_fails_as_its_entry_is_built() -> None:
     # No JSON reader carries this integer exactly, so canonical JSON refuses it; serving then serves nothing.
     unsafe = {**RESPONSE, "stackpin": {"seed": 2**63 - 1}}
-    with pytest.raises(InvalidEntry, match="content"):
+    with pytest.raises(InvalidEntry, match=r"^payload: .*canonical JSON"):
         answer_entry(served(), unsafe, NOW)
-    with pytest.raises(InvalidEntry, match="content"):
+    with pytest.raises(InvalidEntry, match=r"^payload: .*canonical JSON"):
         closed(answer=unsafe)
 
 
@@ -263,3 +266,21 @@ def test_a_flag_marks_an_earlier_record_with_its_reason_and_the_evidence() -> No
     assert entry.replica == "replica-0" and entry.created_at == NOW
     assert entry.model is None and entry.fingerprint is None and entry.stack is None
     assert entry.content == {"reason": "stack_changed", **detail}
+
+
+def test_what_the_client_said_and_got_is_the_payload_kept_apart_under_a_salted_hash() -> None:
+    """So that it can be erased while the entry, and every proof of it, stays (proxy/audit/erasure.py)."""
+    answered = answer_entry(served(), RESPONSE, NOW)
+    streamed = closed()
+    assert set(answered.payload or {}) == {"request", "response"}
+    assert set(streamed.payload or {}) == {"events", "terminal", "answer"}
+    for entry in (answered, streamed):
+        hashed = json.loads(entry.encoded)
+        assert not set(hashed["content"]) & PAYLOAD_KEYS, "none of it in the log's hashed bytes"
+        assert hashed["payload_sha256"] == entry.payload_sha256 and entry.salt is not None
+        assert payload_sha256(entry.salt, entry.payload_json or "") == entry.payload_sha256
+    assert answer_entry(served(), RESPONSE, NOW).payload_sha256 != answered.payload_sha256, (
+        "a new salt each time"
+    )
+    flag = flag_entry(RECORD, "acme", NOW, reason="stack_changed", replica="replica-0", detail={})
+    assert flag.payload is None and "payload_sha256" not in json.loads(flag.encoded)

@@ -235,7 +235,10 @@ async def test_a_streamed_tool_calls_record_rebuilds_the_exact_event_stream_the_
         record = await harness.proxy.store.get_record(record_id, "local")
         assert record is not None
         closed = record.entries[-1].content
-        assert ("".join(closed["events"]) + closed["terminal"]).encode() == read
+        receipt = (
+            f": Stackpin-Receipt {record.entries[-1].receipt}\n\n"  # the closed entry's, which it cannot hold
+        )
+        assert ("".join(closed["events"]) + receipt + closed["terminal"]).encode() == read
         assert closed["terminal"] == "data: [DONE]\n\n" and closed["chunks"] == len(closed["events"])
         call = closed["answer"]["choices"][0]["message"]["tool_calls"][0]
         assert call["function"]["name"] == "weather"

@@ -4,7 +4,11 @@ a replay's token diff, the list's filters, and the probe chart's geometry."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
+
+import aiohttp
+import pytest
 
 from proxy.audit import AuditRecord, EntryView
 from proxy.evidence.answers import Tokens
@@ -16,6 +20,9 @@ from proxy.ui.record import record_view
 from proxy.ui.security import Guard, Viewer, host_is_loopback, safe_next
 from proxy.ui.stackdiff import diff, distinguish
 from proxy.ui.tokendiff import Side, replay_diff
+from tests.support.audit_databases import KINDS
+from tests.support.fake_replica import FakeReplica
+from tests.support.proxy_harness import running_proxy
 
 T0 = datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
 
@@ -178,6 +185,25 @@ def test_the_lists_filters_read_utc_times_and_keep_a_tenant_to_its_own_records()
     assert listing(query, operator).selected.tenant == "globex"
     bad = listing({"stack": "zz", "until": "yesterday"}, operator)
     assert len(bad.problems) == 2 and bad.selected.fingerprint is None
+
+
+def test_a_text_filter_no_record_could_match_is_a_problem_naming_it_and_is_left_out() -> None:
+    read = listing({"model": "a\x00b", "stack": "zz"}, Viewer("ops", operator=True))
+    assert sorted(p.split(" ", 1)[0] for p in read.problems) == ["a", "model"], "the field named, or its own"
+    assert read.selected.model is None and read.selected.fingerprint is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_records_page_answers_a_filter_it_cannot_use_with_a_400_naming_it(
+    kind: str, replica: FakeReplica, tmp_path: Path
+) -> None:
+    async with (
+        running_proxy([replica], tmp_path, store=kind) as harness,
+        aiohttp.ClientSession() as session,
+        session.get(f"{harness.url}/ui/", params={"model": "a\x00b"}) as page,
+    ):
+        assert page.status == 400, "the caller's to fix, not the store down"
+        assert "model must be 1 to 200 characters of text without NUL characters" in await page.text()
 
 
 def test_the_guards_decisions() -> None:

@@ -2,8 +2,8 @@
 each driver's own API, `sqlite3` and asyncpg, with the statements `statements.py` compiles from the models.
 
 The body checks that every stack an entry names without giving it is stored, stores the stacks and prompts not
-stored yet, takes a block of contiguous sequence numbers, inserts the entries and queues the batch for
-integration, all in the caller's one transaction. It knows nothing of futures, queues or caches: `commit.py`
+stored yet, erases the payloads an erasure entry names, takes a block of contiguous sequence numbers, inserts the
+entries with their payloads beside them and queues the batch for integration, all in the caller's one transaction. It knows nothing of futures, queues or caches: `commit.py`
 decides what a batch holds and settles its callers; `writer.py` owns connections, threads and transactions.
 """
 
@@ -17,7 +17,11 @@ from typing import Any
 import asyncpg
 
 from proxy.audit.sealed import SealedEntry
-from proxy.audit.statements import CommitStatements, commit_statements
+from proxy.audit.statements import PAYLOAD_ARRAYS, CommitStatements, commit_statements
+
+# How the body refuses an erasure whose payloads are no longer all there (another erased them first): it fails
+# alone, and its caller reads the record again.
+NOTHING_TO_ERASE = "nothing left to erase"
 
 
 class EntryRefused(Exception):
@@ -35,6 +39,8 @@ class BatchEntry:
     prompt_sha256: str | None
     row: dict[str, Any]  # the `entries` row, every column but `seq`
     leaf_hash: str  # hex
+    payload: tuple[str, str] | None = None  # its salt (hex) and payload text, kept beside it
+    erases: tuple[int, ...] = ()  # the entries whose payloads it erases
 
 
 @dataclass(frozen=True)
@@ -59,24 +65,30 @@ class Written:
     new_prompts: set[str]
 
 
-def entry_row(entry: SealedEntry, seq: int) -> dict[str, Any]:
-    """The `entries` row of `entry` at `seq`, by column name: the fields its bytes hold, and their hash."""
+def entry_row(entry: SealedEntry, seq: int, receipt: str | None = None) -> dict[str, Any]:
+    """The `entries` row of `entry` at `seq`, by column name: the fields its bytes hold, their hash, and the log's
+    receipt for it."""
     row = entry.values()
-    row.update(seq=seq, content=entry.content_json, sha256=entry.sha256, prev_sha256=None)
+    row.update(seq=seq, content=entry.content_json, sha256=entry.sha256, prev_sha256=None, receipt=receipt)
     return row
 
 
-def plan_batch(entries: Iterable[SealedEntry], known_stacks: set[str], known_prompts: set[str]) -> Batch:
-    """The batch for `entries`, skipping stacks and prompts already known to be stored. Hashing happens here, on
-    the caller's side of the transaction (an entry's bytes depend on no other entry), and once per entry."""
+def plan_batch(
+    entries: Iterable[tuple[SealedEntry, str | None]], known_stacks: set[str], known_prompts: set[str]
+) -> Batch:
+    """The batch for `entries` (each with its receipt), skipping stacks and prompts already known to be stored.
+    Hashing happens before, when an entry is sealed (an entry's bytes depend on no other entry), once per entry."""
     planned: list[BatchEntry] = []
     stacks: dict[str, dict[str, Any]] = {}
     prompts: dict[str, dict[str, Any]] = {}
-    for entry in entries:
-        row = entry_row(entry, 0)
+    for entry, receipt in entries:
+        row = entry_row(entry, 0, receipt)
         del row["seq"]
         fingerprint, prompt_sha = row["fingerprint"], row["prompt_sha256"]
-        planned.append(BatchEntry(fingerprint, prompt_sha, row, entry.leaf_hash.hex()))
+        payload = None
+        if entry.payload_json is not None and entry.salt is not None:
+            payload = (entry.salt.hex(), entry.payload_json)
+        planned.append(BatchEntry(fingerprint, prompt_sha, row, entry.leaf_hash.hex(), payload, entry.erases))
         if fingerprint is not None and fingerprint not in known_stacks and fingerprint not in stacks:
             stack_json = entry.stack_json
             if stack_json is not None:
@@ -103,6 +115,19 @@ class _Rows:
     def entries(self, statements: CommitStatements, first: int) -> list[tuple[Any, ...]]:
         insert = statements.insert_entry
         return [insert.row({**e.row, "seq": first + i}) for i, e in enumerate(self.kept)]
+
+    def payloads(self, statements: CommitStatements, first: int) -> list[tuple[Any, ...]]:
+        insert, rows = statements.insert_payload, []
+        for i, e in enumerate(self.kept):
+            if e.payload is not None:
+                salt, text = e.payload
+                row = {"seq": first + i, "tenant": e.row["tenant"], "created_at": e.row["created_at"]}
+                rows.append(insert.row({**row, "salt": salt, "payload": text}))
+        return rows
+
+    @property
+    def erasing(self) -> bool:
+        return any(e.erases for e in self.kept)
 
     def queue(self, statements: CommitStatements, first: int) -> tuple[Any, ...]:
         hashes = "".join(e.leaf_hash for e in self.kept)
@@ -147,12 +172,27 @@ def write_sqlite(cursor: sqlite3.Cursor, batch: Batch) -> Written:
             cursor.executemany(statements.insert_stack.sql, rows.stacks)
         if rows.prompts:
             cursor.executemany(statements.insert_prompt.sql, rows.prompts)
+        for entry in rows.kept:
+            if entry.erases:
+                cursor.executemany(statements.erase_payloads.sql, [(seq,) for seq in entry.erases])
+                _all_erased(cursor.rowcount, entry)
         first = int(cursor.execute(statements.next_seq.sql).fetchone()[0])
         cursor.executemany(statements.insert_entry.sql, rows.entries(statements, first))
+        payloads = rows.payloads(statements, first)
+        if payloads:
+            cursor.executemany(statements.insert_payload.sql, payloads)
         cursor.execute(statements.insert_queue.sql, rows.queue(statements, first))
     except sqlite3.IntegrityError as exc:
         raise EntryRefused(str(exc)) from exc
     return rows.written(batch, first, found)
+
+
+def _all_erased(deleted: int, entry: BatchEntry) -> None:
+    """An erasure commits only with every payload it names: one erased before it would make it say what is not."""
+    if deleted != len(entry.erases):
+        raise EntryRefused(
+            f"{NOTHING_TO_ERASE}: {len(entry.erases) - deleted} of the payloads were erased already"
+        )
 
 
 async def write_postgres(connection: asyncpg.Connection, batch: Batch) -> Written:
@@ -162,7 +202,7 @@ async def write_postgres(connection: asyncpg.Connection, batch: Batch) -> Writte
     usual one) is one statement and one round trip; otherwise a transaction wraps the few statements before it."""
     statements = commit_statements("postgresql")
     try:
-        if not (batch.unsure or batch.stacks or batch.prompts):
+        if not (batch.unsure or batch.stacks or batch.prompts or any(e.erases for e in batch.entries)):
             rows = _rows(batch, statements, set())
             return rows.written(batch, await _insert_batch(connection, statements, rows), set())
         async with connection.transaction():
@@ -174,6 +214,10 @@ async def write_postgres(connection: asyncpg.Connection, batch: Batch) -> Writte
                 await connection.executemany(statements.insert_stack.sql, rows.stacks)
             if rows.prompts:
                 await connection.executemany(statements.insert_prompt.sql, rows.prompts)
+            for entry in rows.kept:
+                if entry.erases:
+                    status = await connection.execute(statements.erase_payloads.sql, list(entry.erases))
+                    _all_erased(int(status.split()[-1]), entry)  # "DELETE <count>"
             return rows.written(batch, await _insert_batch(connection, statements, rows), found)
     except asyncpg.IntegrityConstraintViolationError as exc:
         raise EntryRefused(str(exc)) from exc
@@ -184,6 +228,8 @@ async def _insert_batch(connection: asyncpg.Connection, statements: CommitStatem
     insert = statements.insert_batch
     assert insert is not None  # compiled for PostgreSQL
     values: dict[str, Any] = {name: [e.row[name] for e in rows.kept] for name in rows.kept[0].row}
+    for i, name in enumerate(PAYLOAD_ARRAYS):
+        values[name] = [None if e.payload is None else e.payload[i] for e in rows.kept]
     values["count"] = len(rows.kept)
     values["leaf_hashes"] = "".join(e.leaf_hash for e in rows.kept)
     return int(await connection.fetchval(insert.sql, *insert.row(values)))

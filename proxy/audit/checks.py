@@ -18,10 +18,13 @@ from proxy.audit.entries import (
     StoredFields,
     is_json_object,
     parse_content,
+    payload_sha256,
     prompt_sha256,
     sha256_hex,
 )
 from proxy.audit.merkle import EMPTY_ROOT, Node, fold, grow, leaf_hash, node_hash
+from proxy.audit.note import Verifier
+from proxy.audit.receipts import mismatch
 
 ProblemKind = Literal[
     "gap",
@@ -42,6 +45,11 @@ ProblemKind = Literal[
     "stack_missing",
     "prompt_hash_mismatch",
     "prompt_missing",
+    "receipt_mismatch",
+    "receipt_invalid",
+    "receipt_unfulfilled",
+    "payload_mismatch",
+    "payload_missing",
 ]
 
 
@@ -62,6 +70,7 @@ class Leaf:
     index: int
     entry: StoredFields | None
     stored_hash: bytes | None
+    receipt: str | None = None  # the log's receipt the row keeps, if any
 
 
 @dataclass(frozen=True)
@@ -120,8 +129,10 @@ class TreeWalker:
     Keeps only the tree's peaks (O(log n)). `feed` returns the first problem and the walker stops there.
     """
 
-    def __init__(self, claims: list[Claim]) -> None:
+    def __init__(self, claims: list[Claim], receipt_keys: list[Verifier] | None = None) -> None:
         self.size = 0
+        self.receipts = 0  # stored receipts checked
+        self._receipt_keys = receipt_keys or []
         self.problem: LogProblem | None = None
         self._peaks: list[tuple[Node, bytes]] = []
         self._claims: list[Claim] = []
@@ -163,12 +174,28 @@ class TreeWalker:
         if problem is not None:
             return problem
         assert digest is not None and leaf.entry is not None
-        problem = self._check_chain(leaf.index, leaf.entry)
+        problem = self._check_chain(leaf.index, leaf.entry) or self._check_receipt(leaf, digest)
         if problem is not None:
             return problem
         growth = grow(self.size, self._peaks, [digest])
         self._peaks, self.size = growth.peaks, self.size + 1
         return self._check_claims()
+
+    def _check_receipt(self, leaf: Leaf, digest: bytes) -> LogProblem | None:
+        """A receipt the row keeps must be the log's, for this very entry."""
+        if leaf.receipt is None or leaf.entry is None:
+            return None
+        fields = leaf.entry.fields
+        wrong = mismatch(leaf.receipt, fields.record_id, fields.part, digest, self._receipt_keys)
+        if wrong is not None:
+            return LogProblem(
+                kind="receipt_mismatch",
+                message=f"entry {leaf.index} keeps a receipt that is not the log's for it: {wrong}",
+                position=leaf.index,
+                record_id=fields.record_id,
+            )
+        self.receipts += 1
+        return None
 
     def _check_chain(self, index: int, entry: StoredFields) -> LogProblem | None:
         """Chained entries come first, in their chain's order, each naming its predecessor's hash."""
@@ -254,6 +281,26 @@ def check_stack_row(fingerprint: str, canonical_text: str) -> LogProblem | None:
         return LogProblem(
             kind="stack_hash_mismatch",
             message=f"the stored stack {fingerprint} is not canonical JSON of an object",
+        )
+    return None
+
+
+def check_payload_row(
+    seq: int, record_id: str, committed: str | None, salt: str, text: str
+) -> LogProblem | None:
+    """A payload kept apart must be canonical JSON of an object and hash, with its salt, to what its entry's bytes
+    commit to."""
+    content, canonical = parse_content(text)
+    try:
+        digest = payload_sha256(bytes.fromhex(salt), text)
+    except ValueError:
+        digest = None
+    if content is None or not canonical or committed is None or digest != committed:
+        return LogProblem(
+            kind="payload_mismatch",
+            message=f"the payload kept for entry seq {seq} does not hash to what the entry commits to (the payload or "
+            "its salt was edited, or the entry commits to none)",
+            record_id=record_id,
         )
     return None
 

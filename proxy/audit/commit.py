@@ -22,10 +22,11 @@ from typing import Protocol
 
 import structlog
 
-from proxy.audit.batch import EntryRefused, plan_batch
+from proxy.audit.batch import NOTHING_TO_ERASE, EntryRefused, plan_batch
 from proxy.audit.errors import (
     AuditError,
     DuplicateEntry,
+    NotErasable,
     StoreClosed,
     StoreUnavailable,
     UnknownStack,
@@ -53,6 +54,7 @@ class CommitObserver(Protocol):
 @dataclass
 class _Pending:
     entry: SealedEntry
+    receipt: str | None  # the log's receipt for it, stored with it
     future: asyncio.Future[StoredEntry] = field(repr=False)
 
     def resolve(self, stored: StoredEntry) -> None:
@@ -92,10 +94,10 @@ class GroupCommitter:
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    async def submit(self, entry: SealedEntry) -> StoredEntry:
+    async def submit(self, entry: SealedEntry, receipt: str | None = None) -> StoredEntry:
         if self._closing or not self.alive:
             raise StoreClosed("the audit store is closed; no entry can be appended")
-        pending = _Pending(entry, asyncio.get_running_loop().create_future())
+        pending = _Pending(entry, receipt, asyncio.get_running_loop().create_future())
         self._queue.put_nowait(pending)
         self._report_depth()
         return await pending.future
@@ -217,7 +219,7 @@ class GroupCommitter:
 
     async def _transaction(self, batch: list[_Pending]) -> list[tuple[_Pending, StoredEntry]]:
         """Commits what it can of `batch` in one transaction; entries it refuses are failed, not returned."""
-        planned = plan_batch((p.entry for p in batch), self._known_stacks, self._known_prompts)
+        planned = plan_batch(((p.entry, p.receipt) for p in batch), self._known_stacks, self._known_prompts)
         written = await self._writer.write(planned)
         self._remember(self._known_stacks, written.found_stacks | written.new_stacks)
         self._remember(self._known_prompts, written.new_prompts)
@@ -242,6 +244,7 @@ class GroupCommitter:
                     sha256=planned_entry.row["sha256"],
                     leaf_hash=planned_entry.leaf_hash,
                     created_at=pending.entry.created_at,
+                    receipt=pending.receipt,
                 ),
             )
             for (pending, planned_entry), seq in zip(committed, written.seqs, strict=True)
@@ -269,6 +272,8 @@ def _duplicate(entry: SealedEntry) -> DuplicateEntry:
 
 
 def _explain_refusal(entry: SealedEntry, exc: EntryRefused) -> AuditError:
+    if exc.reason.startswith(NOTHING_TO_ERASE):
+        return NotErasable(f"record {entry.record_id}: {exc.reason}")
     reason = exc.reason.lower()
     if "uq_entries_record_part" in reason or "unique" in reason:
         return _duplicate(entry)

@@ -10,7 +10,8 @@
     ├── StoreUnavailable   the database failed a commit or a read (down, unreachable, restarting); try again
     ├── StoreClosed        append after close()
     ├── NoSuchCheckpoint   the log signed no checkpoint of the size asked for (or none yet)
-    └── LogDiverged        the stored tree no longer matches what the log signed: it will not sign more
+    ├── LogDiverged        the stored tree no longer matches what the log signed: it will not sign more
+    └── NotErasable        a record whose payload cannot be erased: none, already erased, or hashed into its entry
 
 Invalid entries are refused earlier, when `seal` makes them (`proxy.audit.sealed.InvalidEntry`, a ValueError naming
 the field); a proof that cannot exist (a leaf beyond the tree, sizes out of order) is
@@ -63,6 +64,10 @@ class NoSuchCheckpoint(AuditError, LookupError):
 
 
 class LogDiverged(AuditError):
+    pass
+
+
+class NotErasable(AuditError, ValueError):
     pass
 
 

@@ -23,6 +23,9 @@ from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 Part = Literal["answer", "opened", "closed", "flag"]
+# The status of the flag that erases a record's payload (proxy/audit/erasure.py): a mark on the record like any flag,
+# but one that says what was removed, not what was found.
+ERASED = "erased"
 STORABLE = (str, bool, datetime)
 
 
@@ -157,6 +160,19 @@ def _bound(f: HeaderField) -> str | None:
     return f"({value} is None or ({within}))" if f.nullable else f"({value} is not None and {within})"
 
 
+def storable(value: str, max_length: int) -> bool:
+    """Whether a text column of `max_length` could hold `value`: 1 to that many characters, no NUL (PostgreSQL's
+    text cannot hold one) and no lone surrogate (neither driver can send one). A value that fails this names no
+    stored row, and asking the database would fail as if it were down."""
+    if not 0 < len(value) <= max_length or "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def out_of_bounds(header: EntryHeader) -> str | None:
     """What is wrong with the first field of `header` that is not within its declared bounds, naming it."""
     for f in header_fields(type(header)):
@@ -191,6 +207,12 @@ class EntryHeader:
     # Whether the stack was declared by configuration rather than proved; None for an entry without a stack,
     # and for chained entries, whose bytes never held it (their content may).
     stack_declared: bool | None = field(default=None, metadata=declared(chained=False))
+    # SHA-256 of a salt and the canonical JSON of the entry's payload (the request and the answer), which is kept
+    # beside the log, not in its content, so that it can be erased and every proof stay valid; None for an entry
+    # without a payload, and for every entry written before payloads were kept apart (their content holds it).
+    payload_sha256: str | None = field(
+        default=None, metadata=declared(max_length=64, chained=False, absent_when_null=True)
+    )
 
     def values(self) -> dict[str, Any]:
         """Every header field's value, by name, as it is (a row's columns)."""

@@ -15,6 +15,7 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, field_validator
 from sqlalchemy import Select, and_, case, exists, func, or_, select
 from sqlalchemy.sql.elements import ColumnElement
 
+from proxy.audit.header import ERASED, storable
 from proxy.audit.models import Entry
 
 ENTRIES = Entry.__table__
@@ -36,6 +37,19 @@ class RecordFilter(BaseModel):
     flagged_only: bool = False
     replay_of: str | None = None
 
+    @field_validator("tenant", "model", "replay_of")
+    @classmethod
+    def _storable(cls, value: str | None, info: Any) -> str | None:
+        # A value no column could hold selects nothing, and sent to the database it would fail as if the database
+        # were down (PostgreSQL refuses NUL in text): it is the caller's to fix.
+        length = ENTRIES.c[info.field_name].type.length
+        if value is not None and not storable(value, length):
+            raise ValueError(
+                f"{info.field_name} must be 1 to {length} characters of text without NUL characters, "
+                f"got {value[:40]!r}"
+            )
+        return value
+
     @field_validator("fingerprint")
     @classmethod
     def _hex_prefix(cls, value: str | None) -> str | None:
@@ -56,9 +70,11 @@ class RecordFilter(BaseModel):
 
 
 def flagged() -> ColumnElement[bool]:
-    """True for a first entry whose record carries at least one flag."""
+    """True for a first entry whose record carries at least one flag (an erasure is not one that flags it)."""
     flags = ENTRIES.alias("flags")
-    return exists().where(flags.c.record_id == ENTRIES.c.record_id, flags.c.part == "flag")
+    return exists().where(
+        flags.c.record_id == ENTRIES.c.record_id, flags.c.part == "flag", flags.c.status != ERASED
+    )
 
 
 def where(query: Select[Any], selected: RecordFilter) -> Select[Any]:

@@ -137,6 +137,9 @@ ENTRIES = Table(
     Column("content", Text, nullable=False),
     Column("sha256", String(64), nullable=False),
     Column("prev_sha256", String(64), nullable=True),  # only on entries written as a hash chain
+    # The log's receipt for the entry (receipts.py), signed before it was committed; no hash covers it, and
+    # entries appended without the log's key (or before receipts) have none.
+    Column("receipt", Text, nullable=True),
     *choice_constraints(HEADER),
     CheckConstraint("seq > 0", name="seq"),
     Index("ix_entries_record_id", "record_id"),
@@ -163,6 +166,24 @@ class Entry(Base):
     are the declared header fields (header.py), then its content, its `sha256`, and a chained entry's link."""
 
     __table__ = ENTRIES
+
+
+class Payload(Base):
+    """An entry's payload (the request and the answer), kept beside the log: its canonical JSON and the salt that
+    `entries.payload_sha256` hashes with it. Erased (the row deleted) by an erasure entry (erasure.py) when its
+    tenant's retention ends or on request; the entry, its leaf and every proof stay. The entry's tenant and time
+    are repeated here so that finding what a retention policy erases walks only payloads still kept."""
+
+    __tablename__ = "payloads"
+    __table_args__ = (Index("ix_payloads_tenant_created", "tenant", "created_at"),)
+
+    seq: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("entries.seq"), primary_key=True, autoincrement=False
+    )
+    tenant: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    salt: Mapped[str] = mapped_column(String(64))  # hex
+    payload: Mapped[str] = mapped_column(Text)
 
 
 class LogQueue(Base):

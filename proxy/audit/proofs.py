@@ -7,11 +7,13 @@ a proof needs is `merkle.py`'s business, fetching them `tree.py`'s.
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from sqlalchemy import Connection, select
 
-from proxy.audit.entries import sha256_hex
+from proxy.audit.entries import payload_sha256, sha256_hex
 from proxy.audit.merkle import ProofError, leaf_hash, verify_inclusion
-from proxy.audit.models import Entry
+from proxy.audit.models import Entry, Payload
 from proxy.audit.note import Verifier, open_checkpoint, parse_checkpoint, parse_note
 from proxy.audit.tree import (
     b64,
@@ -26,16 +28,37 @@ from proxy.audit.tree import (
 from proxy.audit.values import ConsistencyProof, EntryCheck, EntryProof, RecordProof, SignedCheckpoint
 
 ENTRIES = Entry.__table__
+PAYLOADS = Payload.__table__
+
+
+def _record_rows(connection: Connection, record_id: str) -> list[Any]:
+    """The record's entries in log order, each with its payload and salt while they are kept."""
+    query = (
+        select(ENTRIES, PAYLOADS.c.payload.label("payload_text"), PAYLOADS.c.salt.label("payload_salt"))
+        .select_from(ENTRIES.outerjoin(PAYLOADS, PAYLOADS.c.seq == ENTRIES.c.seq))
+        .where(ENTRIES.c.record_id == record_id)
+        .order_by(ENTRIES.c.seq)
+    )
+    return list(connection.execute(query).mappings().all())
+
+
+def payload_state(row: Any) -> Literal["matches", "differs", "erased"] | None:
+    """Whether an entry's payload, kept apart, still hashes to what its bytes commit to."""
+    if row["payload_sha256"] is None:
+        return None if row["payload_text"] is None else "differs"
+    if row["payload_text"] is None:
+        return "erased"
+    try:
+        digest = payload_sha256(bytes.fromhex(row["payload_salt"]), row["payload_text"])
+    except ValueError:
+        return "differs"
+    return "matches" if digest == row["payload_sha256"] else "differs"
 
 
 def record_proof(
     connection: Connection, record_id: str, tenant: str | None, size: int | None
 ) -> RecordProof | None:
-    rows = (
-        connection.execute(select(ENTRIES).where(ENTRIES.c.record_id == record_id).order_by(ENTRIES.c.seq))
-        .mappings()
-        .all()
-    )
+    rows = _record_rows(connection, record_id)
     main = [row for row in rows if row["part"] != "flag"]
     if not main or (tenant is not None and main[0]["tenant"] != tenant):
         return None
@@ -56,6 +79,10 @@ def record_proof(
                 entry=text_,
                 leaf_hash=b64(leaf_hash(text_.encode("utf-8"))),
                 proof=proof,
+                payload=row["payload_text"],
+                salt=row["payload_salt"],
+                payload_erased=row["payload_sha256"] is not None and row["payload_text"] is None,
+                receipt=row["receipt"],
             )
         )
     return RecordProof(record=record_id, checkpoint=checkpoint, entries=proofs)
@@ -74,11 +101,7 @@ def consistency(connection: Connection, old: int, new: int | None) -> Consistenc
 def check_record(
     connection: Connection, record_id: str, verifiers: list[Verifier]
 ) -> tuple[list[EntryCheck], SignedCheckpoint | None]:
-    rows = (
-        connection.execute(select(ENTRIES).where(ENTRIES.c.record_id == record_id).order_by(ENTRIES.c.seq))
-        .mappings()
-        .all()
-    )
+    rows = _record_rows(connection, record_id)
     latest = latest_checkpoint(connection)
     checkpoint = None
     if latest is not None:
@@ -119,6 +142,7 @@ def check_record(
                 sha256=row["sha256"],
                 recomputes=recomputes,
                 included=included,
+                payload=payload_state(row),
             )
         )
     return checks, latest

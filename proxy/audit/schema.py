@@ -21,7 +21,7 @@ import migrations
 from proxy.audit.database import connect_args, create_private, make_engine, parse_url
 from proxy.audit.errors import SchemaError
 
-HEAD_REVISION = "0005_stored_state"
+HEAD_REVISION = "0006_receipts_and_payloads"
 # PostgreSQL names advisory locks by number; this one serialises stackpin migrations of one database.
 MIGRATION_LOCK = 0x53544B50
 

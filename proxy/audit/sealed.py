@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from dataclasses import InitVar, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -34,6 +35,12 @@ class SealedEntry(EntryFields):
 
     stack_json: str | None = None  # the stack's canonical JSON, for the store to keep if it has not yet
     prompt_text: str | None = None
+    # The payload's canonical JSON and its salt, kept beside the log (table `payloads`); `payload_sha256` commits
+    # to both.
+    payload_json: str | None = None
+    salt: bytes | None = None
+    # The entries whose payloads this entry erases, in its own transaction (an erasure, erasure.py).
+    erases: tuple[int, ...] = ()
     # The canonical bytes content_json was decoded from, spliced into the entry's: not encoded a second time.
     content_bytes: InitVar[bytes | None] = None
     encoded: bytes = field(init=False)  # the entry's bytes (entries.py)
@@ -56,9 +63,14 @@ class SealedEntry(EntryFields):
 
     @property
     def content(self) -> dict[str, Any]:
-        """The content as a reader of the stored entry gets it back (never on the request path)."""
+        """The content as a reader of the stored entry gets it back while its payload is kept: what its bytes hold
+        and its payload, as one object (never on the request path)."""
         decoded: dict[str, Any] = json.loads(self.content_json)
-        return decoded
+        return decoded | (self.payload or {})
+
+    @property
+    def payload(self) -> dict[str, Any] | None:
+        return None if self.payload_json is None else json.loads(self.payload_json)
 
     @property
     def stack(self) -> dict[str, Any] | None:
@@ -82,10 +94,15 @@ def seal(
     prompt_text: str | None = None,
     prompt_sha256: str | None = None,
     replay_of: str | None = None,
+    payload: dict[str, Any] | None = None,
+    salt: bytes | None = None,
+    erases: tuple[int, ...] = (),
 ) -> SealedEntry:
     """An entry from values the proxy built, checked for what they can still get wrong; InvalidEntry saying
     which field is wrong. `stack` is trusted to be the document its `sha256` addresses, and `prompt_sha256`
-    (when given) to be the address of `prompt_text`."""
+    (when given) to be the address of `prompt_text`. `payload` (the request and the answer) is kept beside the
+    log under a new random `salt` (given only by tests), its keys none of `content`'s: a reader gets both as one
+    content while the payload is kept, and the content alone once it is erased."""
     if created_at.tzinfo is None:
         raise InvalidEntry("created_at must carry a time zone")
     if prompt_text is not None:
@@ -105,6 +122,20 @@ def seal(
         content_bytes = canonical_json(content)
     except ValueError as exc:
         raise InvalidEntry(f"content: {exc}") from exc
+    payload_json, payload_hash = None, None
+    if payload is not None:
+        if content.keys() & payload.keys():
+            raise InvalidEntry(f"payload: {sorted(content.keys() & payload.keys())} are in the content too")
+        try:
+            payload_bytes = canonical_json(payload)
+        except ValueError as exc:
+            raise InvalidEntry(f"payload: {exc}") from exc
+        salt = secrets.token_bytes(32) if salt is None else salt
+        if len(salt) != 32:
+            raise InvalidEntry("salt must be 32 bytes")
+        digest = hashlib.sha256(salt)
+        digest.update(payload_bytes)  # payload_sha256 (entries.py), from the bytes already encoded
+        payload_json, payload_hash = payload_bytes.decode("utf-8"), digest.hexdigest()
     return SealedEntry(
         record_id=record_id,
         part=part,
@@ -117,8 +148,12 @@ def seal(
         replay_of=replay_of,
         status=status,
         stack_declared=stack_declared if fingerprint is not None else None,
+        payload_sha256=payload_hash,
         content_json=content_bytes.decode("utf-8"),
         content_bytes=content_bytes,
         stack_json=None if stack is None else stack.json,
         prompt_text=prompt_text,
+        payload_json=payload_json,
+        salt=None if payload is None else salt,
+        erases=erases,
     )

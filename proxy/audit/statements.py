@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from sqlalchemy import bindparam, func, insert, literal_column, select, true
+from sqlalchemy import BigInteger, any_, bindparam, delete, func, insert, literal_column, select, true
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.sql import ClauseElement
 
-from proxy.audit.models import ENTRY_SEQUENCE, Entry, LogLeaf, LogQueue, Prompt, Stack, TreeNode
+from proxy.audit.models import ENTRY_SEQUENCE, Entry, LogLeaf, LogQueue, Payload, Prompt, Stack, TreeNode
 
 DialectName = Literal["sqlite", "postgresql"]
 Processor = Callable[[Any], Any]
@@ -49,6 +49,9 @@ class Prepared:
 @dataclass(frozen=True)
 class CommitStatements:
     insert_entry: Prepared
+    insert_payload: Prepared
+    # Deletes payloads: one `seq` on SQLite (run once per entry erased), an array of them (`seqs`) on PostgreSQL.
+    erase_payloads: Prepared
     insert_queue: Prepared
     insert_stack: Prepared  # leaves an existing row alone: rows are content-addressed, so it is the same
     insert_prompt: Prepared
@@ -78,23 +81,53 @@ def _prepare(statement: ClauseElement, dialect: Dialect, *, literal: bool = Fals
     return Prepared(str(compiled), columns, processors)
 
 
+PAYLOAD_ARRAYS = ("payload_salt", "payload_text")  # the batch statement's payload columns, null for none
+
+
 def _batch_insert() -> ClauseElement:
-    """One statement that takes a block of numbers, inserts every entry of a batch at its place in the block and
-    queues the batch: the entries' columns come as one array each (parameters named after the columns), plus
-    `count` and `leaf_hashes` for the queue. It returns the block's first number. A single statement runs in a
-    transaction of its own, so it needs no BEGIN and COMMIT round trips either; it is also valid inside one."""
-    entries = Entry.__table__
+    """One statement that takes a block of numbers, inserts every entry of a batch at its place in the block with
+    its payload beside it, and queues the batch: the entries' columns come as one array each (parameters named
+    after the columns), their payloads' salts and texts as two more (`PAYLOAD_ARRAYS`, null where an entry has
+    none), plus `count` and `leaf_hashes` for the queue. It returns the block's first number. A single statement
+    runs in a transaction of its own, so it needs no BEGIN and COMMIT round trips either; it is also valid inside
+    one."""
+    entries, payloads = Entry.__table__, Payload.__table__
     columns = [column for column in entries.columns if column.name != "seq"]
+    kinds = [*(c.type for c in columns), payloads.c.salt.type, payloads.c.payload.type]
+    names = [*(c.name for c in columns), *PAYLOAD_ARRAYS]
     block = select(ENTRY_SEQUENCE.next_value().label("first_seq")).cte("block")
     rows = (
-        func.unnest(*(bindparam(c.name, type_=postgresql.ARRAY(c.type)) for c in columns))
-        .table_valued(*(c.name for c in columns), with_ordinality="ordinal")
+        func.unnest(
+            *(bindparam(name, type_=postgresql.ARRAY(kind)) for name, kind in zip(names, kinds, strict=True))
+        )
+        .table_valued(*names, with_ordinality="ordinal")
         .render_derived(name="new_rows")
     )
-    placed = select(
-        block.c.first_seq + rows.c.ordinal - literal_column("1"), *(rows.c[c.name] for c in columns)
-    ).select_from(block.join(rows, true()))
-    inserted = insert(Entry).from_select(["seq", *(c.name for c in columns)], placed).cte("inserted")
+    placed = (
+        select(
+            (block.c.first_seq + rows.c.ordinal - literal_column("1")).label("seq"),
+            *(rows.c[n] for n in names),
+        )
+        .select_from(block.join(rows, true()))
+        .cte("placed")
+    )
+    inserted = (
+        insert(Entry)
+        .from_select(
+            ["seq", *(c.name for c in columns)], select(placed.c.seq, *(placed.c[c.name] for c in columns))
+        )
+        .cte("inserted")
+    )
+    kept = (
+        insert(Payload)
+        .from_select(
+            ["seq", "tenant", "created_at", "salt", "payload"],
+            select(
+                placed.c.seq, placed.c.tenant, placed.c.created_at, *(placed.c[n] for n in PAYLOAD_ARRAYS)
+            ).where(placed.c.payload_text.is_not(None)),
+        )
+        .cte("kept")
+    )
     queue = LogQueue.__table__
     queued = (
         insert(LogQueue)
@@ -108,7 +141,7 @@ def _batch_insert() -> ClauseElement:
         )
         .cte("queued")
     )
-    return select(block.c.first_seq).add_cte(inserted).add_cte(queued)
+    return select(block.c.first_seq).add_cte(inserted).add_cte(kept).add_cte(queued)
 
 
 @cache
@@ -119,8 +152,16 @@ def commit_statements(name: DialectName) -> CommitStatements:
         next_seq = select(ENTRY_SEQUENCE.next_value())
     else:
         next_seq = select(func.coalesce(func.max(Entry.seq), 0) + 1)
+    if name == "postgresql":
+        erase = delete(Payload).where(
+            Payload.seq == any_(bindparam("seqs", type_=postgresql.ARRAY(BigInteger())))
+        )
+    else:
+        erase = delete(Payload).where(Payload.seq == bindparam("seq"))
     return CommitStatements(
         insert_entry=_prepare(insert(Entry), dialect),
+        insert_payload=_prepare(insert(Payload), dialect),
+        erase_payloads=_prepare(erase, dialect),
         insert_queue=_prepare(insert(LogQueue), dialect),
         insert_stack=_prepare(upsert(Stack).on_conflict_do_nothing(index_elements=["fingerprint"]), dialect),
         insert_prompt=_prepare(upsert(Prompt).on_conflict_do_nothing(index_elements=["sha256"]), dialect),

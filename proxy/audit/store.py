@@ -21,7 +21,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from proxy.audit import listing, proofs
+from proxy.audit import erasure, export, listing, proofs
 from proxy.audit.commit import CommitObserver, GroupCommitter
 from proxy.audit.database import (
     Durability,
@@ -40,10 +40,12 @@ from proxy.audit.errors import (
     StoreUnavailable,
     failure_reason,
 )
+from proxy.audit.header import ERASED, storable
 from proxy.audit.integrate import Integrator
 from proxy.audit.listing import RecordFilter
-from proxy.audit.models import Entry, LogLeaf, Prompt, Stack
+from proxy.audit.models import Entry, LogLeaf, Payload, Prompt, Stack
 from proxy.audit.note import Signer, Verifier
+from proxy.audit.receipts import Receipt, ReceiptSigner
 from proxy.audit.schema import HEAD_REVISION, create_schema_if_empty, inspect_database, known_revisions
 from proxy.audit.sealed import SealedEntry
 from proxy.audit.tree import (
@@ -68,6 +70,7 @@ from proxy.audit.writer import BatchWriter, TransactionRunner
 
 ENTRIES = Entry.__table__
 LEAVES = LogLeaf.__table__
+PAYLOADS = Payload.__table__
 STACKS = Stack.__table__
 PROMPTS = Prompt.__table__
 LIST_LIMIT_MAX = 1000
@@ -98,12 +101,14 @@ class AuditStore:
         integration: TransactionRunner | None,
         committer: GroupCommitter,
         integrator: Integrator | None,
+        receipts: ReceiptSigner | None = None,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._integration = integration
         self._committer = committer
         self._integrator = integrator
+        self._receipts = receipts
 
     @classmethod
     async def open(
@@ -125,7 +130,8 @@ class AuditStore:
         database that holds no table at all is migrated instead (the embedded default's first run).
         `schema` (PostgreSQL only) names the schema that holds the tables. `durability`: see make_writer.
         With `signer` (the log's key), the store also integrates entries into the tree and signs a checkpoint
-        every `checkpoint_interval_s` while entries arrive; without it, it only appends and reads.
+        every `checkpoint_interval_s` while entries arrive, and signs a receipt for every entry it appends;
+        without it, it only appends (without receipts) and reads.
         """
         if batch_max < 1:
             raise ValueError(f"batch_max must be at least 1, got {batch_max}")
@@ -156,12 +162,16 @@ class AuditStore:
         committer.start()
         if integrator is not None:
             integrator.start()
-        return cls(reader, writer, integration, committer, integrator)
+        receipts = None if signer is None else ReceiptSigner(signer)
+        return cls(reader, writer, integration, committer, integrator, receipts)
 
     async def append(self, entry: SealedEntry) -> StoredEntry:
         """Appends `entry` (made by `seal`) to the log; returns only once it is committed (durably), before it is
-        in the tree."""
-        return await self._committer.submit(entry)
+        in the tree, with the log's receipt for it when this store holds the log's key."""
+        # Signed before the commit and stored with the entry; handed out only after it, so never for an entry
+        # that did not commit.
+        receipt = None if self._receipts is None else self._receipts.issue(entry)
+        return await self._committer.submit(entry, receipt)
 
     async def integrate(self) -> SignedCheckpoint | None:
         """Puts every committed entry in the tree now and signs the checkpoint (None: another proxy is at it)."""
@@ -208,8 +218,12 @@ class AuditStore:
             rows = (
                 (
                     await connection.execute(
-                        select(ENTRIES, LEAVES.c.leaf_index)
-                        .select_from(ENTRIES.outerjoin(LEAVES, LEAVES.c.seq == ENTRIES.c.seq))
+                        select(ENTRIES, LEAVES.c.leaf_index, PAYLOADS.c.payload.label("payload_text"))
+                        .select_from(
+                            ENTRIES.outerjoin(LEAVES, LEAVES.c.seq == ENTRIES.c.seq).outerjoin(
+                                PAYLOADS, PAYLOADS.c.seq == ENTRIES.c.seq
+                            )
+                        )
                         .where(ENTRIES.c.record_id == record_id)
                         .order_by(ENTRIES.c.seq)
                     )
@@ -250,7 +264,8 @@ class AuditStore:
             prompt_sha256=prompt_sha,
             prompt_text=prompt_text,
             entries=[_view(row) for row in main],
-            flags=[_view(row) for row in rows if row["part"] == "flag"],
+            flags=[_view(row) for row in rows if row["part"] == "flag" and row["status"] != ERASED],
+            erasures=[_view(row) for row in rows if row["part"] == "flag" and row["status"] == ERASED],
         )
 
     async def list_records(
@@ -326,6 +341,25 @@ class AuditStore:
         for row in rows:
             later.setdefault(row["record_id"], []).append(row)
         return later
+
+    async def erase(self, record_id: str, policy: erasure.Policy, now: datetime) -> StoredEntry:
+        """Erases the record's payload (its request and answer) and appends the entry that says so, in one
+        transaction (erasure.py); the erasure entry. NotErasable when the record holds nothing to erase, LookupError
+        when there is no such record."""
+        if not _could_be_stored(record_id):
+            raise LookupError(f"no record {record_id!r}")
+        async with self._read() as connection:
+            found = await connection.run_sync(erasure.held, record_id)
+        if found is None:
+            raise LookupError(f"no record {record_id!r}")
+        return await self.append(erasure.erasure_entry(found, policy, now))
+
+    async def expired(self, tenant: str, before: datetime, limit: int = 500) -> list[str]:
+        """Records of `tenant` whose payloads, kept still, are from before `before` (what retention erases)."""
+        if before.tzinfo is None:
+            raise ValueError("before must carry a time zone")
+        async with self._read() as connection:
+            return await connection.run_sync(erasure.expired, tenant, before, limit)
 
     async def records_served_since(self, replica: str, since: datetime) -> list[str]:
         """Ids of records `replica` served at or after `since`, oldest first: to mark when it changed."""
@@ -405,6 +439,22 @@ class AuditStore:
         async with self._reader.connect() as connection:
             return await connection.run_sync(proofs.record_proof, record_id, tenant, size)
 
+    async def export(
+        self, window: export.Window, checkpoint: SignedCheckpoint | None, *, page_size: int = export.PAGE_SIZE
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """Every entry created in `window`, oldest first, a page at a time, each with its inclusion proof in
+        `checkpoint`'s tree (none for an entry integrated after it), its payload while kept and its receipt."""
+        if page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {page_size}")
+        after: tuple[datetime, int] | None = None
+        while True:
+            async with self._read() as connection:
+                rows, after = await connection.run_sync(export.page, window, checkpoint, after, page_size)
+            if rows:
+                yield rows
+            if after is None:
+                return
+
     async def consistency(self, old: int, new: int | None = None) -> ConsistencyProof:
         """The proof that the tree of size `new` (default: the latest checkpoint's) extends the tree of `old`."""
         async with self._reader.connect() as connection:
@@ -415,15 +465,20 @@ class AuditStore:
         *,
         verifiers: list[Verifier] | None = None,
         witnessed: list[Witnessed] | None = None,
+        receipts: list[Receipt] | None = None,
         page_size: int = PAGE_SIZE,
     ) -> VerifyReport:
         """Rebuilds the tree from the entries, `page_size` at a time, and holds it to every signed checkpoint (each
-        signature checked with `verifiers`, the trusted log keys) and every `witnessed` one; reports the first
-        problem and where it is."""
+        signature checked with `verifiers`, the trusted log keys) and every `witnessed` one, and holds the log to
+        every receipt it gave (`receipts`, kept by clients); reports the first problem and where it is."""
         if page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {page_size}")
         return await verify_log(
-            self._reader, verifiers=verifiers or [], witnessed=witnessed or [], page_size=page_size
+            self._reader,
+            verifiers=verifiers or [],
+            witnessed=witnessed or [],
+            receipts=receipts or [],
+            page_size=page_size,
         )
 
     async def check_record(
@@ -441,16 +496,8 @@ class AuditStore:
 
 
 def _could_be_stored(record_id: str) -> bool:
-    """Whether an entry could carry this id. One that none could is no record, without asking the database:
-    PostgreSQL refuses NUL in text and neither driver can send a lone surrogate, and either failure would read as
-    the store being down."""
-    if not 0 < len(record_id) <= RECORD_ID_LENGTH or "\x00" in record_id:
-        return False
-    try:
-        record_id.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    """Whether an entry could carry this id. One that none could is no record, without asking the database."""
+    return storable(record_id, RECORD_ID_LENGTH)
 
 
 def _declared(row: RowMapping) -> bool | None:
@@ -493,6 +540,12 @@ async def _ensure_schema(url: str, *, schema: str | None, create_if_empty: bool)
 
 
 def _view(row: RowMapping) -> EntryView:
+    content, payload = load_canonical(row["content"]), None
+    if row["payload_sha256"] is not None:
+        kept = row["payload_text"]
+        payload = "erased" if kept is None else "kept"
+        if kept is not None:
+            content = {**content, **load_canonical(kept)}
     return EntryView(
         seq=row["seq"],
         index=row["leaf_index"],
@@ -503,8 +556,10 @@ def _view(row: RowMapping) -> EntryView:
         model=row["model"],
         fingerprint=row["fingerprint"],
         stack_declared=_declared(row),
-        content=load_canonical(row["content"]),
+        content=content,
+        payload=payload,
         sha256=row["sha256"],
+        receipt=row["receipt"],
     )
 
 
@@ -520,5 +575,6 @@ def _summary(start: RowMapping, later: list[RowMapping]) -> RecordSummary:
         status=closed[-1]["status"] if closed else start["status"],
         replay_of=start["replay_of"],
         part="closed" if closed else start["part"],
-        flagged=any(row["part"] == "flag" for row in later),
+        flagged=any(row["part"] == "flag" and row["status"] != ERASED for row in later),
+        erased=any(row["part"] == "flag" and row["status"] == ERASED for row in later),
     )

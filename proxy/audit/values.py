@@ -7,7 +7,7 @@ What the proxy hands in is a `SealedEntry`, made by `sealed.seal`, which checks 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -24,6 +24,9 @@ class StoredEntry(BaseModel):
     sha256: str
     leaf_hash: str = Field(description="hex SHA-256(0x00 || entry bytes), the leaf it becomes")
     created_at: datetime
+    receipt: str | None = Field(
+        default=None, description="the log's signed promise to integrate it (receipts.py); None without a key"
+    )
 
 
 class EntryView(BaseModel):
@@ -36,8 +39,13 @@ class EntryView(BaseModel):
     model: str | None
     fingerprint: str | None
     stack_declared: bool | None
-    content: dict[str, Any]
+    content: dict[str, Any] = Field(description="what its bytes hold, and its payload while that is kept")
+    payload: Literal["kept", "erased"] | None = Field(
+        default=None,
+        description="its payload kept apart, or erased; None: it holds none apart (older entries)",
+    )
     sha256: str
+    receipt: str | None = Field(default=None, description="the log's receipt for it, as its client got it")
 
 
 class AuditRecord(BaseModel):
@@ -59,7 +67,22 @@ class AuditRecord(BaseModel):
     prompt_sha256: str | None
     prompt_text: str | None
     entries: list[EntryView]
-    flags: list[EntryView]
+    flags: list[EntryView] = Field(description="later marks on it, erasures aside")
+    erasures: list[EntryView] = Field(default_factory=list, description="the entries that erased its payload")
+
+    @property
+    def erased(self) -> bool:
+        """Whether any of its entries' payloads (request, answer) is erased."""
+        return any(entry.payload == "erased" for entry in self.entries)
+
+    def erasure(self) -> str:
+        """When and by which policy its request and answer were erased, in words."""
+        said = self.erasures[-1].content if self.erasures else {}
+        return (
+            f"request and answer were erased at {said.get('erased_at', 'an unknown time')} by "
+            f"{said.get('policy', 'an unknown')} policy ({said.get('why', 'no reason kept')}); the log still proves "
+            "its entries, stack and timings"
+        )
 
 
 class OpenStream(BaseModel):
@@ -93,6 +116,7 @@ class RecordSummary(BaseModel):
     replay_of: str | None
     part: Part
     flagged: bool
+    erased: bool = False
 
 
 class RecordCounts(BaseModel):
@@ -120,6 +144,15 @@ class EntryProof(BaseModel):
     entry: str = Field(description="the entry's bytes, whose SHA-256 after 0x00 is its leaf hash")
     leaf_hash: str
     proof: list[str] | None = Field(description="None when the entry is not in the checkpoint's tree")
+    payload: str | None = Field(
+        default=None,
+        description="its payload's canonical JSON, kept apart, which `payload_sha256` commits to",
+    )
+    salt: str | None = Field(default=None, description="hex; SHA-256(salt || payload) is its payload_sha256")
+    payload_erased: bool = Field(
+        default=False, description="its payload was erased; the entry is proven all the same"
+    )
+    receipt: str | None = Field(default=None, description="the log's receipt for the entry")
 
 
 class RecordProof(BaseModel):
@@ -145,10 +178,14 @@ class EntryCheck(BaseModel):
     included: bool | None = Field(
         description="its inclusion proof verifies; None while it is not in the checkpoint's tree"
     )
+    payload: Literal["matches", "differs", "erased"] | None = Field(
+        default=None,
+        description="its payload kept apart hashes to what its bytes commit to; None: none apart",
+    )
 
     @property
     def ok(self) -> bool:
-        return self.recomputes and self.included is not False
+        return self.recomputes and self.included is not False and self.payload != "differs"
 
 
 class VerifyReport(BaseModel):
@@ -161,6 +198,17 @@ class VerifyReport(BaseModel):
     witnessed_checked: int = Field(description="checkpoints held by witnesses or kept elsewhere, matched")
     stacks_checked: int
     prompts_checked: int
+    stored_receipts_checked: int = Field(
+        default=0, description="receipts rows keep, each the log's for its entry"
+    )
+    receipts_checked: int = Field(
+        default=0, description="receipts given whose entries are in the tree verified"
+    )
+    receipts_pending: int = Field(default=0, description="receipts given whose entries wait to be integrated")
+    payloads_checked: int = Field(
+        default=0, description="payloads kept apart, each hashing to its entry's hash"
+    )
+    payloads_erased: int = Field(default=0, description="payloads erased, each named by an erasure entry")
     tree_size: int
     root_hash: str = Field(description="base64 root of the rebuilt tree")
     checkpoint: str | None = Field(description="the latest signed checkpoint, to keep elsewhere")

@@ -4,8 +4,10 @@ Never loads a whole table. In order: the snapshot (the latest checkpoint's size,
 entries that are neither, in one statement), then the leaves in index order with their entries and stored leaf
 hashes, rebuilding the tree from the entries' bytes and holding it to every checkpoint the log signed (each
 signature checked with the trusted log keys) and every checkpoint a witness holds or someone kept; then every
-stored inner node against its children, then the stacks and prompts against their content addresses. The
-first problem is reported with its leaf index and record id.
+stored inner node against its children, then what the log promised beyond its tree (promises.py: the receipts
+clients kept, the payloads kept and erased), then the stacks and prompts against their content addresses. A
+receipt a row keeps must be the log's for that entry. The first problem is reported with its leaf index and
+record id.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from sqlalchemy import Connection, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from proxy.audit import promises
 from proxy.audit.checks import (
     Claim,
     Leaf,
@@ -27,6 +30,7 @@ from proxy.audit.checks import (
 )
 from proxy.audit.models import Entry, LogCheckpoint, LogLeaf, LogQueue, Prompt, Stack, TreeNode
 from proxy.audit.note import NoteError, Verifier, cosigned_at, open_checkpoint, parse_checkpoint, parse_note
+from proxy.audit.receipts import Receipt
 from proxy.audit.tree import b64, read_nodes, stored_fields
 from proxy.audit.values import VerifyReport
 
@@ -159,6 +163,7 @@ def _leaf_page(connection: Connection, after: int, end: int, limit: int) -> list
             index=int(row["leaf_index"]),
             entry=None if row["seq"] is None else stored_fields(row),
             stored_hash=None if row["leaf_node"] is None else bytes.fromhex(row["leaf_node"]),
+            receipt=row["receipt"],
         )
         for row in connection.execute(query).mappings()
     ]
@@ -262,13 +267,17 @@ def _walk_rows(
 
 
 def _verify(
-    connection: Connection, verifiers: list[Verifier], witnessed: list[Witnessed], page_size: int
+    connection: Connection,
+    verifiers: list[Verifier],
+    witnessed: list[Witnessed],
+    receipts: list[Receipt],
+    page_size: int,
 ) -> VerifyReport:
     tally = _Tally()
     signed, leaves, pending, orphans = _snapshot(connection)
     size = max(signed, 0)
     outside, problem = _witnessed_claims(witnessed, verifiers, tally)
-    walker = TreeWalker(outside)
+    walker = TreeWalker(outside, verifiers)
     if problem is None and orphans:
         problem = LogProblem(
             kind="orphan_entry",
@@ -284,6 +293,10 @@ def _verify(
         )
     problem = problem or _walk(connection, size, walker, verifiers, tally, page_size)
     problem = problem or _inner_nodes(connection, size, tally, page_size)
+    kept = promises.Kept()
+    problem = problem or promises.receipts_kept(connection, receipts, verifiers, size, kept)
+    problem = problem or promises.payloads_kept(connection, kept, page_size)
+    problem = problem or promises.payloads_erased(connection, kept, page_size)
     stacks, stack_problem = _walk_rows(
         connection, STACKS, "fingerprint", "canonical_json", check_stack_row, page_size
     )
@@ -299,6 +312,11 @@ def _verify(
         witnessed_checked=tally.witnessed,
         stacks_checked=stacks,
         prompts_checked=prompts,
+        stored_receipts_checked=walker.receipts,
+        receipts_checked=kept.receipts,
+        receipts_pending=kept.receipts_pending,
+        payloads_checked=kept.payloads,
+        payloads_erased=kept.erased,
         tree_size=walker.size,
         root_hash=b64(walker.root),
         checkpoint=tally.latest,
@@ -311,6 +329,7 @@ async def verify_log(
     *,
     verifiers: list[Verifier],
     witnessed: list[Witnessed],
+    receipts: list[Receipt] | None = None,
     page_size: int = PAGE_SIZE,
 ) -> VerifyReport:
     """Checks the log up to its latest signed checkpoint; later appends wait for the next run.
@@ -319,4 +338,4 @@ async def verify_log(
     checkpoint read first, and is left alone.
     """
     async with engine.connect() as connection:
-        return await connection.run_sync(_verify, verifiers, witnessed, page_size)
+        return await connection.run_sync(_verify, verifiers, witnessed, receipts or [], page_size)

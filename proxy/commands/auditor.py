@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from proxy.audit import AuditError, AuditRecord, AuditStore, NoteError, Verifier, Witnessed
+from proxy.audit.receipts import Receipt
 from proxy.audit.store import LIST_LIMIT_MAX
 from proxy.config import StoreSettings
 
@@ -31,9 +32,14 @@ async def _store(settings: StoreSettings) -> AsyncIterator[AuditStore]:
         await store.close()
 
 
-async def verify(store_settings: StoreSettings, log_keys: list[Verifier], witnessed: list[Witnessed]) -> int:
+async def verify(
+    store_settings: StoreSettings,
+    log_keys: list[Verifier],
+    witnessed: list[Witnessed],
+    receipts: list[Receipt] | None = None,
+) -> int:
     async with _store(store_settings) as store:
-        report = await store.verify(verifiers=log_keys, witnessed=witnessed)
+        report = await store.verify(verifiers=log_keys, witnessed=witnessed, receipts=receipts)
         streams = await store.stream_counts()
     print(
         f"checked {report.entries_checked} entries (the tree rebuilt from their bytes), {report.nodes_checked} "
@@ -50,6 +56,16 @@ async def verify(store_settings: StoreSettings, log_keys: list[Verifier], witnes
         print("WARNING: signatures NOT checked: no trusted log key (--log-key, or [log] public_keys)")
     if witnessed:
         print(f"{report.witnessed_checked} checkpoints held outside the database matched")
+    print(f"receipts the log keeps: {report.stored_receipts_checked} checked, each the log's for its entry")
+    print(
+        f"payloads: {report.payloads_checked} kept, each hashing to what its entry commits to; "
+        f"{report.payloads_erased} erased, each named by an erasure entry"
+    )
+    if receipts:
+        print(
+            f"receipts given: {report.receipts_checked} of {len(receipts)} fulfilled (their entries in the tree), "
+            f"{report.receipts_pending} committed and waiting to be integrated"
+        )
     print(f"tree: size {report.tree_size}, root {report.root_hash}")
     if report.ok:
         print("log intact")
@@ -117,9 +133,12 @@ async def audit(
         verdict = {True: f"proven in the {size}", False: f"NOT proven in the {size}", None: "pending"}[
             check.included
         ]
+        payload = {None: "", "matches": ", payload matches", "erased": ", payload erased"}.get(
+            check.payload, ", PAYLOAD DOES NOT MATCH"
+        )
         print(
             f"entry    seq {check.seq} {check.part} ({where}) {check.sha256}: "
-            f"{'recomputes' if check.recomputes else 'DOES NOT RECOMPUTE'}, {verdict}"
+            f"{'recomputes' if check.recomputes else 'DOES NOT RECOMPUTE'}, {verdict}{payload}"
         )
     print(f"log      {size}, {signed}")
     for flag in record.flags:
@@ -129,6 +148,8 @@ async def audit(
 
 def answer_lines(record: AuditRecord) -> list[str]:
     """What the client got, choice by choice (or embedding, or output item), for reading."""
+    if record.erased:
+        return [f"answer   (none: its {record.erasure()})"]
     parts = {entry.part: entry.content for entry in record.entries}
     opened = parts.get("answer") or parts.get("opened") or {}
     endpoint = opened.get("endpoint", "")

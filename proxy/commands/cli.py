@@ -4,8 +4,9 @@ answers, and run the heartbeat sidecar that registers a backend in a fleet (`sta
 Exit codes mean something: `replay` exits 0 when reproduced, 1 when diverged, 2 on error (a slice: 0 when its
 agreement meets --require, 1 when not); `study` 0 when every answer is in, 2 on error or when some are missing;
 `verify` 0 when the log is intact, 1 when it is not; `prove` 0 when every entry is proven, 1 when one is not;
-`witness --once` 0 when the checkpoint is accepted, 1 when refused; `serve --workers N` exits 1 when a worker
-died; every command exits 2 on a usage or configuration error.
+`erase` 0 when every record named is erased, 1 when one is not; `witness --once` 0 when the checkpoint is
+accepted, 1 when refused; `serve --workers N` exits 1 when a worker died; every command exits 2 on a usage or
+configuration error.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import aiohttp
 
 from proxy.app import utc_now
 from proxy.audit import AuditError, Witnessed, upgrade_database
+from proxy.audit.export import Window
 from proxy.audit.keys import trusted_log_keys, write_key
 from proxy.audit.note import (
     COSIGNATURE,
@@ -35,8 +37,11 @@ from proxy.audit.note import (
     parse_signer,
     parse_vkey,
 )
+from proxy.audit.receipts import Receipt, ReceiptError, read_receipts
 from proxy.commands import prove, slice_command, study_command
 from proxy.commands.auditor import audit, list_records, verify
+from proxy.commands.erase import erase, erase_expired
+from proxy.commands.export import export
 from proxy.commands.proxy_client import probe, replay
 from proxy.commands.replay_batch import replay_batch
 from proxy.commands.witness import HttpLogSource, WitnessStore, follow
@@ -127,6 +132,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a checkpoint kept elsewhere, to detect a cut or rewritten log (repeatable)",
     )
+    verify.add_argument(
+        "--receipt",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE|DIR",
+        help="receipts clients kept (Stackpin-Receipt), one a line; a folder: every file in it (repeatable)",
+    )
     verify.set_defaults(run=_verify)
 
     audit = commands.add_parser(
@@ -135,6 +148,32 @@ def _parser() -> argparse.ArgumentParser:
     audit.add_argument("record")
     audit.add_argument("--json", action="store_true")
     audit.set_defaults(run=_audit)
+
+    erase = commands.add_parser(
+        "erase",
+        parents=[config],
+        help="erase records' payloads (requests and answers); the log and every proof stay valid",
+    )
+    erase.add_argument("records", nargs="*", metavar="RECORD", help="the records whose payloads to erase")
+    erase.add_argument("--reason", help="why, kept in the erasure entry (required with RECORD)")
+    erase.add_argument(
+        "--expired", action="store_true", help="apply every tenant's retention policy now (retention_days)"
+    )
+    erase.set_defaults(run=_erase)
+
+    export = commands.add_parser(
+        "export",
+        parents=[config],
+        help="the log's entries of a time window with their proofs, for your own tools",
+    )
+    export.add_argument("--since", required=True, help="ISO 8601 time with its zone (inclusive)")
+    export.add_argument("--until", help="ISO 8601 time with its zone (exclusive; default: now)")
+    export.add_argument("--tenant", help="only this tenant's entries")
+    export.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl")
+    export.add_argument(
+        "--out", type=Path, metavar="FILE", help="where to write (JSON lines: default stdout)"
+    )
+    export.set_defaults(run=_export)
 
     records = commands.add_parser("records", parents=[config], help="list records")
     records.add_argument("--stack", help="fingerprint, or its first characters (the listing shows 12)")
@@ -185,7 +224,16 @@ def _parser() -> argparse.ArgumentParser:
     prove = commands.add_parser(
         "prove", parents=[client, log_key], help="show and check that a record's entries are in the log"
     )
-    prove.add_argument("record")
+    prove.add_argument("record", nargs="?", help="the record (default: the one the receipt names)")
+    prove.add_argument(
+        "--receipt",
+        type=Path,
+        metavar="FILE",
+        help="the answer's receipt (its Stackpin-Receipt header): checked, then its entry in the checkpoint",
+    )
+    prove.add_argument(
+        "--offline", action="store_true", help="with --receipt: check the receipt's signature only, no proof"
+    )
     prove.add_argument(
         "--checkpoint", type=Path, metavar="FILE", help="a checkpoint you kept (default: the proxy's latest)"
     )
@@ -305,7 +353,17 @@ def _verify(args: argparse.Namespace) -> int:
     witnessed += [
         Witnessed(f"the checkpoint kept in {p}", _read(p, "checkpoint file")) for p in args.checkpoint
     ]
-    return asyncio.run(verify(settings.store, _log_keys(args, settings), witnessed))
+    receipts = [receipt for path in args.receipt for receipt in _receipts(path)]
+    return asyncio.run(verify(settings.store, _log_keys(args, settings), witnessed, receipts))
+
+
+def _receipts(path: Path) -> list[Receipt]:
+    """The receipts in a file (one a line), or in every file of a folder."""
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    try:
+        return [r for file in files for r in read_receipts(_read(file, "receipt file"), str(file))]
+    except ReceiptError as e:
+        raise ConfigError(f"--receipt: {e}") from e
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -318,27 +376,27 @@ def _prove(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     keys = _log_keys(args, settings)
+
+    def fetch(record: str, size: int | None) -> dict[str, Any]:
+        url, api_key = _client_target(args, settings)
+        return asyncio.run(prove.fetch_proof(url, api_key, record, size))
+
     try:
-        kept = (
-            prove.read_checkpoint(_read(args.checkpoint, "checkpoint file"), keys)
-            if args.checkpoint
-            else None
+        return prove.run(
+            prove.Asked(
+                record=args.record,
+                receipt=_read(args.receipt, "receipt file") if args.receipt else None,
+                checkpoint=_read(args.checkpoint, "checkpoint file") if args.checkpoint else None,
+                proof=json.loads(_read(args.proof, "proof file")) if args.proof else None,
+                offline=args.offline,
+                as_json=args.json,
+            ),
+            keys,
+            fetch,
         )
-        if args.proof:
-            proof = json.loads(_read(args.proof, "proof file"))
-        else:
-            url, api_key = _client_target(args, settings)
-            proof = asyncio.run(prove.fetch_proof(url, api_key, args.record, kept.size if kept else None))
-        checkpoint = kept or prove.read_checkpoint(proof["checkpoint"]["note"], keys)
-        verdicts = prove.check_proof(args.record, proof, checkpoint)
     except (prove.ProveError, ValueError, KeyError, TypeError) as e:
         print(f"stackpin: {e}", file=sys.stderr)
         return EXIT_ERROR
-    if args.json:
-        print_json(proof)
-    else:
-        prove.print_verdicts(proof, checkpoint, verdicts, signed=bool(keys))
-    return prove.EXIT_OK if all(v.proven for v in verdicts) else prove.EXIT_NOT_PROVEN
 
 
 def _witness(args: argparse.Namespace) -> int:
@@ -379,6 +437,28 @@ def _keygen(args: argparse.Namespace) -> int:
     write_key(args.out, signer)
     print(signer.verifier.vkey)
     return EXIT_OK
+
+
+def _erase(args: argparse.Namespace) -> int:
+
+    settings = _settings(args)
+    if args.expired:
+        if args.records:
+            raise ConfigError("erase either RECORD... or --expired, not both")
+        return asyncio.run(erase_expired(settings, utc_now))
+    if not args.records:
+        raise ConfigError("name the records to erase, or --expired to apply the retention policies")
+    if not args.reason or not args.reason.strip():
+        raise ConfigError("--reason is required: it is kept in the log with the erasure")
+    return asyncio.run(erase(settings, args.records, args.reason.strip(), utc_now))
+
+
+def _export(args: argparse.Namespace) -> int:
+
+    since = _moment("--since", args.since)
+    assert since is not None
+    window = Window(since, _moment("--until", args.until), args.tenant)
+    return asyncio.run(export(_settings(args).store, window, args.format, args.out))
 
 
 def _records(args: argparse.Namespace) -> int:
@@ -544,10 +624,6 @@ def _safe_url(url: str) -> str:
         user = credentials.split(":", 1)[0]
         return f"{scheme}{sep}{user}:***@{host}"
     return url
-
-
-def print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True, default=str))
 
 
 if __name__ == "__main__":

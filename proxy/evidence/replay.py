@@ -16,7 +16,7 @@ from typing import Any
 
 from proxy.audit import AuditRecord
 from proxy.endpoints import CHAT
-from proxy.errors import BadRequest
+from proxy.errors import BadRequest, PayloadErased
 from proxy.evidence.agreement import agreement
 from proxy.evidence.answers import View, seed_of, view_of
 from proxy.evidence.compare import Comparison, compare
@@ -60,11 +60,13 @@ class Recorded:
 
 
 def recorded(record: AuditRecord) -> Recorded:
-    """A BadRequest when the record holds no complete answer."""
+    """A BadRequest when the record holds no complete answer; PayloadErased when it held one that was erased."""
     parts = {entry.part: entry for entry in record.entries}
     first = parts.get("answer") or parts.get("opened")
     if first is None or record.fingerprint is None:
         raise BadRequest(f"record {record.id} holds no answer to replay")
+    if record.erased:
+        raise PayloadErased(f"record {record.id}'s {record.erasure()}: nothing is left to replay")
     legacy = False
     if "answer" in parts:
         content = first.content

@@ -9,10 +9,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from proxy.config import Secrets
+from proxy.config import LOCAL_TENANT, Secrets
 from proxy.errors import Unauthorized
 
-LOCAL_TENANT = "local"
+__all__ = ["LOCAL_TENANT", "authenticate"]
 
 
 def authenticate(headers: Mapping[str, str], secrets: Secrets) -> str:

@@ -94,9 +94,9 @@ async def serve_completion(
         assert sink.response is not None
         response = sink.response
     else:
-        served, answer = await proxy.complete(client_request, tenant, received_at)
+        served, answer, receipt = await proxy.complete(client_request, tenant, received_at)
         await answered(config, client_request, served, answer)
-        response = proxy.answer_response(served, answer)
+        response = proxy.answer_response(served, answer, receipt)
     observe(proxy, endpoint, served, response.status, time.perf_counter() - started)
     return response
 

@@ -10,6 +10,11 @@ one left open by a proxy that stopped without closing it is closed as interrupte
 (`marked_at_start`). A request's tag, when it carries one, is kept beside its request. A `flag` entry marks an
 earlier record, e.g. because the stack that served it was later found
 changed. Entries carry the exact forwarded request; never a client or upstream key (those travel only in headers).
+
+What a client said and was answered (`PAYLOAD_KEYS`: the requests, the answers, the events, a replay's comparison
+that quotes them) is an entry's payload, kept beside the log under a salted hash so that it can be erased
+(proxy/audit/erasure.py) while the rest of its content (route, pin, prompt version, decoding settings, timings,
+usage, status) stays in the log's hashed bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +43,20 @@ DECODING_KEYS = (
     "frequency_penalty",
     "logit_bias",
     "response_format",
+)
+PAYLOAD_KEYS = frozenset(
+    {
+        "request",
+        "translated_from",
+        "response",
+        "replica_response",
+        "upstream",
+        "events",
+        "terminal",
+        "answer",
+        "replica_answer",
+        "replay",
+    }
 )
 
 
@@ -75,6 +94,7 @@ def decoding_settings(body: dict[str, Any]) -> dict[str, Any]:
 def _base(served: Served, part: str, status: str, now: datetime, content: dict[str, Any]) -> SealedEntry:
     replica = served.replica
     prompt = served.prompt
+    payload = {key: content[key] for key in PAYLOAD_KEYS & content.keys()}
     return seal(
         record_id=served.record_id,
         part=part,  # type: ignore[arg-type]
@@ -89,7 +109,8 @@ def _base(served: Served, part: str, status: str, now: datetime, content: dict[s
         prompt_sha256=prompt.sha256 if prompt else None,
         replay_of=served.replay_of,
         status=status,
-        content=content,
+        content={key: value for key, value in content.items() if key not in payload},
+        payload=payload,
     )
 
 

@@ -2,9 +2,10 @@
 replays take this one path, so they are routed, checked, recorded and counted alike, and fail alike.
 
 Non-streamed: the replica's whole answer is read, checked to be an answer of its route, its record committed, and
-only then sent. Streamed: the `opened` record is committed before the first byte; events are relayed (relay.py);
-the `closed` record (complete, or interrupted when either side breaks off) is committed before the event that ends
-the answer. A Responses request to a replica that serves chat only is translated (responses_api.py) on the way
+only then sent, with the log's receipt for its entry (header `Stackpin-Receipt`). Streamed: the `opened` record is
+committed before the first byte, whose headers carry its receipt; events are relayed (relay.py); the `closed` record
+(complete, or interrupted when either side breaks off) is committed before the event that ends the answer, which
+follows its receipt as an SSE comment. A Responses request to a replica that serves chat only is translated (responses_api.py) on the way
 there and back; `previous_response_id` is resolved from the audit store into the input it stands for.
 """
 
@@ -15,7 +16,7 @@ import contextlib
 import functools
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -62,9 +63,11 @@ from proxy.serving.responses_api import (
 from proxy.serving.sinks import BufferSink, Sink
 from proxy.serving.unclosed import Unclosed
 from proxy.state.stored_responses import unreadable
+from proxy.telemetry import NoTelemetry, Telemetry
 
 RECORD_HEADER = "Stackpin-Record"
 STACK_HEADER = "Stackpin-Stack"
+RECEIPT_HEADER = "Stackpin-Receipt"
 log = structlog.get_logger("stackpin.serving")
 
 
@@ -96,6 +99,7 @@ class Proxy:
     unclosed: Unclosed  # streams' ends the store was away for, committed once it is back
     clock: Callable[[], datetime]
     record_ids: Callable[[], str]  # each call a new record id (proxy/serving/record_ids.py)
+    telemetry: Telemetry = field(default_factory=NoTelemetry)  # a span per answer, when configured
 
     async def continued(self, request: ClientRequest, tenant: str) -> ClientRequest:
         """A Responses request with `previous_response_id` resolved into the input it stands for."""
@@ -119,8 +123,9 @@ class Proxy:
 
     async def complete(
         self, request: ClientRequest, tenant: str, received_at: datetime, replaying: Replaying | None = None
-    ) -> tuple[Served, dict[str, Any]]:
-        """Dispatch a non-streamed request and commit its record; returns the body to send afterwards."""
+    ) -> tuple[Served, dict[str, Any], str | None]:
+        """Dispatch a non-streamed request and commit its record; returns the body to send afterwards, and the log's
+        receipt for its entry."""
 
         async def send(replica: ReplicaSnapshot, body: dict[str, Any]) -> Sent:
             endpoint, sent = self._route(request, replica, body)
@@ -141,10 +146,11 @@ class Proxy:
             upstream=upstream,
             replay=replay,
         )
-        await self.store.append(entry)
+        stored = await self.store.append(entry)
+        self.telemetry.answered(served, lambda: body, stored, "complete")
         log.info("answered", tenant=tenant, endpoint=request.endpoint)
         self._count_tokens(served, body.get("usage"))
-        return served, body
+        return served, body, stored.receipt
 
     async def stream(
         self,
@@ -181,11 +187,11 @@ class Proxy:
         self.registry.acquire(served.replica.name)
         try:
             try:
-                await self.store.append(opened_entry(served, self.clock()))
+                opened = await self.store.append(opened_entry(served, self.clock()))
             except BaseException:
                 upstream.close()
                 raise
-            status = await self._relay(served, request, upstream, sink, replaying)
+            status = await self._relay(served, request, upstream, sink, replaying, opened.receipt)
             return served, status
         finally:
             self.registry.release(served.replica.name)
@@ -205,7 +211,7 @@ class Proxy:
             if status != "complete" or replaying.comparison is None:
                 raise ReplicaFailed(f"the replayed stream did not complete; its record is {served.record_id}")
         else:
-            served, _ = await self.complete(request, tenant, received_at, replaying)
+            served, _, _ = await self.complete(request, tenant, received_at, replaying)
         assert replaying.comparison is not None
         self.metrics.replays.labels(replaying.comparison.outcome).inc()
         return served.record_id, replaying.comparison, served.fingerprint
@@ -274,18 +280,20 @@ class Proxy:
         upstream: Stream,
         sink: Sink,
         replaying: Replaying | None,
+        receipt: str | None,
     ) -> str:
         relay = self._relay_for(served, request)
         status, error, client_left = "complete", None, False
+        headers = {
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            RECORD_HEADER: served.record_id,
+            STACK_HEADER: served.fingerprint,
+        }
+        if receipt is not None:  # the `opened` entry's
+            headers[RECEIPT_HEADER] = receipt
         try:
-            await sink.open(
-                {
-                    "Content-Type": "text/event-stream",
-                    "Cache-Control": "no-cache",
-                    RECORD_HEADER: served.record_id,
-                    STACK_HEADER: served.fingerprint,
-                }
-            )
+            await sink.open(headers)
             async for event in upstream.events():
                 for text in relay.feed(self._read(served, event)):
                     await sink.write(text.encode())
@@ -334,7 +342,7 @@ class Proxy:
         build = functools.partial(self._closed, served, relay, status, error, client_left, replaying)
         closed, terminal = await asyncio.get_running_loop().run_in_executor(self.closing, build)
         try:
-            await self.store.append(closed)
+            stored = await self.store.append(closed)
         except AuditError as e:
             # Never the answer's end: the client must not take for recorded what is not.
             log.error("stream_close_not_recorded", error=str(e))
@@ -346,6 +354,9 @@ class Proxy:
                 build = functools.partial(self._unconfirmed, served, relay, error, sent)
                 self.unclosed.hold(await asyncio.get_running_loop().run_in_executor(self.closing, build))
             return "unrecorded", sent
+        self.telemetry.answered(served, relay.answer, stored, closed.status)
+        if terminal is not None:
+            terminal = receipt_comment(stored.receipt) + terminal
         return closed.status, terminal
 
     def _read(self, served: Served, event: Event) -> Event:
@@ -510,15 +521,21 @@ class Proxy:
         self.limiter.charge(served.tenant, total)
 
     @staticmethod
-    def answer_response(served: Served, body: dict[str, Any]) -> web.Response:
+    def answer_response(served: Served, body: dict[str, Any], receipt: str | None) -> web.Response:
         # orjson writes what json.dumps would mean: the body was recorded, so it has a canonical form (no NaN, no
         # integer past 2**53, string keys), which orjson writes as JSON of the same value.
+        headers = {RECORD_HEADER: served.record_id, STACK_HEADER: served.fingerprint}
+        if receipt is not None:
+            headers[RECEIPT_HEADER] = receipt
         return web.Response(
-            body=orjson.dumps(body),
-            content_type="application/json",
-            charset="utf-8",
-            headers={RECORD_HEADER: served.record_id, STACK_HEADER: served.fingerprint},
+            body=orjson.dumps(body), content_type="application/json", charset="utf-8", headers=headers
         )
+
+
+def receipt_comment(receipt: str | None) -> str:
+    """A stream's `closed` entry's receipt, sent before the event that ends the stream: as an SSE comment, which
+    every SSE reader (the OpenAI SDKs' among them) skips. It is not in the entry's events, which it signs."""
+    return "" if receipt is None else f": {RECEIPT_HEADER} {receipt}\n\n"
 
 
 def _why(error: ValidationError | InvalidEntry) -> str:

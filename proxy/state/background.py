@@ -176,7 +176,7 @@ class BackgroundKind:
             await self.state.jobs.finish(job.id, running.owner, "cancelled", {}, self.clock())
             return
         try:
-            served, result = work.result()
+            served, result = work.result()[:2]  # a non-streamed answer comes with its receipt too
         except StackpinError as e:
             await self._fail(running, e)
             return

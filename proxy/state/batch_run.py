@@ -97,7 +97,7 @@ class BatchKind:
                 )
                 await proxy.limiter.admit(job.tenant)
                 started = asyncio.get_running_loop().time()
-                served, body = await proxy.complete(request, job.tenant, proxy.clock())
+                served, body, _receipt = await proxy.complete(request, job.tenant, proxy.clock())
                 observe(proxy, endpoint, served, 200, asyncio.get_running_loop().time() - started)
                 await answered(self.config, request, served, body)
                 return DoneLine(index, line.custom_id, served.record_id, 200, body)

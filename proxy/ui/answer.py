@@ -61,7 +61,9 @@ def parts(record: AuditRecord) -> dict[str, dict[str, Any]]:
 
 
 def answer_body(record: AuditRecord) -> dict[str, Any] | None:
-    """The record's answer as a response body; None while a stream has not closed."""
+    """The record's answer as a response body; None while a stream has not closed, or once it is erased."""
+    if record.erased:
+        return None
     held = parts(record)
     if "answer" in held:
         response = held["answer"].get("response")

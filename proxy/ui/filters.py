@@ -45,7 +45,8 @@ def listing(query: Mapping[str, str], viewer: Viewer) -> Listing:
         selected = RecordFilter.model_validate(values)
     except ValidationError as e:
         problems.extend(str(error["msg"]).removeprefix("Value error, ") for error in e.errors())
-        values["fingerprint"] = None
+        for error in e.errors():  # the list is shown without the filters it cannot use
+            values[str(error["loc"][0])] = None
         selected = RecordFilter.model_validate(values)
     limit = _limit(query.get("limit"))
     form["limit"] = str(limit)

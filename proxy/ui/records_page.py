@@ -14,7 +14,7 @@ from aiohttp import web
 
 from proxy.app_keys import PROXY, REGISTRY, STORE
 from proxy.audit import AuditRecord, RecordSummary
-from proxy.errors import BadRequest, NotFound
+from proxy.errors import BadRequest, NotFound, PayloadErased
 from proxy.evidence.answers import Tokens, tokens_of
 from proxy.pins import Pin
 from proxy.serving.handlers import counted_replay
@@ -46,6 +46,7 @@ async def records(request: web.Request) -> web.Response:
     return render(
         request,
         "records.html",
+        status=400 if wanted.problems else 200,  # shown beside the form, which says what to fix
         rows=rows,
         counts=counts,
         form=wanted.form,
@@ -118,6 +119,8 @@ async def replay_record(request: web.Request) -> web.StreamResponse:
 async def diff(request: web.Request) -> web.Response:
     replayed = await _record(request, request.match_info["record_id"])
     view = record_view(replayed)
+    if replayed.erased:
+        raise PayloadErased(f"record {replayed.id}'s {replayed.erasure()}: nothing is left to compare")
     if view.replay is None or replayed.replay_of is None:
         raise NotFound(f"record {replayed.id} is not a replay; it has no diff")
     original = await _record(request, replayed.replay_of)
@@ -132,6 +135,8 @@ async def diff(request: web.Request) -> web.Response:
 
 
 def _side(found: AuditRecord) -> Side:
+    if found.erased:
+        raise PayloadErased(f"record {found.id}'s {found.erasure()}: nothing is left to compare")
     body = answer_body(found)
     if body is None:
         raise BadRequest(f"record {found.id} holds no complete answer to compare")

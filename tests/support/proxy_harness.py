@@ -91,12 +91,16 @@ async def running_proxy(
     store: str = "sqlite",
     store_url: Callable[[str], str] | None = None,
     environ: Mapping[str, str] | None = None,
+    store_options: Mapping[str, Any] | None = None,
     **sections: Any,
 ) -> AsyncIterator[Harness]:
-    """`store_url`, given the database's URL, returns the one the proxy uses (e.g. through a relay)."""
+    """`store_url`, given the database's URL, returns the one the proxy uses (e.g. through a relay);
+    `store_options` are more `[store]` settings (`store` names the kind of database)."""
     async with audit_database(store, folder) as database:
         await database.migrate()
         url = database.url if store_url is None else store_url(database.url)
+        if store_options:
+            sections["store"] = dict(store_options)
         settings = settings_for(fakes, url, database.schema, **sections)
         secrets = resolve_secrets(settings, {LOG_KEY_ENV: LOG_SIGNER.text, **(environ or {})})
         app = create_app(settings, secrets)
