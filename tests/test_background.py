@@ -80,7 +80,7 @@ async def test_a_streamed_background_response_is_read_as_it_comes_and_again_from
             stream=True,
         )
         sent = [event async for event in stream]
-        assert sent[0].type == "response.created" and sent[-1].type == "response.incomplete"
+        assert sent[0].type == "response.created" and sent[-1].type == "response.incomplete", sent[-1]
         assert [e.sequence_number for e in sent] == list(range(len(sent)))
         final = sent[-1].response  # type: ignore[union-attr]
         again = [e async for e in await sdk.responses.retrieve(final.id, stream=True, starting_after=4)]

@@ -116,6 +116,9 @@ async def _events(state: StateStore, job_id: str, after: int) -> AsyncIterator[s
 
 
 def _terminal(text: str) -> bool:
+    # The terminal write may start with SSE comments (the closed entry's receipt, `: Stackpin-Receipt ...`).
+    while text.startswith(":"):
+        text = text.partition("\n\n")[2]
     return any(text.startswith(f"event: {name}\n") for name in TERMINAL_EVENTS)
 
 
