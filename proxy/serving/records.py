@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from proxy.audit import OpenStream, SealedEntry, seal
 from proxy.pins import Pin
@@ -58,6 +58,10 @@ PAYLOAD_KEYS = frozenset(
         "replay",
     }
 )
+
+
+# How a stream's record ends: its `closed` entry's status.
+ClosedStatus = Literal["complete", "interrupted"]
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,7 @@ def closed_entry(
     served: Served,
     now: datetime,
     *,
-    status: str,
+    status: ClosedStatus,
     events: list[str],
     terminal: str | None,
     answer: dict[str, Any] | None,

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import aiohttp
 import orjson
@@ -47,7 +47,7 @@ from proxy.replicas.forward import Answer, Event, Stream, open_stream, post_json
 from proxy.replicas.health import HealthMonitor
 from proxy.replicas.registry import Registry, ReplicaSnapshot
 from proxy.serving.dispatch import Dispatched, dispatch
-from proxy.serving.records import Served, answer_entry, closed_entry, opened_entry
+from proxy.serving.records import ClosedStatus, Served, answer_entry, closed_entry, opened_entry
 from proxy.serving.redact import Redactor
 from proxy.serving.relay import Relay
 from proxy.serving.request import ClientRequest
@@ -71,13 +71,30 @@ RECEIPT_HEADER = "Stackpin-Receipt"
 log = structlog.get_logger("stackpin.serving")
 
 
+Reply = TypeVar("Reply", Answer, Stream)
+# How a relayed stream ended: its `closed` entry committed as complete or interrupted, or its end not recorded.
+StreamStatus = Literal[ClosedStatus, "unrecorded"]
+
+
 @dataclass(frozen=True)
-class Sent:
-    """What one call to a replica carried: where, what exactly, and what came back."""
+class Sent(Generic[Reply]):
+    """What one call to a replica carried: where, what exactly, and what came back (a JSON answer, or a stream)."""
 
     endpoint: str
     body: dict[str, Any]
-    result: Any  # Answer, or Stream
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """How a relayed stream ended, as its `closed` entry is built from it."""
+
+    served: Served
+    relay: Relay
+    status: StreamStatus
+    error: str | None
+    client_left: bool
+    replaying: Replaying | None
 
 
 @dataclass(frozen=True)
@@ -127,13 +144,13 @@ class Proxy:
         """Dispatch a non-streamed request and commit its record; returns the body to send afterwards, and the log's
         receipt for its entry."""
 
-        async def send(replica: ReplicaSnapshot, body: dict[str, Any]) -> Sent:
+        async def send(replica: ReplicaSnapshot, body: dict[str, Any]) -> Sent[Answer]:
             endpoint, sent = self._route(request, replica, body)
             return Sent(endpoint, sent, await self._send_json(replica, endpoint, sent))
 
         dispatched = await self._dispatch(request, send)
         served = self._served(request, tenant, received_at, dispatched, replaying)
-        replica_body = dispatched.result.result.body
+        replica_body = dispatched.result.reply.body
         body, upstream = self._client_body(served, request, replica_body)
         translated = replica_body if served.translated_from is not None else None
         replay = replaying.judge(Answered(body, translated)) if replaying is not None else None
@@ -159,7 +176,7 @@ class Proxy:
         received_at: datetime,
         sink: Sink,
         replaying: Replaying | None = None,
-    ) -> tuple[Served, str]:
+    ) -> tuple[Served, StreamStatus]:
         """Dispatch a streamed request and relay it; returns how its record closed."""
 
         async def send(replica: ReplicaSnapshot, body: dict[str, Any]) -> Sent:
@@ -183,7 +200,7 @@ class Proxy:
 
         dispatched = await self._dispatch(request, send)
         served = self._served(request, tenant, received_at, dispatched, replaying)
-        upstream: Stream = dispatched.result.result
+        upstream = dispatched.result.reply
         self.registry.acquire(served.replica.name)
         try:
             try:
@@ -281,9 +298,11 @@ class Proxy:
         sink: Sink,
         replaying: Replaying | None,
         receipt: str | None,
-    ) -> str:
+    ) -> StreamStatus:
         relay = self._relay_for(served, request)
-        status, error, client_left = "complete", None, False
+        status: StreamStatus = "complete"
+        error: str | None = None
+        client_left = False
         headers = {
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -315,7 +334,7 @@ class Proxy:
             upstream.close()
             # The closing record must land even when the client's disconnect cancels this task.
             status, terminal = await asyncio.shield(
-                self._close(served, relay, status, error, client_left, replaying)
+                self._close(StreamEnd(served, relay, status, error, client_left, replaying))
             )
         log.info("stream_closed", status=status, chunks=len(relay.events))
         if status == "complete":
@@ -326,20 +345,13 @@ class Proxy:
         await sink.close()
         return status
 
-    async def _close(
-        self,
-        served: Served,
-        relay: Relay,
-        status: str,
-        error: str | None,
-        client_left: bool,
-        replaying: Replaying | None,
-    ) -> tuple[str, str | None]:
+    async def _close(self, end: StreamEnd) -> tuple[StreamStatus, str | None]:
         """Commits a stream's `closed` entry; returns how it closed and the event to send after it."""
         # Off the event loop: a long stream's entry holds its every event in canonical JSON, which takes a while
         # to build (about a second for 80,000 events), and every other client would wait for it. One at a time:
         # each more thread building at once would take a share of the interpreter from the event loop.
-        build = functools.partial(self._closed, served, relay, status, error, client_left, replaying)
+        served, relay, error = end.served, end.relay, end.error
+        build = functools.partial(self._closed, end)
         closed, terminal = await asyncio.get_running_loop().run_in_executor(self.closing, build)
         try:
             stored = await self.store.append(closed)
@@ -349,7 +361,7 @@ class Proxy:
             unconfirmed = AuditStoreUnavailable(
                 "the end of this stream could not be recorded; it is not confirmed"
             )
-            sent = None if client_left else relay.failure(unconfirmed)
+            sent = None if end.client_left else relay.failure(unconfirmed)
             if isinstance(e, StoreUnavailable):  # its end, as the client saw it, waits for the store
                 build = functools.partial(self._unconfirmed, served, relay, error, sent)
                 self.unclosed.hold(await asyncio.get_running_loop().run_in_executor(self.closing, build))
@@ -357,7 +369,7 @@ class Proxy:
         self.telemetry.answered(served, relay.answer, stored, closed.status)
         if terminal is not None:
             terminal = receipt_comment(stored.receipt) + terminal
-        return closed.status, terminal
+        return cast(ClosedStatus, closed.status), terminal
 
     def _read(self, served: Served, event: Event) -> Event:
         """An event as relayed and recorded: redacted, its tokens where its replica's kind puts them read."""
@@ -373,16 +385,16 @@ class Proxy:
             return Relay.translating(served.fingerprint, echo)
         return Relay(RESPONSES, served.fingerprint, echo)
 
-    def _closed(
-        self,
-        served: Served,
-        relay: Relay,
-        status: str,
-        error: str | None,
-        client_left: bool,
-        replaying: Replaying | None,
-    ) -> tuple[SealedEntry, str | None]:
+    def _closed(self, end: StreamEnd) -> tuple[SealedEntry, str | None]:
         """The `closed` entry, and the event to send once it is committed."""
+        served, relay, status, error, client_left = (
+            end.served,
+            end.relay,
+            end.status,
+            end.error,
+            end.client_left,
+        )
+        replaying = end.replaying
         answer, replica_answer = relay.answer(), relay.replica_answer()
         replay = None
         if replaying is not None and status == "complete":
@@ -444,8 +456,10 @@ class Proxy:
             return entry(None, None, None, f"{error}; the answer cannot be recorded: {_why(e)}")
 
     async def _dispatch(
-        self, request: ClientRequest, send: Callable[[ReplicaSnapshot, dict[str, Any]], Awaitable[Sent]]
-    ) -> Dispatched[Sent]:
+        self,
+        request: ClientRequest,
+        send: Callable[[ReplicaSnapshot, dict[str, Any]], Awaitable[Sent[Reply]]],
+    ) -> Dispatched[Sent[Reply]]:
         try:
             return await dispatch(
                 self.registry,
@@ -477,7 +491,7 @@ class Proxy:
         request: ClientRequest,
         tenant: str,
         received_at: datetime,
-        dispatched: Dispatched[Sent],
+        dispatched: Dispatched[Sent[Answer]] | Dispatched[Sent[Stream]],
         replaying: Replaying | None,
     ) -> Served:
         record_id = request.record_id or self.record_ids()
