@@ -214,9 +214,9 @@ completion tokens per second over the wall time from the first submit to the las
 
 **json_schema / free: {ratio:.3f}** (per round: {", ".join(f"{r:.3f}" for r in per_round)}; target >= 0.9)
 
-Grammar time after the forward pass, over the counted constrained rounds: {grammar.grammar_seconds * 1e3:.1f} ms in
-{grammar.count} steps of {grammar.seconds:.1f} s, {grammar.grammar_seconds / grammar.count * 1e3:.2f} ms a step,
-{grammar.grammar_seconds / grammar.seconds:.2%} of the steps' time (the masks themselves are computed while the
+Grammar time after the forward pass, over the counted constrained rounds: {grammar.grammar_seconds * 1e3:.1f} ms in \
+{grammar.count} steps of {grammar.seconds:.1f} s: {grammar.grammar_seconds / grammar.count * 1e3:.2f} ms a step, \
+{grammar.grammar_seconds / grammar.seconds:.2%} of the steps' time (the masks themselves are computed while the \
 forward pass runs).
 """
 
