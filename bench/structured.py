@@ -6,13 +6,16 @@ so the figures measure the engine, the masks and the kernels rather than HTTP. E
 prompts twice, greedy, all 8 submitted at once: once constrained to a JSON schema (an array of people, each with a
 name, an age and a city: compiled through the server's own path, response_format's), once free. The constrained
 answers run to max_tokens (the schema asks for more than fits); a free one may end sooner, which only makes the
-free side's later steps cheaper; the finish reasons are reported. The sides alternate for `--rounds` rounds after one uncounted warm-up each; the medians and
-their ratio are printed. Completion tokens per second: the 8 answers' tokens over the wall time from the first
-submit to the last token, prefill included. The engine's step statistics also say how much of a constrained step
-went on grammars after its forward pass (waiting for masks the forward pass did not hide, and applying them).
+free side's later steps cheaper; the finish reasons are reported. The sides alternate for `--rounds` rounds after
+one uncounted warm-up each, each side first in every other round; the medians and their ratio are printed, for
+completion tokens per second (the 8 answers' tokens over the wall time from the first submit to the last token,
+prefill included) and for this process's CPU time per token, which the machine's other work disturbs less. The
+engine's step statistics also say how much of a constrained step went on grammars after its forward pass (waiting
+for masks the forward pass did not hide, and applying them).
 
 Usage, from the repository root:
-    python -m bench.structured [--model PATH] [--rounds 3] [--max-tokens 48] [--out bench/results/structured.md]
+    python -m bench.structured [--model PATH] [--rounds 7] [--max-tokens 24] [--threads N]
+        [--out bench/results/structured.md]
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import platform
 import statistics
 import subprocess
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,20 +104,36 @@ class Steps:
         self.grammar_seconds += stats.grammar_seconds
 
 
+@dataclass
+class Side:
+    """One side's counted rounds: completion tokens, wall seconds and this process's CPU seconds (every thread's:
+    the engine's, the masks' worker and llguidance's), and how its answers ended."""
+
+    params: SamplingParams
+    rounds: list[tuple[int, float, float]] = field(default_factory=list)
+    finishes: set[str] = field(default_factory=set)
+
+    def rates(self) -> list[float]:
+        return [tokens / wall for tokens, wall, _ in self.rounds]
+
+    def cpu_ms_per_token(self) -> list[float]:
+        return [cpu / tokens * 1e3 for tokens, _, cpu in self.rounds]
+
+
 def serve_all(
     engine: Engine, prompt_ids: list[list[int]], params: SamplingParams
-) -> tuple[int, float, list[str]]:
-    """(completion tokens, seconds from the first submit to the last token, finish reasons)."""
+) -> tuple[int, float, float, list[str]]:
+    """(completion tokens, wall seconds from the first submit to the last token, CPU seconds, finish reasons)."""
     outputs: dict[str, list[TokenOutput]] = {}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i, ids in enumerate(prompt_ids):
         outputs[f"r{i}"] = []
         engine.submit(f"r{i}", ids, params, outputs[f"r{i}"].append)  # type: ignore[arg-type]
     while engine.has_work():
         engine.step()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(out) for out in outputs.values())
-    return tokens, seconds, [str(out[-1].finish_reason) for out in outputs.values()]
+    return tokens, seconds, cpu, [str(out[-1].finish_reason) for out in outputs.values()]
 
 
 def main() -> None:
@@ -122,8 +141,8 @@ def main() -> None:
     parser.add_argument(
         "--model", type=Path, default=None, help="an HF folder or GGUF file (default: SmolLM2)"
     )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the result as Markdown here")
     args = parser.parse_args()
@@ -131,30 +150,30 @@ def main() -> None:
     settings = BackendSettings(model=model, threads=args.threads, prefix_cache=False)
     steps = Steps()
     runtime = load_runtime(settings, on_step=steps)
-    engine = runtime.engine
     prompt_ids = prompts(runtime)
-    free = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    sides = {"json_schema": json_schema_params(runtime, args.max_tokens), "free": free}
-    rates: dict[str, list[float]] = {side: [] for side in sides}
-    finishes: dict[str, set[str]] = {side: set() for side in sides}
+    sides = {
+        "json_schema": Side(json_schema_params(runtime, args.max_tokens)),
+        "free": Side(SamplingParams(temperature=0, max_tokens=args.max_tokens)),
+    }
     grammar = Steps()  # the constrained side's counted steps
     for round_ in range(args.rounds + 1):
-        for side, params in sides.items():
+        # Each side goes first every other round, so that a drift in the machine's load favours neither.
+        for name in sorted(sides, reverse=round_ % 2 == 1):
+            side = sides[name]
             before = (steps.count, steps.seconds, steps.grammar_seconds)
-            tokens, seconds, reasons = serve_all(engine, prompt_ids, replace(params))
+            tokens, wall, cpu, reasons = serve_all(runtime.engine, prompt_ids, side.params)
             if round_ == 0:
                 continue  # warm-up
-            if side == "json_schema":
+            if name == "json_schema":
                 grammar.count += steps.count - before[0]
                 grammar.seconds += steps.seconds - before[1]
                 grammar.grammar_seconds += steps.grammar_seconds - before[2]
-            rates[side].append(tokens / seconds)
-            finishes[side].update(reasons)
-            print(f"round {round_} {side}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s")
-    medians = {side: statistics.median(r) for side, r in rates.items()}
-    ratio = medians["json_schema"] / medians["free"]
-    per_round = [c / f for c, f in zip(rates["json_schema"], rates["free"], strict=True)]
-    report = _report(args, model, runtime, rates, medians, ratio, per_round, finishes, grammar)
+            side.rounds.append((tokens, wall, cpu))
+            side.finishes.update(reasons)
+            print(
+                f"round {round_} {name}: {tokens} tokens, {wall:.2f} s, {cpu:.2f} s CPU: {tokens / wall:.1f} tok/s"
+            )
+    report = _report(args, model, runtime, sides, grammar)
     print(report)
     if args.out is not None:
         args.out.write_text(report)
@@ -170,15 +189,7 @@ def _smollm2() -> Path:
 
 
 def _report(
-    args: argparse.Namespace,
-    model: Path,
-    runtime: Runtime,
-    rates: dict[str, list[float]],
-    medians: dict[str, float],
-    ratio: float,
-    per_round: list[float],
-    finishes: dict[str, set[str]],
-    grammar: Steps,
+    args: argparse.Namespace, model: Path, runtime: Runtime, sides: dict[str, Side], grammar: Steps
 ) -> str:
     generation, detail = detect_hardware(torch.device("cpu"))
     commit = subprocess.run(
@@ -188,31 +199,39 @@ def _report(
     if args.threads:
         command += f" --threads {args.threads}"
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    constrained, free = sides["json_schema"], sides["free"]
+    ratio = statistics.median(constrained.rates()) / statistics.median(free.rates())
+    per_round = [c / f for c, f in zip(constrained.rates(), free.rates(), strict=True)]
+    cpu_ratio = statistics.median(free.cpu_ms_per_token()) / statistics.median(constrained.cpu_ms_per_token())
     rows = "\n".join(
-        f"| {side} | {medians[side]:.1f} | {', '.join(f'{r:.1f}' for r in rates[side])} | "
-        f"{', '.join(sorted(finishes[side]))} |"
-        for side in rates
+        f"| {name} | {statistics.median(side.rates()):.1f} | {', '.join(f'{r:.1f}' for r in side.rates())} | "
+        f"{statistics.median(side.cpu_ms_per_token()):.1f} | {', '.join(sorted(side.finishes))} |"
+        for name, side in sides.items()
     )
     return f"""# Structured outputs: what a grammar costs the batch
 
 `bench/structured.py`: {CONCURRENT} concurrent greedy chat requests, all submitted at once, served by the engine
 directly (as `stackpin-backend serve` assembles it; `{runtime.stack["kernel_mode"]}` kernels), {args.max_tokens}
 completion tokens each: constrained to a `json_schema` response format (an array of at least 8 people, each a
-name, an age and a city) against the same prompts unconstrained. Interleaved rounds after one warm-up a side;
-completion tokens per second over the wall time from the first submit to the last token, prefill included.
+name, an age and a city) against the same prompts unconstrained. Interleaved rounds after one warm-up a side, each
+side first in every other round; completion tokens per second over the wall time from the first submit to the last
+token, prefill included, and this process's CPU time per token (all its threads: the masks' too), which other work
+on the machine disturbs far less than the wall time.
 
 - Command: `{command}`
 - Commit: `{commit}` (the measured code; this file was added after)
-- Machine: {platform.machine()}, {detail.get("cpu_model")} ({generation}), {detail.get("threads")} torch threads,
-  {os.cpu_count()} CPUs, load average {load} (shared with other work while it ran); torch {torch.__version__}
+- Machine: {platform.machine()}, {detail.get("cpu_model")} ({generation}), {detail.get("threads")} torch thread(s),
+  {os.cpu_count()} CPUs, load average {load} at the end (shared with other work while it ran); torch
+  {torch.__version__}
 - Model: `{runtime.stack["model"]}` ({runtime.stack["quantisation"]}), `{model.name}`
 - Date: {datetime.date.today().isoformat()}
 
-| side | median tok/s | rounds | finish reasons |
-| --- | ---: | --- | --- |
+| side | median tok/s | rounds | median CPU ms / token | finish reasons |
+| --- | ---: | --- | ---: | --- |
 {rows}
 
-**json_schema / free: {ratio:.3f}** (per round: {", ".join(f"{r:.3f}" for r in per_round)}; target >= 0.9)
+**json_schema / free, tokens per second: {ratio:.3f}** (medians; per round {", ".join(f"{r:.3f}" for r in per_round)};
+target >= 0.9). Tokens per CPU second: **{cpu_ratio:.3f}**.
 
 Grammar time after the forward pass, over the counted constrained rounds: {grammar.grammar_seconds * 1e3:.1f} ms in \
 {grammar.count} steps of {grammar.seconds:.1f} s: {grammar.grammar_seconds / grammar.count * 1e3:.2f} ms a step, \
