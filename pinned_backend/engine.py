@@ -502,12 +502,9 @@ class Engine:
             if len(logits_rows) > first:
                 sampling.append((row, first, len(logits_rows) - first))
         # The masks depend only on tokens already known: they are computed while the forward pass runs.
+        drawing = [(plan[row][0].matcher, first, plan[row][0].drafts) for row, first, _ in sampling]
         masks = self._masks.start(
-            [
-                MaskRows(plan[row][0].matcher, first, plan[row][0].drafts)  # type: ignore[arg-type]
-                for row, first, _ in sampling
-                if plan[row][0].matcher is not None
-            ],
+            [MaskRows(matcher, first, drafts) for matcher, first, drafts in drawing if matcher is not None],
             len(logits_rows),
         )
         blocks = [seq.blocks for seq, _ in plan]

@@ -42,15 +42,15 @@ import llguidance
 
 from pinned_backend.tokenizer import Tokenizer
 
-ENGINE: Final = "llguidance"
 DEFAULT_CAPACITY = 64
-# How every JSON value is laid out: json.dumps's separators and no other whitespace. `lenient: False` makes a
-# keyword llguidance does not implement an error rather than a constraint quietly dropped.
+# How every JSON value is laid out: json.dumps's separators and no other whitespace.
 JSON_OPTIONS: Final[Mapping[str, Any]] = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
 }
+# Applied after a schema's own "x-guidance" options: a keyword llguidance does not implement stays an error, never
+# a constraint quietly dropped.
 _JSON_OVERRIDES: Final[Mapping[str, Any]] = {"lenient": False}
 
 

@@ -11,6 +11,10 @@ A speculative verify pass hands `draw_runs` a run of one sequence's rows: row i 
 that is not the draft fed after it. So a kept draft is always the very token the sampler draws at its position,
 and seeded sampling gives the same answer with speculation on or off.
 
+A constrained request's rows arrive masked (masks.py: -inf wherever its grammar allows no token), so what is drawn
+here, and every log-probability reported, is the masked distribution's; a ruled-out token never appears among the
+top log-probabilities.
+
 This module knows nothing of scheduling, caches or HTTP; the engine calls it once per step, and the caller supplies
 the randomness used to draw a seed when a request has none.
 """
