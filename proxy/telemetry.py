@@ -18,6 +18,8 @@ from datetime import datetime
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+import structlog
+
 from proxy.audit import StoredEntry
 from proxy.config import Secrets, TelemetrySettings
 from proxy.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
@@ -33,6 +35,7 @@ try:  # the `otel` extra
 except ImportError:  # pragma: no cover - the dev extra installs it
     OTLPSpanExporter = None
 
+log = structlog.get_logger("stackpin.telemetry")
 OPERATIONS = {CHAT: "chat", COMPLETIONS: "text_completion", EMBEDDINGS: "embeddings", RESPONSES: "chat"}
 # The request's decoding settings under their GenAI names.
 REQUEST_ATTRIBUTES = {
@@ -162,7 +165,14 @@ class OtlpTelemetry:
         self._clock = clock
 
     def answered(self, served: Served, body: Body, stored: StoredEntry, status: str) -> None:
-        attributes = answer_attributes(served, body(), stored, status)
+        # The answer is committed and about to be sent: a span that cannot be made must not stop it.
+        try:
+            self._span(served, body(), stored, status)
+        except Exception:
+            log.exception("telemetry_span_failed")
+
+    def _span(self, served: Served, body: dict[str, Any], stored: StoredEntry, status: str) -> None:
+        attributes = answer_attributes(served, body, stored, status)
         name = f"{attributes['gen_ai.operation.name']} {attributes['gen_ai.request.model']}"
         span = self._tracer.start_span(
             name, kind=SpanKind.CLIENT, attributes=attributes, start_time=_nanoseconds(served.received_at)

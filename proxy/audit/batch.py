@@ -3,8 +3,9 @@ each driver's own API, `sqlite3` and asyncpg, with the statements `statements.py
 
 The body checks that every stack an entry names without giving it is stored, stores the stacks and prompts not
 stored yet, erases the payloads an erasure entry names, takes a block of contiguous sequence numbers, inserts the
-entries with their payloads beside them and queues the batch for integration, all in the caller's one transaction. It knows nothing of futures, queues or caches: `commit.py`
-decides what a batch holds and settles its callers; `writer.py` owns connections, threads and transactions.
+entries with their payloads beside them and queues the batch for integration, all in the caller's one transaction.
+It knows nothing of futures, queues or caches: `commit.py` decides what a batch holds and settles its callers;
+`writer.py` owns connections, threads and transactions.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ Everything here is a pure function of its arguments. An entry written by this lo
 
     JCS({...its header, "content": ...})
 
-where the header is every field header.py declares, written as declared (docs/audit.md lists them), and JCS is
-RFC 8785 canonical JSON; its leaf hash is SHA-256(0x00 || those bytes) and its `sha256` is
-SHA-256(those bytes). An entry with a payload (the request and the answer, kept beside the log so that they can be
-erased) holds `payload_sha256` in its header, SHA-256(salt || JCS(payload)), and not the payload itself. Entries written before the log was a tree (the hash chain, schema revisions 0001 to
-0003) keep their chain envelope, JCS({"position", "prev", "entry": {...the header they held, "content"}}), as their
-bytes: their leaf hash covers their chain link, so they stay verifiable as they were. Which form a stored row
-uses is told by its `prev_sha256`, present only on chained entries; a row that lies about it no longer hashes
-to its leaf.
+where the header is every field header.py declares, written as declared (docs/audit.md lists them), and JCS is RFC
+8785 canonical JSON; its leaf hash is SHA-256(0x00 || those bytes) and its `sha256` is SHA-256(those bytes). An
+entry with a payload (the request and the answer, kept beside the log so that they can be erased) holds
+`payload_sha256` in its header, SHA-256(salt || JCS(payload)), and not the payload itself. Entries written before
+the log was a tree (the hash chain, schema revisions 0001 to 0003) keep their chain envelope, JCS({"position",
+"prev", "entry": {...the header they held, "content"}}), as their bytes: their leaf hash covers their chain link,
+so they stay verifiable as they were. Which form a stored row uses is told by its `prev_sha256`, present only on
+chained entries; a row that lies about it no longer hashes to its leaf.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from functools import cache
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 Part = Literal["answer", "opened", "closed", "flag"]
-# The status of the flag that erases a record's payload (proxy/audit/erasure.py): a mark on the record like any flag,
-# but one that says what was removed, not what was found.
+# The status of the flag that erases a record's payload (proxy/audit/erasure.py): a mark on the record like any
+# flag, but one that says what was removed, not what was found.
 ERASED = "erased"
 STORABLE = (str, bool, datetime)
 

@@ -56,7 +56,8 @@ async def verify(
         print("WARNING: signatures NOT checked: no trusted log key (--log-key, or [log] public_keys)")
     if witnessed:
         print(f"{report.witnessed_checked} checkpoints held outside the database matched")
-    print(f"receipts the log keeps: {report.stored_receipts_checked} checked, each the log's for its entry")
+    signed = "each signed by the log's key" if report.signatures_checked else "their signatures NOT checked"
+    print(f"receipts the log keeps: {report.stored_receipts_checked} name their own entries, {signed}")
     print(
         f"payloads: {report.payloads_checked} kept, each hashing to what its entry commits to; "
         f"{report.payloads_erased} erased, each named by an erasure entry"

@@ -198,7 +198,8 @@ def print_receipt(receipt: Receipt, signed: bool) -> None:
 
 @dataclass(frozen=True)
 class Asked:
-    """What `stackpin prove` was given: a record or a receipt, and what it holds already (texts, a parsed proof)."""
+    """What `stackpin prove` was given: a record or a receipt, and what it holds already (texts, a parsed
+    proof)."""
 
     record: str | None
     receipt: str | None

@@ -3,10 +3,11 @@ replays take this one path, so they are routed, checked, recorded and counted al
 
 Non-streamed: the replica's whole answer is read, checked to be an answer of its route, its record committed, and
 only then sent, with the log's receipt for its entry (header `Stackpin-Receipt`). Streamed: the `opened` record is
-committed before the first byte, whose headers carry its receipt; events are relayed (relay.py); the `closed` record
-(complete, or interrupted when either side breaks off) is committed before the event that ends the answer, which
-follows its receipt as an SSE comment. A Responses request to a replica that serves chat only is translated (responses_api.py) on the way
-there and back; `previous_response_id` is resolved from the audit store into the input it stands for.
+committed before the first byte, whose headers carry its receipt; events are relayed (relay.py); the `closed`
+record (complete, or interrupted when either side breaks off) is committed before the event that ends the answer,
+which follows its receipt as an SSE comment. A Responses request to a replica that serves chat only is translated
+(responses_api.py) on the way there and back; `previous_response_id` is resolved from the audit store into the
+input it stands for.
 """
 
 from __future__ import annotations
