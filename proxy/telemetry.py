@@ -112,7 +112,8 @@ def answer_attributes(
         "stackpin.stack.quantisation": stack.quantisation,
         "stackpin.stack.hardware": stack.hardware,
         "stackpin.stack.kernel_mode": stack.kernel_mode,
-        "stackpin.stack.declared": served.replica.declared,
+        "stackpin.stack.declared": served.replica.stack_source == "declared",
+        "stackpin.stack.source": served.replica.stack_source.value,  # proven, reported or declared
         "stackpin.replica": served.replica.name,
         "stackpin.tenant": served.tenant,
         "stackpin.endpoint": served.endpoint,

@@ -18,6 +18,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from proxy.audit import StoredEntry
 from proxy.pins import Pin
+from proxy.replicas.kinds import UPSTREAM
 from proxy.replicas.registry import ReplicaSnapshot
 from proxy.serving.records import Served
 from proxy.stack import Stack
@@ -135,6 +136,7 @@ async def test_each_answer_is_one_span_with_the_genai_conventions_and_the_stack_
         "stackpin.stack.hardware": stack["hardware"],
         "stackpin.stack.kernel_mode": stack["kernel_mode"],
         "stackpin.stack.declared": False,
+        "stackpin.stack.source": "proven",
         "stackpin.replica": "replica-0",
         "stackpin.tenant": "local",
         "stackpin.stream": False,
@@ -157,7 +159,7 @@ async def test_without_an_endpoint_there_is_no_exporter_and_no_span(
 
 def test_a_responses_answer_names_its_usage_and_status_and_an_interrupted_stream_says_so() -> None:
     replica = FakeReplica()
-    snapshot = ReplicaSnapshot("replica-0", "http://10.0.0.5:8000", True, Stack.model_validate(replica.stack),
+    snapshot = ReplicaSnapshot("replica-0", "http://10.0.0.5:8000", UPSTREAM, Stack.model_validate(replica.stack),
                                replica.fingerprint, None)  # fmt: skip
     served = Served("rec_1", "acme", "/v1/responses", Pin(), None, None, snapshot, {"model": "chat-x"},
                     datetime(2026, 12, 1, tzinfo=UTC), translated_from={"model": "fake-model", "stop": "\n"})  # fmt: skip
@@ -175,5 +177,6 @@ def test_a_responses_answer_names_its_usage_and_status_and_an_interrupted_stream
     assert attributes["gen_ai.response.finish_reasons"] == ["incomplete"]
     assert (attributes["gen_ai.usage.input_tokens"], attributes["gen_ai.usage.output_tokens"]) == (5, 2)
     assert attributes["stackpin.stack.declared"] is True and attributes["stackpin.stream"] is True
+    assert attributes["stackpin.stack.source"] == "declared"
     assert (attributes["server.address"], attributes["server.port"]) == ("10.0.0.5", 8000)
     assert attributes["stackpin.status"] == "interrupted" and attributes["stackpin.log.seq"] == 9
