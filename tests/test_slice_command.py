@@ -120,7 +120,7 @@ async def test_errors_exit_2_with_one_line(world: World, capsys: pytest.CaptureF
     assert await run(world.replay("rec_" + "0" * 32)) == 2
     assert "not both" in capsys.readouterr().err
     assert await run(["replay", "--url", world.harness.url]) == 2
-    assert "name the RECORD to replay, or a slice" in capsys.readouterr().err
+    assert "name the RECORD to replay, a batch with --batch ID, or a slice" in capsys.readouterr().err
     assert await run([*world.replay(), "--since", "yesterday"]) == 2
     assert "--since must be an ISO 8601 time" in capsys.readouterr().err
     assert await run(world.replay("--stack", "XYZ")) == 2
