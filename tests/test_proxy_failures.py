@@ -619,8 +619,14 @@ async def test_a_diverged_log_makes_the_proxy_not_ready_and_says_why_while_answe
         await harness.proxy.store.integrate()
         database = make_url(harness.settings.store.url).database
         assert database is not None
-        with sqlite3.connect(database) as connection:  # the tree's one leaf, changed behind the log's back
-            connection.execute(f"UPDATE log_leaves SET leaf_hash = '{'0' * 64}'")
+
+        def tamper() -> None:  # the tree's one leaf, changed behind the log's back
+            with sqlite3.connect(database, timeout=60) as connection:
+                connection.execute(f"UPDATE log_leaves SET leaf_hash = '{'0' * 64}'")
+
+        # On a thread: the proxy signs a checkpoint every 0.05 s, and a write transaction it has open finishes only
+        # on this event loop, which a blocking wait for the lock here would hold.
+        await asyncio.to_thread(tamper)
         status, _, headers = await harness.post("/v1/chat/completions", CHAT)
         assert status == 200, "an answer is still given: it is committed, though not provable until a repair"
         deadline = asyncio.get_running_loop().time() + 30
