@@ -41,6 +41,8 @@ from proxy.audit.writer import TransactionRunner
 log = structlog.get_logger(__name__)
 
 CHUNK = 4096  # leaves per round's transaction
+# How long closing waits for a round under way before it cancels it (a database gone away).
+_ROUND_FINISH_S = 10.0
 # PostgreSQL names advisory locks by two numbers: this class, and a hash of the schema, so that logs in other
 # schemas of one server never wait for each other.
 LOCK_CLASS = 0x53544C47
@@ -182,6 +184,7 @@ class Integrator:
         self._clock = clock
         self._seen: SignedCheckpoint | None = None
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self._lock = asyncio.Lock()
         self._last_error: str | None = None
         self._diverged: str | None = None
@@ -195,11 +198,18 @@ class Integrator:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="audit-integrator")
 
     async def close(self) -> None:
-        """Stops the rounds, then integrates what is queued (when no other proxy is doing it)."""
+        """Stops the rounds, then integrates what is queued (when no other proxy is doing it).
+
+        A round under way is let finish, for a while: cancelled mid-transaction, it would leave its connection
+        to be reclaimed at the pool's timeout, and the closing round would wait that long for it."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._stopping.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), _ROUND_FINISH_S)
+            except TimeoutError:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
             self._task = None
         with contextlib.suppress(Exception):
             await self.integrate()
@@ -232,4 +242,7 @@ class Integrator:
                 if isinstance(exc, LogDiverged) or str(exc) != self._last_error:
                     log.error("audit_integration_failed", error=str(exc), kind=type(exc).__name__)
                     self._last_error = str(exc)
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+            if self._stopping.is_set():
+                return
