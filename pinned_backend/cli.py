@@ -4,6 +4,7 @@
                            [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb auto|N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
                            [--max-step-graphs N] [--prefix-cache | --no-prefix-cache] [--speculative-tokens K]
+                           [--tensor-parallel N]
                            [--pooling last_token|mean] [--matmul-plans auto|none|FILE]
                            [--expert-capacity-factor F] [--expert-overflow pass_through|next_expert]
                            [--ready-file PATH]
@@ -107,6 +108,14 @@ def _parser() -> argparse.ArgumentParser:
         help="draft tokens by prompt lookup verified per decode step (default 0: off; changes no batch_invariant bit)",
     )
     serve.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cut the model among N processes, one device each (gloo on the CPU, NCCL on GPUs); under "
+        "batch_invariant every N, 1 included, gives the same bits (default: one process, the model whole)",
+    )
+    serve.add_argument(
         "--pooling",
         choices=["last_token", "mean"],
         default="last_token",
@@ -194,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             expert_overflow=args.expert_overflow,
             prefix_cache=args.prefix_cache,
             speculative_tokens=args.speculative_tokens,
+            tensor_parallel=args.tensor_parallel,
         )
     except ValidationError as exc:
         error = exc.errors()[0]

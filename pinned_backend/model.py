@@ -21,10 +21,12 @@ each op belongs to the kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -40,6 +42,7 @@ from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.latent import LatentWeights, latent_attention, take_latent
 from pinned_backend.layout import norm_names
 from pinned_backend.moe import ExpertWeights, moe_mlp, take_experts
+from pinned_backend.parallel.combine import Parallel
 from pinned_backend.rope import inv_freq, rope_tables
 from pinned_backend.routing import DROPLESS, ExpertRouting
 
@@ -65,6 +68,10 @@ class _Layer:
     mlp_out_norm: torch.Tensor | None = None  # [hidden] on the MLP's output (sandwich, post)
     latent: LatentWeights | None = None
     rope: str = "global"  # the rotary table: "global", "local" (Gemma 3's sliding layers) or "none" (NoPE)
+    # Under tensor parallelism, o and down as the row-parallel sum takes them (Parallel.split_weight); o and down
+    # are then None.
+    o_parts: tuple[torch.Tensor, ...] = ()
+    down_parts: tuple[torch.Tensor, ...] = ()
 
 
 def matmul_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -120,9 +127,12 @@ class Transformer:
         dtype: torch.dtype,
         *,
         routing: ExpertRouting = DROPLESS,
+        parallel: Parallel | None = None,
     ) -> None:
         """`weights`: every tensor `checkpoint.expected_shapes(config)` names; consumed (fused) here. `routing`:
-        how a mixture-of-experts model's tokens find their experts (a dense model takes only the default)."""
+        how a mixture-of-experts model's tokens find their experts (a dense model takes only the default).
+        `parallel`: this rank's place in a tensor-parallel group; `config` and `weights` are then the rank's shard
+        (parallel/shards.py), and the row-parallel products, the embedding and the logits cross ranks."""
         _check_dtype(dtype)
         if config.moe is None and routing != DROPLESS:
             raise ValueError(
@@ -135,6 +145,7 @@ class Transformer:
             )
         self.config = config
         self.routing = routing
+        self.parallel = parallel
         self.kernels = kernels
         self.device = device
         self.dtype = dtype
@@ -219,7 +230,7 @@ class Transformer:
             qkv = take(attn + "qkv_proj.weight")
         else:
             qkv = torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]).contiguous()
-        return _Layer(
+        layer = _Layer(
             input_norm=norms.get("input_layernorm"),
             qkv=qkv,
             qkv_bias=torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"]) if c.attention_bias else None,
@@ -229,6 +240,16 @@ class Transformer:
             o_bias=take(attn + "o_proj.bias") if c.o_bias else None,
             sinks=take(attn + "sinks").float() if c.sinks else None,
             **mlp,
+        )
+        if self.parallel is None:
+            return layer
+        assert layer.o is not None and layer.down is not None
+        return dataclasses.replace(
+            layer,
+            o=None,
+            down=None,
+            o_parts=self.parallel.split_weight("o", layer.o),
+            down_parts=self.parallel.split_weight("down", layer.down),
         )
 
     @classmethod
@@ -262,7 +283,10 @@ class Transformer:
     ) -> torch.Tensor:  # [R, vocab] float32 logits
         h = self.hidden_states(token_ids, query_seq, query_pos, block_tables, cache, logits_rows)
         with torch.inference_mode():
-            logits = self.kernels.matmul(h, self.lm_head).float()
+            if self.parallel is None:
+                logits = self.kernels.matmul(h, self.lm_head).float()
+            else:
+                logits = self.parallel.logits(self.kernels, h, self.lm_head).float()
             if self.config.logits_divisor != 1.0:
                 logits = logits / self.config.logits_divisor
             if self.config.final_softcap is not None:
@@ -289,7 +313,8 @@ class Transformer:
             block_size = cache.block_size
             slots = block_tables[query_seq.long(), pos // block_size].long() * block_size + pos % block_size
             step = _Step(pos, slots, query_seq, query_pos, block_tables)
-            x = self.embed[token_ids]  # [T, hidden], the residual stream
+            # [T, hidden], the residual stream
+            x = self.embed[token_ids] if self.parallel is None else self.parallel.embed(self.embed, token_ids)
             if self.config.embed_scale != 1.0:
                 x = x * self.embed_scale
             pending: torch.Tensor | None = None  # the last block's output, not yet added to x
@@ -333,7 +358,9 @@ class Transformer:
             return latent_attention(
                 self.kernels, layer.latent, c, h, rope, step.pos, step.slots, k_cache, steps, self.scale
             )
-        assert layer.qkv is not None and layer.o is not None
+        assert layer.qkv is not None
+        if layer.qkv.shape[0] == 0:  # a rank past the model's KV heads: its share of the sum is nothing
+            return self._row_parallel("o", h.new_zeros(h.shape[0], 0), layer.o, layer.o_parts, layer.o_bias)
         qkv = self.kernels.matmul(h, layer.qkv)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
@@ -350,8 +377,24 @@ class Transformer:
             q, k_cache, v_cache, step.block_tables, step.query_seq, step.query_pos, self.scale,
             window=c.window(index), sinks=layer.sinks, softcap=c.attn_softcap,
         )  # fmt: skip
-        out = self.kernels.matmul(attended.reshape(h.shape[0], c.q_size), layer.o)
-        return out if layer.o_bias is None else out + layer.o_bias
+        flat = attended.reshape(h.shape[0], c.q_size)
+        return self._row_parallel("o", flat, layer.o, layer.o_parts, layer.o_bias)
+
+    def _row_parallel(
+        self,
+        which: Literal["o", "down"],
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        parts: tuple[torch.Tensor, ...],
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x @ a row-parallel weight (o or down): one matmul in one process, a sum over ranks under `parallel`."""
+        if self.parallel is None:
+            assert weight is not None
+            out = self.kernels.matmul(x, weight)
+        else:
+            out = self.parallel.row(self.kernels, which, x, parts)
+        return out if bias is None else out + bias
 
     def _normalise_projections(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
         # OLMo 2: q and k each normalised over the whole projection, before they are split into heads.
@@ -364,9 +407,11 @@ class Transformer:
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         if layer.experts is not None and self.config.moe is not None:
             return moe_mlp(self.kernels, layer.experts, h, self.config.moe, self.routing)
-        assert layer.gate_up is not None and layer.down is not None
+        assert layer.gate_up is not None
         gated = self.kernels.gelu_mul if self.config.activation == "gelu_tanh" else self.kernels.silu_mul
-        return self.kernels.matmul(gated(self.kernels.matmul(h, layer.gate_up)), layer.down)
+        return self._row_parallel(
+            "down", gated(self.kernels.matmul(h, layer.gate_up)), layer.down, layer.down_parts
+        )
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ from pinned_backend.kvcache import (
 from pinned_backend.loading import Report, default_name, load_checkpoint
 from pinned_backend.memory import available_bytes
 from pinned_backend.model import Transformer, matmul_shapes
+from pinned_backend.parallel.shards import check_shardable, reduction_tree
+from pinned_backend.parallel.steps import ParallelModel, start_parallel
 from pinned_backend.routing import ExpertRouting, OverflowPolicy
 from pinned_backend.runner import EngineRunner
 from pinned_backend.stack import (
@@ -86,6 +88,11 @@ class BackendSettings(BaseModel):
     # this many draft tokens a step (0: off).
     prefix_cache: bool = True
     speculative_tokens: int = Field(default=0, ge=0, le=MAX_SPECULATIVE_TOKENS)
+    # Ranks the model is cut among (parallel/): one process per rank, each on one device. Any degree, 1 included,
+    # sums the row-parallel products over the model's fixed chunks, so that under batch_invariant every degree
+    # gives the same bits; None computes them whole in one process (another stack). The degree itself is outside
+    # the fingerprint (stack.py).
+    tensor_parallel: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> BackendSettings:
@@ -106,6 +113,12 @@ class BackendSettings(BaseModel):
                 f"--kv-split-size {self.kv_split_size} must be a multiple of the KV cache's block size, "
                 f"{self.block_size}"
             )
+        if self.tensor_parallel is not None and self.device == "cuda":
+            available = torch.cuda.device_count()
+            if self.tensor_parallel > available:
+                raise ValueError(
+                    f"--tensor-parallel {self.tensor_parallel} needs a GPU per rank; torch sees {available}"
+                )
         if self.device == "cuda":
             from pinned_backend.kernels.triton.attention import KV_TILE
 
@@ -140,9 +153,16 @@ class Runtime:
     stack: dict[str, Any]
     max_model_len: int
     pieces: TokenPieces
-    model: Transformer
+    model: Transformer | ParallelModel
     pooling: Pooling
     grammars: GrammarCompiler
+
+    def close(self) -> None:
+        """Stop the engine's thread (if it ran), then any other ranks."""
+        if self.runner.alive:
+            self.runner.stop()
+        if isinstance(self.model, ParallelModel):
+            self.model.close()
 
 
 def load_runtime(
@@ -172,17 +192,44 @@ def load_runtime(
     kernels = select_kernels(
         settings.kernel_mode, device, kv_split_size=settings.kv_split_size, matmul_plans=plan_file
     )
-    model = Transformer(config, checkpoint.weights, kernels, device, dtype, routing=settings.expert_routing)
-    num_blocks = PagedKVCache.blocks_for_budget(
-        config, _kv_budget(settings, config, device, report), settings.block_size, dtype
-    )
-    cache = PagedKVCache(config, num_blocks, settings.block_size, device, dtype)
+    model: Transformer | ParallelModel
+    if settings.tensor_parallel is None:
+        model = Transformer(
+            config, checkpoint.weights, kernels, device, dtype, routing=settings.expert_routing
+        )
+        cache_config = config
+    else:
+        check_shardable(config, settings.tensor_parallel)
+        report(f"starting {settings.tensor_parallel - 1} more tensor-parallel ranks")
+        model = start_parallel(
+            settings.model_dump_json(),
+            settings.tensor_parallel,
+            config,
+            checkpoint.weights,
+            kernels,
+            device,
+            dtype,
+        )
+        cache_config = model.local.config
+    try:
+        num_blocks = PagedKVCache.blocks_for_budget(
+            config, _kv_budget(settings, config, device, report), settings.block_size, dtype
+        )
+        cache = PagedKVCache(cache_config, num_blocks, settings.block_size, device, dtype)
+        if isinstance(model, ParallelModel):
+            model.start(num_blocks)
+    except BaseException:
+        if isinstance(model, ParallelModel):
+            model.close()
+        raise
     # Both modes replay their steps as CUDA graphs on a GPU (under default kernels the padding may move bits, which
     # that mode never promised, and it runs default at its fastest). A mixture-of-experts step with dropless routing
     # too (its dispatch never leaves the GPU); with a capacity factor a padded step would count its padding tokens
     # against the experts' capacity, so such steps run as they come, eagerly.
-    graphed = device.type == "cuda" and (
-        config.moe is None or settings.expert_routing.capacity_factor is None
+    graphed = (
+        device.type == "cuda"
+        and settings.tensor_parallel is None  # a step's collectives are not captured
+        and (config.moe is None or settings.expert_routing.capacity_factor is None)
     )
     engine_config = EngineConfig(
         max_model_len=config.max_position_embeddings,
@@ -220,6 +267,8 @@ def load_runtime(
             settings.expert_routing.describe() if config.moe is not None else None,
             prefix_cache=settings.prefix_cache,
             speculative_tokens=settings.speculative_tokens,
+            tensor_parallel=settings.tensor_parallel,
+            reduction_tree=reduction_tree(config) if settings.tensor_parallel is not None else None,
         ),
         embedding=embedding_method(settings.pooling),
     )

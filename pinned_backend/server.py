@@ -118,7 +118,7 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await loop.run_in_executor(None, runtime.runner.stop)
+        await loop.run_in_executor(None, runtime.close)
 
 
 @web.middleware

@@ -62,7 +62,7 @@ INVARIANT_KERNELS_ONLY = "batch_invariant_kernels"
 
 # Keys of the batching policy that say how the backend computes, never what: under batch-invariant kernels neither
 # changes a bit of any answer (tests/test_invariance.py), so replicas that differ only in them serve one stack.
-UNFINGERPRINTED_BATCHING = ("prefix_cache", "speculation")
+UNFINGERPRINTED_BATCHING = ("prefix_cache", "speculation", "tensor_parallel")
 
 
 def fingerprint(stack: Mapping[str, Any]) -> str:
@@ -111,10 +111,15 @@ def batching_policy(
     *,
     prefix_cache: bool = False,
     speculative_tokens: int = 0,
+    tensor_parallel: int | None = None,
+    reduction_tree: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`expert_routing`: a mixture-of-experts model's routing (`ExpertRouting.describe()`), None for a dense model,
     whose stack then has no such key: a capacity factor makes what the batch holds change a token's experts.
-    `prefix_cache` and `speculative_tokens` (0: off) name serving features outside the fingerprint."""
+    `prefix_cache` and `speculative_tokens` (0: off) name serving features outside the fingerprint.
+    `tensor_parallel`: the degree a model is cut at, outside the fingerprint under batch_invariant kernels, whose
+    `reduction_tree` (the fixed chunks every degree sums row-parallel products over) is inside it; both absent
+    from a model served whole in one process."""
     speculation = None
     if speculative_tokens:
         speculation = {"method": "prompt_lookup", "draft_tokens": speculative_tokens}
@@ -128,6 +133,9 @@ def batching_policy(
     }
     if expert_routing is not None:
         policy["expert_routing"] = dict(expert_routing)
+    if tensor_parallel is not None:
+        policy["tensor_parallel"] = tensor_parallel
+        policy["reduction_tree"] = dict(reduction_tree or {})
     return policy
 
 

@@ -22,7 +22,7 @@ UNKNOWN = "unknown"
 BATCH_INVARIANT = "batch_invariant"
 # Serving features a backend names in its batching policy that change no bit of a batch_invariant answer
 # (docs/protocol.md): replicas that differ only in them serve one stack.
-UNFINGERPRINTED_BATCHING = ("prefix_cache", "speculation")
+UNFINGERPRINTED_BATCHING = ("prefix_cache", "speculation", "tensor_parallel")
 
 
 class Stack(BaseModel):
