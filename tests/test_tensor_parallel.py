@@ -307,6 +307,15 @@ def _shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return expected_shapes(config)
 
 
+def sizes_on(device: torch.device) -> dict[str, int]:
+    """The KV cache's block and the attention's split: the GPU's attention walks keys in tiles of 64."""
+    return (
+        {"block_size": 4, "kv_split_size": 8}
+        if device.type == "cpu"
+        else {"block_size": 16, "kv_split_size": 64}
+    )
+
+
 def two_steps(
     forward: Callable[..., torch.Tensor], cache: PagedKVCache, device: torch.device
 ) -> torch.Tensor:
@@ -338,15 +347,18 @@ def two_steps(
 
 
 def threaded_logits(checkpoint: Path, degree: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """`two_steps` with the model cut `degree` ways among threads on one device (rank 0's logits)."""
+    """`two_steps` with the model cut `degree` ways among threads on one device (rank 0's logits); the KV cache
+    as `sizes_on` gives it."""
     config = load_config(checkpoint)
     group = ThreadGroup(degree)
 
     def rank(index: int) -> torch.Tensor:
-        kernels = select_kernels("batch_invariant", device, kv_split_size=8)
+        sizes = sizes_on(device)
+        kernels = select_kernels("batch_invariant", device, kv_split_size=sizes["kv_split_size"])
         weights = load_weights(checkpoint, config, dtype)
         model = shard_model(config, weights, kernels, device, dtype, group.member(index))
-        return two_steps(model.forward, PagedKVCache(model.config, 4, 4, device, dtype), device)
+        cache = PagedKVCache(model.config, 4, sizes["block_size"], device, dtype)
+        return two_steps(model.forward, cache, device)
 
     return run_ranks([functools.partial(rank, index) for index in range(degree)])[0]
 
@@ -367,9 +379,7 @@ def test_on_a_gpu_one_nccl_rank_and_the_shards_of_degree_2_and_4_give_the_same_l
     checkpoint: Path,
 ) -> None:
     gpu = torch.device("cuda")
-    runtime = load_runtime(
-        settings(checkpoint, 1, device="cuda", dtype="bf16", kv_split_size=16, block_size=4)
-    )
+    runtime = load_runtime(settings(checkpoint, 1, device="cuda", dtype="bf16", **sizes_on(gpu)))
     try:
         model = runtime.model
         assert isinstance(model, ParallelModel)

@@ -83,6 +83,12 @@ class ProcessGroupComm:
         self._group.broadcast(tensor, 0).wait()
         return tensor
 
+    def close(self) -> None:
+        """Release the group's communicators (NCCL's, whose monitor thread would otherwise outlive the store)."""
+        shutdown = getattr(self._group, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
 
 class Parallel:
     """One rank's view of the group while it computes its shard."""

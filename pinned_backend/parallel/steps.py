@@ -20,7 +20,7 @@ from pinned_backend.kernels import Kernels
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.model import Transformer
 from pinned_backend.model_config import ModelConfig
-from pinned_backend.parallel.combine import Group, Parallel
+from pinned_backend.parallel.combine import Group, Parallel, ProcessGroupComm
 from pinned_backend.parallel.group import Workers, device_of, join, start_workers
 from pinned_backend.parallel.shards import plan_shard, shard_config, shard_weights
 
@@ -127,6 +127,8 @@ class ParallelModel:
                 # A rank gone meanwhile fails the broadcast; stop() ends the rest.
                 with contextlib.suppress(RuntimeError):
                     self.group.broadcast(torch.tensor([_STOP, 0, 0, 0, 0], device=self._device))
+            if isinstance(self.group, ProcessGroupComm):
+                self.group.close()
             self.workers.stop()
 
     @property

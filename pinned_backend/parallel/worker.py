@@ -31,7 +31,10 @@ def run(settings: BackendSettings, store: Path, rank: int, degree: int) -> None:
     kernels = select_kernels(settings.kernel_mode, device, kv_split_size=settings.kv_split_size)
     model = shard_model(checkpoint.config, checkpoint.weights, kernels, device, dtype, group)
     cache = PagedKVCache(model.config, kv_blocks(group, device), settings.block_size, device, dtype)
-    serve_steps(model, cache, group)
+    try:
+        serve_steps(model, cache, group)
+    finally:
+        group.close()
 
 
 def main(argv: list[str] | None = None) -> int:
