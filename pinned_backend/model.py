@@ -41,7 +41,7 @@ from pinned_backend.kernels.unfused import softcap
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.latent import LatentWeights, latent_attention, take_latent
 from pinned_backend.layout import norm_names
-from pinned_backend.moe import ExpertWeights, moe_mlp, take_experts
+from pinned_backend.moe import ExpertWeights, moe_mlp, shard_experts, take_experts
 from pinned_backend.parallel.combine import Parallel
 from pinned_backend.rope import inv_freq, rope_tables
 from pinned_backend.routing import DROPLESS, ExpertRouting
@@ -205,6 +205,8 @@ class Transformer:
         moe, experts, gate_up, down = c.moe, None, None, None
         if moe is not None and i in moe.sparse_layers:
             experts = take_experts(p, moe, take)
+            if self.parallel is not None:
+                experts = shard_experts(experts, self.parallel.experts)
         elif c.fused_projections:
             gate_up, down = take(p + "mlp.gate_up_proj.weight"), take(p + "mlp.down_proj.weight")
         else:
@@ -243,13 +245,11 @@ class Transformer:
         )
         if self.parallel is None:
             return layer
-        assert layer.o is not None and layer.down is not None
+        assert layer.o is not None
+        # A sparse layer has no down projection: its experts are the rank's own (moe.shard_experts).
+        down = () if layer.down is None else self.parallel.split_weight("down", layer.down)
         return dataclasses.replace(
-            layer,
-            o=None,
-            down=None,
-            o_parts=self.parallel.split_weight("o", layer.o),
-            down_parts=self.parallel.split_weight("down", layer.down),
+            layer, o=None, down=None, o_parts=self.parallel.split_weight("o", layer.o), down_parts=down
         )
 
     @classmethod
@@ -406,7 +406,7 @@ class Transformer:
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         if layer.experts is not None and self.config.moe is not None:
-            return moe_mlp(self.kernels, layer.experts, h, self.config.moe, self.routing)
+            return moe_mlp(self.kernels, layer.experts, h, self.config.moe, self.routing, self.parallel)
         assert layer.gate_up is not None
         gated = self.kernels.gelu_mul if self.config.activation == "gelu_tanh" else self.kernels.silu_mul
         return self._row_parallel(

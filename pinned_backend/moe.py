@@ -15,6 +15,9 @@ Which experts a token gets is routing.py's decision; this module runs them, in o
   rank order, so a token's sum has one order whatever experts its neighbours chose;
 - `default`: the conventional grouped loop (Hugging Face's): experts in index order, each adding its weighted
   outputs into the tokens' rows with `index_add_`.
+Under tensor parallelism a rank holds a contiguous run of the routed experts (`shard_experts`) and runs the
+host-gathered path: every rank routes every token, runs its own experts' tokens, and each slot is then copied from
+the rank that computed it (`ExpertGroup.gather_slots`) before the sum by rank, so a token's bits are one process's.
 The families differ around that core, and each difference is a function of the token's own row: a router bias and
 expert biases, gpt-oss's clamped SwiGLU in place of SiLU (both spelled with exp, add and divide, so that an element
 gets the same bits wherever it sits), and DeepSeek-V3's shared experts, a dense MLP whose output is added after the
@@ -26,7 +29,7 @@ laid out as the others' on load). This module knows nothing of attention, the KV
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol, runtime_checkable
 
@@ -129,13 +132,49 @@ def scoring_of(moe: MoeConfig) -> Scoring:
     return Scoring(moe.scoring, moe.n_group, moe.topk_group, moe.routed_scaling_factor)
 
 
+class ExpertGroup(Protocol):
+    """Expert parallelism, as a tensor-parallel rank sees it (parallel/combine.py): the experts it holds, and how
+    the ranks' outputs meet."""
+
+    @property
+    def experts(self) -> range: ...
+
+    def gather_slots(self, slots: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each slot [T * k, hidden] as the rank holding its expert (`experts` [T * k]) computed it."""
+        ...
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def shard_experts(weights: ExpertWeights, experts: range) -> ExpertWeights:
+    """The routed experts a rank holds; the router and the shared experts stay whole on every rank."""
+    part = slice(experts.start, experts.stop)
+
+    def cut(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        return None if tensor is None else tensor[part].contiguous()
+
+    down = cut(weights.down)
+    gate_up = cut(weights.gate_up)
+    assert down is not None and gate_up is not None
+    return replace(
+        weights,
+        gate_up=gate_up,
+        down=down,
+        gate_up_bias=cut(weights.gate_up_bias),
+        down_bias=cut(weights.down_bias),
+    )
+
+
 def moe_mlp(
     kernels: Kernels,
     weights: ExpertWeights,
     h: torch.Tensor,  # [T, hidden], the normalised residual
     moe: MoeConfig,
     routing: ExpertRouting,
+    group: ExpertGroup | None = None,
 ) -> torch.Tensor:  # [T, hidden]
+    """`group`: under expert parallelism, `weights` holds this rank's experts alone (`shard_experts`); every rank
+    routes every token (the router is whole everywhere) and runs the tokens its experts got."""
     logits = kernels.matmul(h, weights.router)
     if weights.router_bias is not None:
         logits = logits + weights.router_bias
@@ -143,7 +182,7 @@ def moe_mlp(
     if moe.activation == "clamped_swiglu":
         activation = partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit)
     k, norm = moe.num_experts_per_tok, moe.norm_topk_prob
-    if isinstance(kernels, ExpertKernels):
+    if isinstance(kernels, ExpertKernels) and group is None:
         if routing.capacity_factor is None and moe.scoring == "softmax":
             experts, probs = kernels.route(logits, k, norm)
         else:
@@ -156,11 +195,14 @@ def moe_mlp(
         experts, probs = route(logits, k, norm, routing, scoring_of(moe), weights.correction)
         # As Hugging Face does: the weights rounded to the activations' dtype before they scale an expert's output.
         scales = probs.to(h.dtype)
-        run = partial(_expert, kernels, weights, activation or kernels.silu_mul)
+        held = range(weights.gate_up.shape[0]) if group is None else group.experts
+        run = partial(_expert, kernels, weights, activation or kernels.silu_mul, held.start)
         if kernels.mode == "batch_invariant":
-            out = _combine_by_rank(run, h, experts, scales)
+            out = _combine_by_rank(run, h, experts, scales, held, group)
         else:
-            out = _combine_by_expert(run, h, experts, scales)
+            out = _combine_by_expert(run, h, experts, scales, held)
+            if group is not None:
+                out = group.all_reduce(out)
     if weights.shared_gate_up is not None and weights.shared_down is not None:
         shared = kernels.matmul(
             kernels.silu_mul(kernels.matmul(h, weights.shared_gate_up)), weights.shared_down
@@ -170,20 +212,26 @@ def moe_mlp(
 
 
 def _expert(
-    kernels: Kernels, weights: ExpertWeights, activation: Activation, e: int, x: torch.Tensor
+    kernels: Kernels, weights: ExpertWeights, activation: Activation, first: int, e: int, x: torch.Tensor
 ) -> torch.Tensor:
-    gate_up = kernels.matmul(x, weights.gate_up[e])
+    local = e - first  # `weights` holds experts first.. (all of them, first 0, in one process)
+    gate_up = kernels.matmul(x, weights.gate_up[local])
     if weights.gate_up_bias is not None:
-        gate_up = gate_up + weights.gate_up_bias[e]
-    out = kernels.matmul(activation(gate_up), weights.down[e])
-    return out if weights.down_bias is None else out + weights.down_bias[e]
+        gate_up = gate_up + weights.gate_up_bias[local]
+    out = kernels.matmul(activation(gate_up), weights.down[local])
+    return out if weights.down_bias is None else out + weights.down_bias[local]
 
 
 ExpertRun = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, its tokens' rows) -> their outputs
 
 
 def _combine_by_rank(
-    run: ExpertRun, h: torch.Tensor, experts: torch.Tensor, scales: torch.Tensor
+    run: ExpertRun,
+    h: torch.Tensor,
+    experts: torch.Tensor,
+    scales: torch.Tensor,
+    held: range,
+    group: ExpertGroup | None = None,
 ) -> torch.Tensor:
     n_tokens, top_k = experts.shape
     slots = h.new_zeros(
@@ -191,8 +239,11 @@ def _combine_by_rank(
     )  # slot t * k + r: token t's output from its rank-r expert
     flat = experts.reshape(-1)
     for e in torch.unique(flat[flat != DROPPED]).tolist():
-        chosen = torch.nonzero(flat == e).squeeze(1)
-        slots[chosen] = run(e, h[chosen // top_k])
+        if e in held:
+            chosen = torch.nonzero(flat == e).squeeze(1)
+            slots[chosen] = run(e, h[chosen // top_k])
+    if group is not None:  # each slot copied from the rank that computed it: the sum below is one process's
+        slots = group.gather_slots(slots, flat)
     slots = slots.view(n_tokens, top_k, -1)
     # A refused slot holds zeros at weight zero: adding it leaves the sum's bits as they are.
     out = slots[:, 0] * scales[:, :1]
@@ -202,10 +253,12 @@ def _combine_by_rank(
 
 
 def _combine_by_expert(
-    run: ExpertRun, h: torch.Tensor, experts: torch.Tensor, scales: torch.Tensor
+    run: ExpertRun, h: torch.Tensor, experts: torch.Tensor, scales: torch.Tensor, held: range
 ) -> torch.Tensor:
     out = torch.zeros_like(h)
     for e in torch.unique(experts[experts != DROPPED]).tolist():
+        if e not in held:
+            continue
         tokens, ranks = torch.nonzero(experts == e, as_tuple=True)
         out.index_add_(0, tokens, run(e, h[tokens]) * scales[tokens, ranks, None])
     return out

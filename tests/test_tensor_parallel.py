@@ -40,7 +40,7 @@ from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.server import create_app
 from pinned_backend.stack import fingerprint
-from tests.support.backend_checkpoint import SMALL_CONFIG, write_random_checkpoint
+from tests.support.backend_checkpoint import MOE_CONFIG, SMALL_CONFIG, write_random_checkpoint
 from tests.support.fake_replica import FakeReplica
 from tests.support.proxy_harness import running_proxy
 from tests.support.scripted_arrivals import Arrival, run_schedule
@@ -270,7 +270,6 @@ def test_a_shard_keeps_its_heads_rows_and_columns() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"moe": True}, "mixture of experts"),
         ({"mla": True}, "latent attention"),
         ({"qk_norm_span": "projection"}, "across every head"),
         ({"degree": 0}, "at least 1"),
@@ -279,8 +278,6 @@ def test_a_shard_keeps_its_heads_rows_and_columns() -> None:
 def test_what_cannot_be_cut_is_refused_naming_why(change: dict[str, Any], message: str) -> None:
     config = _config(TP_CONFIG, vocab_size=259)
     degree = change.pop("degree", 2)
-    if change.pop("moe", False):
-        config = dataclasses.replace(config, moe=cast(Any, object()))
     if change.pop("mla", False):
         config = dataclasses.replace(config, mla=cast(Any, object()))
     config = dataclasses.replace(config, **change)
@@ -317,7 +314,7 @@ def sizes_on(device: torch.device) -> dict[str, int]:
 
 
 def two_steps(
-    forward: Callable[..., torch.Tensor], cache: PagedKVCache, device: torch.device
+    forward: Callable[..., torch.Tensor], cache: PagedKVCache, device: torch.device, vocab: int = 259
 ) -> torch.Tensor:
     """The logits of a 12-token prefill (two rows) and of one decode step after it, in one sequence."""
     tokens = 12
@@ -326,7 +323,7 @@ def two_steps(
         return torch.tensor(values, dtype=dtype, device=device)
 
     table = on([0, 1, 2, 3], torch.int32)[None]
-    prompt = [(7 * i + 3) % 259 for i in range(tokens)]
+    prompt = [(7 * i + 3) % vocab for i in range(tokens)]
     prefill = forward(
         on(prompt, torch.int64),
         on([0] * tokens, torch.int32),
@@ -358,9 +355,16 @@ def threaded_logits(checkpoint: Path, degree: int, device: torch.device, dtype: 
         weights = load_weights(checkpoint, config, dtype)
         model = shard_model(config, weights, kernels, device, dtype, group.member(index))
         cache = PagedKVCache(model.config, 4, sizes["block_size"], device, dtype)
-        return two_steps(model.forward, cache, device)
+        return two_steps(model.forward, cache, device, config.vocab_size)
 
     return run_ranks([functools.partial(rank, index) for index in range(degree)])[0]
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE-shaped: 4 experts, 2 a token; the first layer sparse, the second dense."""
+    folder = tmp_path_factory.mktemp("tensor-parallel") / "random-qwen3-moe"
+    return write_random_checkpoint(folder, with_tokenizer="bytes", config=MOE_CONFIG)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -371,6 +375,28 @@ def test_the_shards_of_degree_2_and_4_give_one_process_s_logits_on_one_device(
     one = threaded_logits(checkpoint, 1, cpu, dtype)
     for degree in (2, 4):
         assert torch.equal(threaded_logits(checkpoint, degree, cpu, dtype), one), f"degree {degree}"
+
+
+def test_experts_cut_between_two_processes_serve_one_process_s_bits_amid_load(moe_checkpoint: Path) -> None:
+    one, two = (load_runtime(settings(moe_checkpoint, degree)) for degree in (1, 2))
+    try:
+        for seed in range(3):
+            rng = random.Random(seed)
+            target = random_request(rng, "target", 0)
+            alone = run_schedule(one.engine, [target])["target"]
+            crowded = run_schedule(two.engine, crowded_schedule(rng, target))["target"]
+            assert answer(crowded) == answer(alone), f"case {seed}: experts on two ranks changed the answer"
+    finally:
+        one.close()
+        two.close()
+
+
+def test_experts_cut_among_ranks_give_one_process_s_logits(moe_checkpoint: Path) -> None:
+    cpu = torch.device("cpu")
+    one = threaded_logits(moe_checkpoint, 1, cpu, torch.float32)
+    for degree in (2, 3, 4):  # 3: the experts split 1 + 1 + 2
+        logits = threaded_logits(moe_checkpoint, degree, cpu, torch.float32)
+        assert torch.equal(logits, one), f"degree {degree}"
 
 
 @pytest.mark.gpu

@@ -105,6 +105,9 @@ class Parallel:
         self._counts = {"o": o_counts, "down": down_counts}
         self._widths = {"o": shard.o_widths(), "down": shard.down_widths()}
         self._vocab_starts = torch.tensor(shard.vocab_edges[1:-1], dtype=torch.int64)
+        # A dropped slot (expert -1) holds zeros everywhere: any rank's copy will do, the last's here.
+        owners = [shard.expert_owner(e) for e in range(shard.experts_total)]
+        self._expert_owners = torch.tensor([*owners, shard.degree - 1], dtype=torch.int64)
         self.hidden_size = hidden_size
 
     def split_weight(self, which: Literal["o", "down"], w: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -136,6 +139,23 @@ class Parallel:
         for partial in partials[1:]:
             total = total + partial.float()
         return total.to(x.dtype)
+
+    @property
+    def experts(self) -> range:
+        """The routed experts this rank holds (expert parallelism)."""
+        return self.shard.experts
+
+    def gather_slots(self, slots: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each expert slot [T * k, hidden] as the rank holding its expert (`experts` [T * k], -1 dropped)
+        computed it: a copy, so a token's sum over its slots is one process's."""
+        if self.group.size == 1:
+            return slots
+        gathered = torch.stack(self.group.all_gather(slots))
+        owner = self._expert_owners.to(experts.device)[experts]
+        return gathered[owner, torch.arange(slots.shape[0], device=slots.device)]
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(tensor) if self.group.size > 1 else tensor
 
     def embed(self, table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows [T, hidden] of `token_ids`, each copied from the rank whose vocabulary holds it."""

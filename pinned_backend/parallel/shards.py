@@ -1,4 +1,4 @@
-"""How a dense model's weights are cut among the ranks of a tensor-parallel group, and which fixed chunks each
+"""How a model's weights are cut among the ranks of a tensor-parallel group, and which fixed chunks each
 rank's share of a row-parallel reduction covers.
 
 The two reductions that cross ranks are the attention's output projection (over q_size) and the MLP's down
@@ -8,7 +8,8 @@ into `MLP_CHUNKS` equal slices. A rank holds a contiguous run of whole chunks, a
 may hold none when the degree exceeds the chunks), so that every chunk's partial product is the same whatever the
 degree, and the fixed-order sum over chunks (combine.py) is one tree at every degree, one process included.
 Column-parallel weights (q/k/v, gate/up, the vocabulary's embedding rows and LM head) follow the same cuts; a
-column's dot product is computed whole by one rank, which gives it the bits a single process gives it.
+column's dot product is computed whole by one rank, which gives it the bits a single process gives it. A mixture of
+experts' routed experts are cut into contiguous runs (expert parallelism, moe.py), its router kept whole.
 
 This module knows nothing of processes or communication; it slices tensors by Hugging Face name.
 """
@@ -52,6 +53,7 @@ class Shard:
     head_dim: int
     mlp_edges: tuple[int, ...]  # the MLP_CHUNKS + 1 edges of the intermediate dimension's slices, global
     vocab_edges: tuple[int, ...]  # where each rank's vocabulary begins and the last ends: degree + 1 edges
+    experts_total: int = 0  # a mixture of experts' routed experts; 0 for a dense model
 
     @property
     def kv_heads(self) -> range:
@@ -71,6 +73,15 @@ class Shard:
     def intermediate(self) -> range:
         chunks = self.mlp_chunks
         return range(self.mlp_edges[chunks.start], self.mlp_edges[chunks.stop])
+
+    @property
+    def experts(self) -> range:
+        """The routed experts this rank holds (expert parallelism): a contiguous run, as even as the counts allow."""
+        return even_range(self.experts_total, self.degree, self.rank)
+
+    def expert_owner(self, expert: int) -> int:
+        """The rank that holds `expert`."""
+        return next(r for r in range(self.degree) if expert in even_range(self.experts_total, self.degree, r))
 
     @property
     def vocab(self) -> range:
@@ -112,6 +123,7 @@ def plan_shard(config: ModelConfig, degree: int, rank: int) -> Shard:
         head_dim=config.head_dim,
         mlp_edges=tuple(chunk_edges(config.intermediate_size, MLP_CHUNKS)),
         vocab_edges=tuple(chunk_edges(config.vocab_size, degree)),
+        experts_total=config.moe.num_experts if config.moe is not None else 0,
     )
 
 
@@ -128,11 +140,6 @@ def check_shardable(config: ModelConfig, degree: int) -> None:
     """Raise ShardingError naming what keeps `config` from being served at `degree`."""
     if degree < 1:
         raise ShardingError(f"--tensor-parallel must be at least 1, got {degree}")
-    if config.moe is not None:
-        raise ShardingError(
-            f"tensor parallelism serves dense models; this {config.model_type} is a mixture of experts, whose "
-            "layers are not sharded yet: serve it with --tensor-parallel left out"
-        )
     if config.mla is not None:
         raise ShardingError(
             f"tensor parallelism does not shard latent attention ({config.model_type}) yet: serve it with "
@@ -181,6 +188,8 @@ def shard_weights(
         keep("lm_head.weight", weights.pop("lm_head.weight")[vocab.start : vocab.stop])
     for i in range(c.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        # A sparse layer's experts are cut by the Transformer once it has stacked them (moe.shard_experts).
+        dense = c.moe is None or i not in c.moe.sparse_layers
         if c.fused_projections:
             fused = weights.pop(a + "qkv_proj.weight")
             wq, wk, wv = fused.split([c.q_size, c.kv_size, c.kv_size])
@@ -192,10 +201,11 @@ def shard_weights(
                 keep(a + f"{name}_proj.weight", weights.pop(a + f"{name}_proj.weight")[rows])
                 if c.attention_bias:
                     keep(a + f"{name}_proj.bias", weights.pop(a + f"{name}_proj.bias")[rows])
-            for name in ("gate", "up"):
+            for name in ("gate", "up") if dense else ():
                 keep(m + f"{name}_proj.weight", weights.pop(m + f"{name}_proj.weight")[mlp.start : mlp.stop])
         keep(a + "o_proj.weight", weights.pop(a + "o_proj.weight")[:, q_rows])
-        keep(m + "down_proj.weight", weights.pop(m + "down_proj.weight")[:, mlp.start : mlp.stop])
+        if dense:
+            keep(m + "down_proj.weight", weights.pop(m + "down_proj.weight")[:, mlp.start : mlp.stop])
         if c.sinks:
             keep(a + "sinks", weights.pop(a + "sinks")[q.start : q.stop])
     out.update(weights)  # norms and biases every rank applies whole
