@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,7 +21,7 @@ from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.grammar import GrammarCompiler
 from pinned_backend.harmony import answer_text, is_harmony
-from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, Kernels, select_kernels
 from pinned_backend.kvcache import (
     KV_CONTEXTS,
     KV_MEMORY_SHARE,
@@ -46,6 +46,9 @@ from pinned_backend.stack import (
 from pinned_backend.step_graphs import DEFAULT_MAX_GRAPHS
 from pinned_backend.tokenizer import Tokenizer
 from pinned_backend.tokenpieces import TokenPieces
+
+if TYPE_CHECKING:
+    from pinned_backend.kernels.triton.plan_files import PlanFile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_SPECULATIVE_TOKENS = 16  # a verify pass of more drafts than this would mostly compute rejected ones
@@ -182,16 +185,8 @@ def load_runtime(
     dtype = settings.torch_dtype
     checkpoint = load_checkpoint(settings.model, dtype, report)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
-    plan_file = None
+    kernels, plan_file = kernels_for(settings, config, device)
     invariant_on_gpu = device.type == "cuda" and settings.kernel_mode == "batch_invariant"
-    if invariant_on_gpu:
-        from pinned_backend.kernels.triton.plan_files import plan_file_for, running_on
-
-        shapes = matmul_shapes(config).values()
-        plan_file = plan_file_for(running_on(device), set(shapes), settings.matmul_plans)
-    kernels = select_kernels(
-        settings.kernel_mode, device, kv_split_size=settings.kv_split_size, matmul_plans=plan_file
-    )
     model: Transformer | ParallelModel
     if settings.tensor_parallel is None:
         model = Transformer(
@@ -292,6 +287,23 @@ def load_runtime(
         pooling,
         GrammarCompiler(tokenizer, config.vocab_size, tokenizer.eos_token_ids),
     )
+
+
+def kernels_for(
+    settings: BackendSettings, config: ModelConfig, device: torch.device
+) -> tuple[Kernels, PlanFile | None]:
+    """The kernels the settings ask for on `device`, and on a GPU in batch_invariant mode the plan file chosen by
+    the whole model's weight shapes (every tensor-parallel rank chooses the same)."""
+    plan_file = None
+    if device.type == "cuda" and settings.kernel_mode == "batch_invariant":
+        from pinned_backend.kernels.triton.plan_files import plan_file_for, running_on
+
+        shapes = matmul_shapes(config).values()
+        plan_file = plan_file_for(running_on(device), set(shapes), settings.matmul_plans)
+    kernels = select_kernels(
+        settings.kernel_mode, device, kv_split_size=settings.kv_split_size, matmul_plans=plan_file
+    )
+    return kernels, plan_file
 
 
 def _kv_budget(settings: BackendSettings, config: ModelConfig, device: torch.device, report: Report) -> int:

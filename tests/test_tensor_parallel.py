@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestServer
 
 from pinned_backend.checkpoint import load_config, load_weights
 from pinned_backend.cli import main as backend_main
-from pinned_backend.kernels import KernelMode, select_kernels
+from pinned_backend.kernels import KernelMode
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.model_config import ModelConfig
 from pinned_backend.parallel.shards import (
@@ -36,10 +36,10 @@ from pinned_backend.parallel.shards import (
     shard_weights,
 )
 from pinned_backend.parallel.steps import ParallelModel, RankGone, shard_model
-from pinned_backend.runtime import BackendSettings, Runtime, load_runtime
+from pinned_backend.runtime import BackendSettings, Runtime, kernels_for, load_runtime
 from pinned_backend.sampling import SamplingParams
 from pinned_backend.server import create_app
-from pinned_backend.stack import fingerprint
+from pinned_backend.stack import DTYPE_NAMES, fingerprint
 from tests.support.backend_checkpoint import MOE_CONFIG, SMALL_CONFIG, write_random_checkpoint
 from tests.support.fake_replica import FakeReplica
 from tests.support.proxy_harness import running_proxy
@@ -345,13 +345,14 @@ def two_steps(
 
 def threaded_logits(checkpoint: Path, degree: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """`two_steps` with the model cut `degree` ways among threads on one device (rank 0's logits); the KV cache
-    as `sizes_on` gives it."""
+    as `sizes_on` gives it, and on a GPU the matmul plans the whole model's shapes choose, as a served rank's."""
     config = load_config(checkpoint)
     group = ThreadGroup(degree)
+    sizes = sizes_on(device)
+    served = BackendSettings(model=checkpoint, device=device.type, dtype=DTYPE_NAMES[dtype], **sizes)
 
     def rank(index: int) -> torch.Tensor:
-        sizes = sizes_on(device)
-        kernels = select_kernels("batch_invariant", device, kv_split_size=sizes["kv_split_size"])
+        kernels, _ = kernels_for(served, config, device)
         weights = load_weights(checkpoint, config, dtype)
         model = shard_model(config, weights, kernels, device, dtype, group.member(index))
         cache = PagedKVCache(model.config, 4, sizes["block_size"], device, dtype)
@@ -397,6 +398,35 @@ def test_experts_cut_among_ranks_give_one_process_s_logits(moe_checkpoint: Path)
     for degree in (2, 3, 4):  # 3: the experts split 1 + 1 + 2
         logits = threaded_logits(moe_checkpoint, degree, cpu, torch.float32)
         assert torch.equal(logits, one), f"degree {degree}"
+
+
+# Qwen3-1.7B's layer shapes (two layers, a small vocabulary): its weights' shapes are in the shipped plan file, and
+# a rank's slice of q/k/v or gate/up is not.
+PLANNED_CONFIG = {
+    **SMALL_CONFIG,
+    "vocab_size": 4096,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_rank_s_slices_take_their_whole_weights_plans_and_give_one_process_s_logits(
+    tmp_path: Path,
+) -> None:
+    checkpoint = write_random_checkpoint(tmp_path / "qwen3-1.7b-layers", config=PLANNED_CONFIG)
+    gpu = torch.device("cuda")
+    served = settings(checkpoint, None, device="cuda", dtype="bf16", **sizes_on(gpu))
+    _, plan_file = kernels_for(served, load_config(checkpoint), gpu)
+    assert plan_file is not None and (4096, 2048) in plan_file.plans, "the whole q/k/v takes a tuned plan"
+    one = threaded_logits(checkpoint, 1, gpu, torch.bfloat16)
+    for degree in (2, 4):
+        assert torch.equal(threaded_logits(checkpoint, degree, gpu, torch.bfloat16), one), f"degree {degree}"
 
 
 @pytest.mark.gpu

@@ -72,6 +72,9 @@ class UnfusedKernels(ABC):
     @abstractmethod
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
 
+    def plan_like(self, shard: tuple[int, int], whole: tuple[int, int]) -> None:  # noqa: B027 (nothing to do)
+        """The CPU's matmuls have no plans: a column's sum is the BLAS's whatever the columns around it."""
+
     @abstractmethod
     def attention(
         self,

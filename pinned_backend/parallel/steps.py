@@ -18,13 +18,15 @@ import torch
 
 from pinned_backend.kernels import Kernels
 from pinned_backend.kvcache import PagedKVCache
-from pinned_backend.model import Transformer
+from pinned_backend.model import Transformer, matmul_shapes
 from pinned_backend.model_config import ModelConfig
 from pinned_backend.parallel.combine import Group, Parallel, ProcessGroupComm
 from pinned_backend.parallel.group import Workers, device_of, join, start_workers
 from pinned_backend.parallel.shards import plan_shard, shard_config, shard_weights
 
 _FORWARD, _HIDDEN, _STOP = 1, 2, 3
+# The weights a rank holds a column slice of (model.matmul_shapes' names): each takes its whole weight's plan.
+COLUMN_PARALLEL = ("qkv", "gate_up", "lm_head")
 _HEADER = 5  # op, tokens, sequences, table width, rows
 
 
@@ -41,8 +43,13 @@ def shard_model(
     shard = plan_shard(config, group.size, group.rank)
     reduction = "tree" if kernels.mode == "batch_invariant" else "all_reduce"
     parallel = Parallel(shard, group, reduction, config.hidden_size)
+    local_config = shard_config(config, shard)
+    whole, cut = matmul_shapes(config), matmul_shapes(local_config)
+    for name in COLUMN_PARALLEL:
+        if name in whole and cut[name] != whole[name] and cut[name][0] > 0:
+            kernels.plan_like(cut[name], whole[name])
     local = shard_weights(config, weights, shard)
-    return Transformer(shard_config(config, shard), local, kernels, device, dtype, parallel=parallel)
+    return Transformer(local_config, local, kernels, device, dtype, parallel=parallel)
 
 
 def start_parallel(

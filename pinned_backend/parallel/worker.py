@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 
-from pinned_backend.kernels import select_kernels
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.loading import load_checkpoint
 from pinned_backend.parallel.group import connect, device_of
 from pinned_backend.parallel.steps import kv_blocks, serve_steps, shard_model
-from pinned_backend.runtime import BackendSettings
+from pinned_backend.runtime import BackendSettings, kernels_for
 
 
 def run(settings: BackendSettings, store: Path, rank: int, degree: int) -> None:
@@ -28,7 +27,7 @@ def run(settings: BackendSettings, store: Path, rank: int, degree: int) -> None:
     group = connect(store, rank, degree, device)
     dtype = settings.torch_dtype
     checkpoint = load_checkpoint(settings.model, dtype, lambda _: None)
-    kernels = select_kernels(settings.kernel_mode, device, kv_split_size=settings.kv_split_size)
+    kernels, _ = kernels_for(settings, checkpoint.config, device)
     model = shard_model(checkpoint.config, checkpoint.weights, kernels, device, dtype, group)
     cache = PagedKVCache(model.config, kv_blocks(group, device), settings.block_size, device, dtype)
     try:

@@ -56,6 +56,9 @@ class TritonKernels:
         plan = self.plans.plan(w.shape[0], w.shape[1], capability(x.device))
         return matmul(x, w, plan, launches=self.launches)
 
+    def plan_like(self, shard: tuple[int, int], whole: tuple[int, int]) -> None:
+        self.plans.alias(shard, whole)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps, dependent=self.launches.dependent_launch)
 

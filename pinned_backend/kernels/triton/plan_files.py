@@ -215,8 +215,20 @@ class MatmulPlans:
     def __init__(self, plan_file: PlanFile | None = None) -> None:
         self.plan_file = plan_file
         self._plans: dict[tuple[int, int, tuple[int, int]], MatmulPlan] = {}
+        self._aliases: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def alias(self, shard: tuple[int, int], whole: tuple[int, int]) -> None:
+        """(N, K) `shard` takes the plan of `whole`, of the same K: a tensor-parallel rank's slice of a weight."""
+        if shard[1] != whole[1]:
+            raise ValueError(f"a column slice {shard} keeps its whole weight's K, not {whole}")
+        if self._aliases.get(shard, whole) != whole:
+            raise ValueError(
+                f"the slice shape {shard} stands for two weights, {self._aliases[shard]} and {whole}"
+            )
+        self._aliases[shard] = whole
 
     def plan(self, n: int, k: int, capability: tuple[int, int]) -> MatmulPlan:
+        n, k = self._aliases.get((n, k), (n, k))
         key = (n, k, capability)
         plan = self._plans.get(key)
         if plan is None:
