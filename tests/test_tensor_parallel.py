@@ -410,7 +410,6 @@ PLANNED_CONFIG = {
     "num_attention_heads": 16,
     "num_key_value_heads": 8,
     "head_dim": 128,
-    "tie_word_embeddings": True,
 }
 
 

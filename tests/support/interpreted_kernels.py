@@ -61,7 +61,7 @@ def main() -> int:
     exact_x = (torch.randint(-8, 9, x.shape, generator=gen) / 8).to(torch.float16)
     exact_w = (torch.randint(-8, 9, w.shape, generator=gen) / 8).to(torch.float16)
     # Program counts and sizes that cut chains between programs at many places, with one and two slices of K.
-    for programs, split, m in itertools.product([4, 7], [1, 2], [1, 130, 257]):
+    for programs, split, m in itertools.product([4, 7], [1, 2], [1, 257]):
         matmul_module._multiprocessors = lambda device, n=programs: n
         plan = MatmulPlan(split, ((1 << 62, ONE_PROGRAM_PER_TILE),))
         for cases, a, b in ((ways, x, w), (swapped_ways, exact_x, exact_w)):
