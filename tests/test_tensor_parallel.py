@@ -14,7 +14,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,6 +32,7 @@ from pinned_backend.cli import main as backend_main
 from pinned_backend.kernels import KernelMode
 from pinned_backend.kvcache import PagedKVCache
 from pinned_backend.model_config import ModelConfig
+from pinned_backend.parallel.group import connect
 from pinned_backend.parallel.shards import (
     MLP_CHUNKS,
     ShardingError,
@@ -443,3 +448,30 @@ def test_on_a_gpu_one_nccl_rank_and_the_shards_of_degree_2_and_4_give_the_same_l
         runtime.close()
     for degree in (1, 2, 4):
         assert torch.equal(threaded_logits(checkpoint, degree, gpu, torch.bfloat16), one), f"degree {degree}"
+
+
+IDLE_RANK = """
+import sys, torch
+from datetime import timedelta
+from pathlib import Path
+from pinned_backend.parallel.group import connect
+group = connect(Path(sys.argv[1]), 1, 2, torch.device("cpu"), timedelta(seconds=1))
+print(group.broadcast(torch.zeros(1), idle=True).item(), flush=True)
+group.close()
+"""
+
+
+def test_a_rank_waits_for_the_next_step_past_the_groups_timeout(tmp_path: Path) -> None:
+    # A server may idle for hours: the group's timeout bounds each collective, never a rank's wait for the next
+    # step, which would otherwise end every other rank once the server had been idle that long.
+    store = tmp_path / "store"
+    other = subprocess.Popen([sys.executable, "-c", IDLE_RANK, str(store)], stdout=subprocess.PIPE, text=True)
+    try:
+        group = connect(store, 0, 2, torch.device("cpu"), timedelta(seconds=1))
+        time.sleep(2.5)
+        group.broadcast(torch.tensor([7.0]))
+        out, _ = other.communicate(timeout=60)
+        group.close()
+    finally:
+        other.kill()
+    assert other.returncode == 0 and out.strip() == "7.0"

@@ -14,6 +14,7 @@ copy, exact), and each rank computes its own vocabulary's logits whole (gathered
 from __future__ import annotations
 
 import itertools
+from datetime import timedelta
 from typing import Literal, Protocol
 
 import torch
@@ -22,6 +23,7 @@ from pinned_backend.kernels import Kernels
 from pinned_backend.parallel.shards import Shard
 
 Reduction = Literal["tree", "all_reduce"]
+_IDLE_WAIT = timedelta(days=3650)
 
 
 class Group(Protocol):
@@ -38,8 +40,8 @@ class Group(Protocol):
         """The sum of every rank's `tensor`, in whatever order the library picks."""
         ...
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `tensor`, on every rank (filled in place)."""
+    def broadcast(self, tensor: torch.Tensor, *, idle: bool = False) -> torch.Tensor:
+        """Rank 0's `tensor`, on every rank (filled in place); `idle`: waited for without a timeout."""
         ...
 
 
@@ -55,7 +57,7 @@ class Solo:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, *, idle: bool = False) -> torch.Tensor:
         return tensor
 
 
@@ -79,8 +81,10 @@ class ProcessGroupComm:
         self._group.allreduce([tensor]).wait()
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._group.broadcast(tensor, 0).wait()
+    def broadcast(self, tensor: torch.Tensor, *, idle: bool = False) -> torch.Tensor:
+        """`idle`: the wait of a rank for rank 0's next step, which may come after any time the server idles; the
+        group's timeout bounds every other collective."""
+        self._group.broadcast(tensor, 0, _IDLE_WAIT if idle else None).wait()
         return tensor
 
     def close(self) -> None:

@@ -60,15 +60,20 @@ def join(store_path: Path, workers: Workers, device: torch.device) -> ProcessGro
     return joined[0]
 
 
-def connect(store_path: Path, rank: int, size: int, device: torch.device) -> ProcessGroupComm:
-    """Join the group whose store is `store_path` as `rank` of `size`; returns once every rank has joined."""
+def connect(
+    store_path: Path, rank: int, size: int, device: torch.device, timeout: timedelta = JOIN_TIMEOUT
+) -> ProcessGroupComm:
+    """Join the group whose store is `store_path` as `rank` of `size`; returns once every rank has joined.
+    `timeout` bounds the joining and each collective but a rank's wait for the next step (`broadcast(idle=True)`)."""
     store = dist.FileStore(str(store_path), size)
     group: dist.ProcessGroup
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, rank, size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, JOIN_TIMEOUT)
+        group = dist.ProcessGroupGloo(store, rank, size, timeout)
     return ProcessGroupComm(group, rank, size)
 
 

@@ -166,7 +166,7 @@ def serve_steps(model: Transformer, cache: PagedKVCache, group: Group) -> None:
     """The loop of ranks 1..N-1: compute each step rank 0 broadcasts, until it says stop."""
     device = model.device
     while True:
-        header = group.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=device))
+        header = group.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=device), idle=True)
         op, tokens, sequences, width, rows = header.tolist()
         if op == _STOP:
             return

@@ -47,7 +47,7 @@ class ThreadRank:
             total += part
         return total
 
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, *, idle: bool = False) -> torch.Tensor:
         return self._group.exchange(self.rank, tensor)[0].clone()
 
 
