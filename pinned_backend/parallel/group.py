@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from pinned_backend.parallel.combine import ProcessGroupComm
 
-# How long a rank waits for the others to join, and for any one collective: a worker loads the whole checkpoint
-# before it cuts its shard, which can take minutes for a large model.
+# How long a rank waits for the others to join, and for any one collective but the wait for the next step: a worker
+# loads the whole checkpoint before it cuts its shard, which can take minutes for a large model.
 JOIN_TIMEOUT = timedelta(minutes=15)
 _STOP_WAIT_S = 10.0
 _JOIN_POLL_S = 0.1

@@ -96,11 +96,6 @@ class Shard:
         e = self.mlp_edges
         return [e[j + 1] - e[j] for j in self.mlp_chunks]
 
-    def chunks_at_most(self) -> tuple[int, int]:
-        """The most o and down chunks any rank holds: how many partials each rank sends, padded with zeros."""
-        mlp_chunks = len(self.mlp_edges) - 1
-        return -(-self.kv_heads_total // self.degree), -(-mlp_chunks // self.degree)
-
     def chunk_counts(self) -> tuple[list[int], list[int]]:
         """How many o and down chunks each rank holds, rank by rank."""
         mlp_chunks = len(self.mlp_edges) - 1

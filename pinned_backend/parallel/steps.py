@@ -87,10 +87,6 @@ class ParallelModel:
         self.workers = workers
         self._lock = threading.Lock()  # one step at a time reaches the group, whoever calls
 
-    @property
-    def degree(self) -> int:
-        return self.group.size
-
     def start(self, num_blocks: int) -> None:
         """Tell the other ranks how many KV blocks to keep; every rank's cache has the same blocks."""
         self._collective(lambda: self.group.broadcast(torch.tensor([num_blocks], device=self._device)))
