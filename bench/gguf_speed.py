@@ -125,11 +125,11 @@ def profile(
         for name in names:
             original = originals[name] = getattr(kernels, name)
 
-            def wrapped(*args: Any, _original: Any = original, _family: str = family) -> Any:
+            def wrapped(*args: Any, _original: Any = original, _family: str = family, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 depth[0] += 1
                 try:
-                    return _original(*args)
+                    return _original(*args, **kwargs)
                 finally:
                     depth[0] -= 1
                     if depth[0] == 0:

@@ -155,8 +155,9 @@ class Transformer:
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.norm = self._norm(take("model.norm.weight"))
-        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
-        self.layers = [self._take_layer(i, take) for i in range(config.num_hidden_layers)]
+        # Tied: the embedding is gathered from, so the LM head is a copy of it where `prepare` repacks it.
+        self.lm_head = kernels.prepare(self.embed if config.tie_word_embeddings else take("lm_head.weight"))
+        self.layers = [self._prepared(self._take_layer(i, take)) for i in range(config.num_hidden_layers)]
         # Rotary cos/sin for every position, computed once: a row's cos/sin are then read, never recomputed in a
         # step whose shape could change how the vectorised cos/sin treats it. [max_positions, head_dim / 2]
         self.rope = self._rope_tables()
@@ -250,6 +251,23 @@ class Transformer:
         down = () if layer.down is None else self.parallel.split_weight("down", layer.down)
         return dataclasses.replace(
             layer, o=None, down=None, o_parts=self.parallel.split_weight("o", layer.o), down_parts=down
+        )
+
+    def _prepared(self, layer: _Layer) -> _Layer:
+        """The layer with the weights that only the dense matmul reads as the kernels prepare them."""
+        prepare = self.kernels.prepare
+
+        def one(w: torch.Tensor | None) -> torch.Tensor | None:
+            return None if w is None else prepare(w)
+
+        return dataclasses.replace(
+            layer,
+            qkv=one(layer.qkv),
+            o=one(layer.o),
+            gate_up=one(layer.gate_up),
+            down=one(layer.down),
+            o_parts=tuple(prepare(w) for w in layer.o_parts),
+            down_parts=tuple(prepare(w) for w in layer.down_parts),
         )
 
     @classmethod

@@ -6,7 +6,7 @@ on the dtype and the weight's shape, never on how many rows the step has, where 
 the batch. This module knows nothing of scheduling, sampling or HTTP.
 
 Shapes, shared by every implementation:
-- matmul:       x [M, K] @ w[N, K].T -> [M, N]   (w in nn.Linear layout)
+- matmul:       x [M, K] @ w[N, K].T -> [M, N]   (w in nn.Linear layout, or as `prepare` made it)
 - rms_norm:     x [M, D], weight [D] -> [M, D]
 - log_softmax:  x [M, V] -> [M, V] float32, over the last dimension
 - attention:    q [T, Hq, D] (this step's new tokens, all sequences concatenated) over a paged KV cache
@@ -59,6 +59,12 @@ class Kernels(Protocol):
     mode: KernelMode
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor: ...
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        """A weight [N, K] as `matmul` reads it fastest, made once at load, for a weight whose only reader is
+        `matmul` (the CPU packs it for oneDNN: kernels.onednn); what `matmul` then gives a row is the same whatever
+        the batch, as for a plain weight."""
+        ...
 
     def plan_like(self, shard: tuple[int, int], whole: tuple[int, int]) -> None:
         """Weights of (N, K) `shard` are column slices of one of `whole` (tensor parallelism): their matmuls take the

@@ -10,15 +10,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pinned_backend.kernels import KernelMode
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, onednn
+from pinned_backend.kernels.cpu_attention import SplitAttention
 from pinned_backend.kernels.unfused import UnfusedKernels, softcap
+
+# The rows a packed weight is laid out for: a hint to oneDNN, which multiplies any number of rows either way.
+_PACKED_FOR_ROWS = 16
+# Several sequences' attention in fixed pieces (kernels.cpu_attention), batched across sequences: faster than a call
+# per sequence from two sequences on; one sequence alone goes to scaled_dot_product_attention.
+_SPLIT_ROWS = 8
 
 
 class TorchKernels(UnfusedKernels):
     mode: KernelMode = "default"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._batched = SplitAttention(DEFAULT_KV_SPLIT_SIZE, _SPLIT_ROWS)
+
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w)
+        return onednn.linear(x, w) if onednn.is_packed(w) else F.linear(x, w)
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return onednn.pack(w, _PACKED_FOR_ROWS)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
@@ -42,10 +56,14 @@ class TorchKernels(UnfusedKernels):
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        # One attention call per sequence over its gathered cache: scaled_dot_product_attention where it computes
-        # the variant, the softmax spelled out where it does not (soft-capped scores, sinks). The loop reads the
-        # positions to the host; the default mode accepts that cost for simplicity.
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        if block_tables.shape[0] > 1 and DEFAULT_KV_SPLIT_SIZE % block_size == 0:
+            return self._batched(
+                q, k_cache, v_cache, block_tables, query_seq, query_pos, scale,
+                window=window, sinks=sinks, softcap=softcap,
+            )  # fmt: skip
+        # One attention call per sequence over its gathered cache: scaled_dot_product_attention where it computes
+        # the variant, the softmax spelled out where it does not (soft-capped scores, sinks).
         out = q.new_empty(*q.shape[:2], v_cache.shape[3])
         for seq in torch.unique(query_seq).tolist():
             rows = torch.nonzero(query_seq == seq).squeeze(1)

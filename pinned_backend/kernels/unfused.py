@@ -16,6 +16,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pinned_backend.kernels.step_memo import StepMemo
+
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x) in float32, rounded once to x's dtype.
@@ -65,6 +67,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class UnfusedKernels(ABC):
     """The fused families as torch ops over the subclass's own `rms_norm`."""
+
+    def __init__(self) -> None:
+        self._rope_memo = StepMemo()
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -138,16 +143,34 @@ class UnfusedKernels(ABC):
         n_tokens = qkv.shape[0]
         n_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         kv_size = n_kv_heads * head_dim
-        q, k, v = qkv.split([qkv.shape[1] - 2 * kv_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(n_tokens, -1, head_dim)
-        k = k.reshape(n_tokens, n_kv_heads, head_dim)
-        v = v.reshape(n_tokens, n_kv_heads, head_dim)
-        if q_norm is not None:
-            q = self.rms_norm(q.reshape(-1, head_dim), q_norm, eps).reshape(q.shape)
-        if k_norm is not None:
-            k = self.rms_norm(k.reshape(-1, head_dim), k_norm, eps).reshape(k.shape)
-        cos, sin = rope_cos[positions][:, None, :], rope_sin[positions][:, None, :]  # [T, 1, D/2]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_size = qkv.shape[1] - 2 * kv_size
+        cos, sin = self._rope_rows(rope_cos, rope_sin, positions)  # [T, 1, D/2]
+        if q_norm is None and k_norm is None:
+            # q's heads and k's side by side, rotated in one pass: elementwise, so each element's bits are as apart
+            qk = apply_rope(qkv[:, : q_size + kv_size].reshape(n_tokens, -1, head_dim), cos, sin)
+            q, k = qk[:, : q_size // head_dim], qk[:, q_size // head_dim :]
+        else:
+            q = qkv[:, :q_size].reshape(n_tokens, -1, head_dim)
+            k = qkv[:, q_size : q_size + kv_size].reshape(n_tokens, n_kv_heads, head_dim)
+            if q_norm is not None:
+                q = self.rms_norm(q.reshape(-1, head_dim), q_norm, eps).reshape(q.shape)
+            if k_norm is not None:
+                k = self.rms_norm(k.reshape(-1, head_dim), k_norm, eps).reshape(k.shape)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        v = qkv[:, q_size + kv_size :].reshape(n_tokens, n_kv_heads, head_dim)
         k_cache.view(-1, n_kv_heads, head_dim)[slots] = k.to(k_cache.dtype)
         v_cache.view(-1, n_kv_heads, head_dim)[slots] = v.to(v_cache.dtype)
         return q
+
+    def _rope_rows(
+        self, rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary rows [T, 1, D/2] of the step's positions, read once a step (kernels.step_memo). The value
+        holds the tables, so that their identities, the key, stay theirs while it is kept."""
+        tables, cos, sin = self._rope_memo.get(
+            (positions,),
+            (id(rope_cos), id(rope_sin)),
+            lambda: ((rope_cos, rope_sin), rope_cos[positions][:, None, :], rope_sin[positions][:, None, :]),
+        )
+        assert tables[0] is rope_cos and tables[1] is rope_sin
+        return cos, sin

@@ -56,6 +56,9 @@ class TritonKernels:
         plan = self.plans.plan(w.shape[0], w.shape[1], capability(x.device))
         return matmul(x, w, plan, launches=self.launches)
 
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return w  # the kernels read a weight in place; its plan is chosen by shape at each call
+
     def plan_like(self, shard: tuple[int, int], whole: tuple[int, int]) -> None:
         self.plans.alias(shard, whole)
 
