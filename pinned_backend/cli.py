@@ -1,7 +1,7 @@
 """`stackpin-backend`: serve a checkpoint over HTTP, write the tiny model, or tune matmul plans for a GPU.
 
     stackpin-backend serve --model DIR|FILE.gguf [--host 127.0.0.1] [--port 8000] [--kernel-mode batch_invariant|default]
-                           [--device cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--kv-cache-mb auto|N] [--max-batch-size N]
+                           [--device cpu|cuda] [--dtype auto|fastest|fp32|bf16|fp16] [--kv-cache-mb auto|N] [--max-batch-size N]
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
                            [--max-step-graphs N] [--prefix-cache | --no-prefix-cache] [--speculative-tokens K]
                            [--tensor-parallel N]
@@ -62,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     serve.add_argument(
         "--dtype",
-        choices=["auto", "fp32", "bf16", "fp16"],
+        choices=["auto", "fastest", "fp32", "bf16", "fp16"],
         default="auto",
-        help="auto: bf16 on cuda, fp32 on cpu",
+        help="auto: bf16 on cuda, fp32 on cpu; fastest: bf16 where the device computes it natively, else fp32",
     )
     serve.add_argument(
         "--kv-cache-mb",

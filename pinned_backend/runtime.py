@@ -21,7 +21,7 @@ from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
 from pinned_backend.grammar import GrammarCompiler
 from pinned_backend.harmony import answer_text, is_harmony
-from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, Kernels, select_kernels
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, Kernels, onednn, select_kernels
 from pinned_backend.kvcache import (
     KV_CONTEXTS,
     KV_MEMORY_SHARE,
@@ -63,7 +63,9 @@ class BackendSettings(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
     kernel_mode: Literal["batch_invariant", "default"] = "batch_invariant"
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on a GPU, fp32 on the CPU
+    # auto: bf16 on a GPU, fp32 on the CPU; fastest: bf16 wherever the device multiplies it natively (a GPU, a CPU
+    # with bf16 dot products, whose weights oneDNN packs: kernels.onednn), fp32 elsewhere.
+    dtype: Literal["auto", "fastest", "fp32", "bf16", "fp16"] = "auto"
     # The KV cache's size; "auto": room for a few whole contexts, within a share of the memory available
     # (kvcache.automatic_budget).
     kv_cache_mb: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] = "auto"
@@ -136,6 +138,8 @@ class BackendSettings(BaseModel):
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device == "cuda" else torch.float32
+        if self.dtype == "fastest":
+            return torch.bfloat16 if self.device == "cuda" or onednn.packs(torch.bfloat16) else torch.float32
         return DTYPES[self.dtype]
 
     @property

@@ -151,7 +151,8 @@ class LocalBackendSettings(_Section):
     # Several modes: one replica of each, side by side (a backend process each, on the same checkpoint file), so
     # that a study or a replay can set the modes against each other on one machine. Unset: `kernel_mode` alone.
     kernel_modes: list[Literal["batch_invariant", "default"]] | None = Field(default=None, min_length=1)
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # fastest: bf16 where the CPU multiplies it natively, fp32 elsewhere (stackpin-backend serve --dtype fastest)
+    dtype: Literal["fastest", "fp32", "bf16", "fp16"] = "fastest"
     # The KV cache, which bounds a request's prompt and answer together: "auto" sizes it for a few of the model's
     # whole contexts within a share of the memory available; a number is MB (stackpin-backend serve --kv-cache-mb).
     kv_cache_mb: Annotated[float, Field(gt=0, allow_inf_nan=False)] | Literal["auto"] = "auto"

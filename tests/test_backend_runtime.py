@@ -37,6 +37,13 @@ def test_dtype_auto_is_bf16_on_a_gpu_and_fp32_on_the_cpu() -> None:
     assert BackendSettings(model=Path("m"), device="cuda", dtype="fp16").torch_dtype == torch.float16
 
 
+def test_dtype_fastest_is_bf16_where_the_device_multiplies_it_natively() -> None:
+    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    on_cpu = BackendSettings(model=Path("m"), dtype="fastest").torch_dtype
+    assert on_cpu == (torch.bfloat16 if native else torch.float32)
+    assert BackendSettings(model=Path("m"), device="cuda", dtype="fastest").torch_dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("mode", ["batch_invariant", "default"])
 def test_fp32_on_a_gpu_is_refused_in_either_mode(mode: str) -> None:
     with pytest.raises(ValidationError, match="choose --dtype bf16"):
