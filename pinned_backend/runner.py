@@ -1,7 +1,9 @@
 """The engine's worker thread: runs `Engine.step()` while there is work and sleeps when there is none.
 
 An asyncio server calls `submit` and `cancel` from its event loop; the steps run here, so the loop stays
-responsive while the model computes. A step that raises fails the requests it held and the thread carries on.
+responsive while the model computes. The steps run best on the thread that loaded the model: PyTorch's OpenMP
+workers belong to the first thread that ran a parallel op, and a second thread's parallel ops run 2-3x slower on
+the CPU while the first one's workers exist, so the server loads and steps on one single-thread executor. A step that raises fails the requests it held and the thread carries on.
 Chores (an embeddings job) run here too, one turn between two steps, so that they use the model and its cache
 on the one thread that owns them. It knows nothing of scheduling (engine.py) or of HTTP.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Executor, Future
 from typing import Protocol
 
 from pinned_backend.engine import Engine, EngineError, EngineStopped, Sink
@@ -34,19 +37,29 @@ class EngineRunner:
         self._stopping = False
         self._chores: deque[Chore] = deque()
         self._thread = threading.Thread(target=self._loop, name="stackpin-engine", daemon=True)
+        self._on_executor: Future[None] | None = None
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self, executor: Executor | None = None) -> None:
+        """Step on a thread of the runner's own, or on `executor`'s (one thread, the one that loaded the model)."""
+        if executor is None:
+            self._thread.start()
+        else:
+            self._on_executor = executor.submit(self._loop)
 
     @property
     def alive(self) -> bool:
+        if self._on_executor is not None:
+            return not self._on_executor.done()
         return self._thread.is_alive()
 
     def stop(self) -> None:
         with self._wake:
             self._stopping = True
             self._wake.notify()
-        self._thread.join()
+        if self._on_executor is not None:
+            self._on_executor.result()
+        elif self._thread.is_alive():
+            self._thread.join()
         stopped = EngineStopped("the server is shutting down")
         self.engine.abort_all(stopped)
         with self._wake:

@@ -21,6 +21,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -110,15 +111,23 @@ def create_app(
 async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     loop = asyncio.get_running_loop()
-    runtime = await loop.run_in_executor(None, load_runtime, app[SETTINGS], metrics.observe_step, app[REPORT])
-    app[RUNTIME] = runtime
-    app[FINGERPRINT] = fingerprint(runtime.stack)
-    metrics.set_stack(runtime.stack, app[FINGERPRINT])
-    runtime.runner.start()
+    # One thread loads the model and then steps it (runner.py says why); closing runs elsewhere, since it waits for
+    # that thread's loop to end.
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stackpin-engine")
     try:
-        yield
+        runtime = await loop.run_in_executor(
+            engine_thread, load_runtime, app[SETTINGS], metrics.observe_step, app[REPORT]
+        )
+        app[RUNTIME] = runtime
+        app[FINGERPRINT] = fingerprint(runtime.stack)
+        metrics.set_stack(runtime.stack, app[FINGERPRINT])
+        runtime.runner.start(engine_thread)
+        try:
+            yield
+        finally:
+            await loop.run_in_executor(None, runtime.close)
     finally:
-        await loop.run_in_executor(None, runtime.close)
+        engine_thread.shutdown(wait=False)
 
 
 @web.middleware

@@ -58,7 +58,9 @@ def test_a_request_gets_a_record_and_its_replay_is_reproduced(
     assert (folder / "stackpin.db.log.key").exists(), "the log's signing key beside the database, not in it"
     verify = stackpin(folder, env, "verify")
     assert verify.returncode == 0 and "signatures checked" in verify.stdout, verify.stdout
-    assert f"gguf:Q4_1+Q8_0+F32->{DTYPE}" in audit.stdout, "the stack names the stored tensor types and the dtype"
+    assert f"gguf:Q4_1+Q8_0+F32->{DTYPE}" in audit.stdout, (
+        "the stack names the stored tensor types and the dtype"
+    )
 
 
 def test_identical_requests_under_concurrency_give_one_completion(

@@ -114,3 +114,33 @@ def test_stopping_the_runner_fails_an_unfinished_chore_and_refuses_new_ones(chec
     assert endless.failed and isinstance(endless.failed[0], EngineStopped)
     with pytest.raises(EngineStopped):
         runner.add_chore(Chore(engine, 1))
+
+
+def test_a_runner_started_on_an_executor_steps_on_that_executor_s_one_thread(checkpoint: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine_thread = ThreadPoolExecutor(max_workers=1)
+    loader = engine_thread.submit(
+        threading.get_ident
+    ).result()  # the thread that loaded the model, in the server
+    engine = make_engine(checkpoint)
+    stepped_on: set[int] = set()
+    step = engine.step
+
+    def recording_step() -> int:
+        stepped_on.add(threading.get_ident())
+        return step()
+
+    engine.step = recording_step  # type: ignore[method-assign]
+    runner = EngineRunner(engine)
+    runner.start(engine_thread)
+    try:
+        assert runner.alive
+        out = Collector()
+        runner.submit("a", [1, 2], GREEDY, out)
+        assert out.done.wait(30) and len(out.tokens) == 6
+    finally:
+        runner.stop()
+        engine_thread.shutdown()
+    assert stepped_on == {loader}
+    assert not runner.alive
