@@ -5,7 +5,7 @@
                            [--max-step-tokens N] [--max-queue N] [--kv-split-size N] [--threads N]
                            [--max-step-graphs N] [--prefix-cache | --no-prefix-cache] [--speculative-tokens K]
                            [--tensor-parallel N]
-                           [--pooling last_token|mean] [--matmul-plans auto|none|FILE]
+                           [--pooling last_token|mean] [--matmul-plans auto|tune|none|FILE] [--plan-cache DIR]
                            [--expert-capacity-factor F] [--expert-overflow pass_through|next_expert]
                            [--ready-file PATH]
     stackpin-backend make-tiny DIR
@@ -125,8 +125,15 @@ def _parser() -> argparse.ArgumentParser:
         "--matmul-plans",
         default="auto",
         help="the matmul plan file on cuda in batch_invariant mode: auto (the shipped one for this GPU and Triton "
-        "that holds the most of the model's weight shapes), none (the rule for every weight), or a file, e.g. "
-        "one `tune` wrote; part of the stack",
+        "that holds the most of the model's weight shapes), tune (that one where it holds them all, else plans "
+        "tuned and proven here at the model's first load, kept in --plan-cache for the next), none (the rule for "
+        "every weight), or a file, e.g. one `tune` wrote; part of the stack",
+    )
+    serve.add_argument(
+        "--plan-cache",
+        type=Path,
+        help="where --matmul-plans tune keeps the plans it tunes (default: $XDG_CACHE_HOME/stackpin/plans, "
+        "else ~/.cache/stackpin/plans)",
     )
     serve.add_argument(
         "--expert-capacity-factor",
@@ -180,7 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "tune":
         return _tune(parser, args)
-    matmul_plans = args.matmul_plans if args.matmul_plans in ("auto", "none") else Path(args.matmul_plans)
+    matmul_plans = (
+        args.matmul_plans if args.matmul_plans in ("auto", "tune", "none") else Path(args.matmul_plans)
+    )
     try:
         settings = BackendSettings(
             model=args.model,
@@ -199,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_step_graphs=args.max_step_graphs,
             pooling=args.pooling,
             matmul_plans=matmul_plans,
+            plan_cache=args.plan_cache,
             expert_capacity_factor=args.expert_capacity_factor,
             expert_overflow=args.expert_overflow,
             prefix_cache=args.prefix_cache,

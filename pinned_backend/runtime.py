@@ -82,9 +82,11 @@ class BackendSettings(BaseModel):
     # How /v1/embeddings pools a sequence's final hidden states: part of the stack.
     pooling: Literal["last_token", "mean"] = "last_token"
     # The matmul plan file of batch_invariant mode on a GPU: "auto" (the shipped file for this GPU and Triton that
-    # holds the most of the model's weight shapes), "none" (the rule for every weight), or a file's path. The stack
-    # names the file and its digest.
-    matmul_plans: Path | Literal["auto", "none"] = "auto"
+    # holds the most of the model's weight shapes), "tune" (that file where it holds them all, else plans tuned and
+    # proven here at the model's first load and kept in `plan_cache`: tune.py), "none" (the rule for every weight),
+    # or a file's path. The stack names the file and its digest.
+    matmul_plans: Path | Literal["auto", "tune", "none"] = "auto"
+    plan_cache: Path | None = None  # None: tune.DEFAULT_PLAN_CACHE
     # A mixture-of-experts model's routing: dropless unless a capacity factor caps each expert's tokens per step.
     expert_capacity_factor: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     expert_overflow: OverflowPolicy | None = None  # what a refused token does; pass_through unless said
@@ -189,7 +191,7 @@ def load_runtime(
     dtype = settings.torch_dtype
     checkpoint = load_checkpoint(settings.model, dtype, report)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
-    kernels, plan_file = kernels_for(settings, config, device)
+    kernels, plan_file = kernels_for(settings, config, device, report)
     invariant_on_gpu = device.type == "cuda" and settings.kernel_mode == "batch_invariant"
     model: Transformer | ParallelModel
     if settings.tensor_parallel is None:
@@ -294,16 +296,23 @@ def load_runtime(
 
 
 def kernels_for(
-    settings: BackendSettings, config: ModelConfig, device: torch.device
+    settings: BackendSettings, config: ModelConfig, device: torch.device, report: Report = lambda _: None
 ) -> tuple[Kernels, PlanFile | None]:
     """The kernels the settings ask for on `device`, and on a GPU in batch_invariant mode the plan file chosen by
-    the whole model's weight shapes (every tensor-parallel rank chooses the same)."""
+    the whole model's weight shapes (every tensor-parallel rank chooses the same; under "tune", the first rank to
+    load tunes, and the others find its file)."""
     plan_file = None
     if device.type == "cuda" and settings.kernel_mode == "batch_invariant":
         from pinned_backend.kernels.triton.plan_files import plan_file_for, running_on
 
-        shapes = matmul_shapes(config).values()
-        plan_file = plan_file_for(running_on(device), set(shapes), settings.matmul_plans)
+        shapes = matmul_shapes(config)
+        if settings.matmul_plans == "tune":
+            from pinned_backend.tune import DEFAULT_PLAN_CACHE, plans_at_load
+
+            cache = settings.plan_cache or DEFAULT_PLAN_CACHE
+            plan_file = plans_at_load(running_on(device), settings.served_name, shapes, cache, report)
+        else:
+            plan_file = plan_file_for(running_on(device), set(shapes.values()), settings.matmul_plans)
     kernels = select_kernels(
         settings.kernel_mode, device, kv_split_size=settings.kv_split_size, matmul_plans=plan_file
     )

@@ -1,16 +1,21 @@
-"""`stackpin-backend tune`: the model's side of tuning. Reads the models' configs, names their weight shapes, and
-hands them to the tuner (kernels/triton/tuner.py), which knows shapes and the GPU, never a model."""
+"""`stackpin-backend tune`, and `--matmul-plans tune` at a model's first load: the model's side of tuning. Reads the
+models' configs, names their weight shapes, and hands them to the tuner (kernels/triton/tuner.py), which knows
+shapes and the GPU, never a model."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pinned_backend.checkpoint import load_config
-from pinned_backend.kernels.triton.plan_files import dump, running_on
-from pinned_backend.kernels.triton.tuner import PROVEN, shapes_of, tune
+from pinned_backend.kernels.triton.plan_files import PlanFile, Proven, choose, dump, load, running_on, shipped
+from pinned_backend.kernels.triton.tuner import PROVEN, ShapeTune, shapes_of, tune
 from pinned_backend.model import matmul_shapes
 
 
@@ -48,3 +53,54 @@ def tune_models(
             + (f"   {rule[worst_rule]:18.2f} ({worst_rule:3d})" if worst_rule else "")
         )
     return path
+
+
+# Where plans tuned at a model's first load are kept (`--matmul-plans tune`), unless `--plan-cache` says otherwise.
+DEFAULT_PLAN_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stackpin" / "plans"
+# Seconds of compiling and timing tiles for one model's untuned shapes at its first load.
+LOAD_TUNE_BUDGET_S = 120.0
+
+
+def plans_at_load(
+    proven: Proven,
+    model: str,
+    shapes: dict[str, tuple[int, int]],
+    cache: Path,
+    report: Callable[[str], None],
+    budget_s: float = LOAD_TUNE_BUDGET_S,
+    tuner: Callable[..., list[ShapeTune]] = tune,
+) -> PlanFile | None:
+    """`--matmul-plans tune`: the plan file a model takes, tuned and proven here the first time it loads. The shipped
+    file that holds the most of its shapes where that holds them all; else the file this cache keeps for the same
+    GPU, Triton and shapes; else one written now: the shipped plans, and plans tuned and proven (tuner.py) for the
+    shapes no shipped file holds, named for the GPU, Triton and a digest of the shapes, so that the stack that names
+    it (its name and SHA-256) names these plans alone. A shape for which no tile passes keeps the rule."""
+    wanted = set(shapes.values())
+    base = choose(shipped(), proven, wanted)
+    if base is not None and base.covers(wanted) == len(wanted):
+        return base
+    digest = hashlib.sha256(json.dumps(sorted(wanted)).encode()).hexdigest()[:16]
+    slug = "-".join(proven.gpu.lower().split())
+    path = cache / f"{slug}_triton-{proven.triton}_tuned-{digest}.json"
+    if path.is_file():
+        kept = load(path)
+        if kept.proven == proven:
+            report(f"matmul plans tuned at an earlier load: {path}")
+            return kept
+    missing = {name: shape for name, shape in shapes.items() if base is None or shape not in base.plans}
+    report(
+        f"tuning matmul plans for {len(set(missing.values()))} weight shapes no shipped file holds (~{budget_s:.0f} s)"
+    )
+    results = tuner(shapes_of([(model, missing)]), budget_s, log=lambda _: None)
+    plans = {**(base.plans if base is not None else {}), **{(r.n, r.k): r.plan for r in results if r.plan}}
+    if not plans:
+        report("no tile passed for any weight shape: the rule serves every matmul")
+        return None
+    cache.mkdir(parents=True, exist_ok=True)
+    names = sorted({model, *(base.models if base is not None else ())})
+    # Written whole, then renamed: a process loading the same model meanwhile sees the old file or the new one.
+    with tempfile.NamedTemporaryFile("w", dir=cache, suffix=".part", delete=False, encoding="utf-8") as part:
+        part.write(dump(proven, names, plans, PROVEN))
+    os.replace(part.name, path)
+    report(f"matmul plans tuned and proven for this GPU: {path}")
+    return load(path)
