@@ -139,6 +139,32 @@ def test_invariant_attention_gives_a_query_the_same_bits_whatever_else_is_in_the
             )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("split", "block"), [(128, 16), (8, 4)])
+def test_invariant_attention_gives_a_decoding_query_its_bits_alone_in_steps_of_any_size(
+    dtype: torch.dtype, split: int, block: int
+) -> None:
+    # Decode steps: one query a sequence, contexts over several splits, steps of every size, so that the batched
+    # products hold from one piece to many.
+    kernels = CpuInvariantKernels(kv_split_size=split)
+    generator = torch.Generator().manual_seed(11)
+    lengths = torch.randint(split, 5 * split, (24,), generator=generator).tolist()
+    k_cache, v_cache, tables = make_paged(lengths, block, (8, 2), 32, seed=12, dtype=dtype)
+    seq = torch.arange(len(lengths), dtype=torch.int32)
+    pos = torch.tensor(lengths, dtype=torch.int32) - 1
+    q = randn(len(lengths), 8, 32, seed=13, dtype=dtype)
+
+    def attend(rows: torch.Tensor) -> torch.Tensor:
+        return kernels.attention(q[rows], k_cache, v_cache, tables, seq[rows], pos[rows], 32**-0.5)
+
+    alone = [attend(torch.tensor([row]))[0] for row in range(len(lengths))]
+    for size in (2, 5, 12, 24):
+        rows = torch.randperm(len(lengths), generator=generator)[:size]
+        together = attend(rows)
+        for j, row in enumerate(rows.tolist()):
+            assert torch.equal(together[j], alone[row]), f"sequence {row} differs in a step of {size}"
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "a sliding window": {"window": 20},
     "soft-capped scores": {"softcap": 1.5},

@@ -86,8 +86,9 @@ class SplitAttention:
         group: int,
         window: int | None,
     ) -> list[_Call]:
-        """The step's tiles in calls of at most _PIECES_PER_CALL (tile, split) pieces, with what every layer's call reads: which query
-        rows each tile holds, and per split the cache blocks its keys sit in and which of them each row sees."""
+        """The step's tiles in calls of at most _PIECES_PER_CALL (tile, split) pieces, with what every layer's call
+        reads: which query rows each tile holds, and per split the cache blocks its keys sit in and which of them each
+        row sees."""
         rows, split = self.attention_rows, self.kv_split_size
         n_tokens = query_seq.shape[0]
         device = query_pos.device
@@ -154,8 +155,8 @@ class SplitAttention:
             .reshape(n_kv_heads, n_tiles, 1, group * rows, head_dim)
         )
         # Gathered by KV head first: keys [Hkv, G, n, D, split], values [Hkv, G, n, split, Dv], each in one copy. The
-        # products read both contiguous: MKL's batched GEMM over a transposed operand gives a row other bits by how
-        # many products the batch holds.
+        # products read both contiguous: MKL's batched GEMM reading the keys transposed in place gave a row other bits
+        # from one step to another (the engine's invariance tests caught it).
         keys_t = _by_head(k_cache[call.blocks], n_splits, split, transposed=True)
         split_values = _by_head(v_cache[call.blocks], n_splits, split, transposed=False)
         # [Hkv, G, n, group, R, split]; the softmax reads only the tile rows some tile of the call uses
