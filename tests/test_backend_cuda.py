@@ -44,12 +44,13 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def serving(model: Path, mode: str, tmp_path: Path) -> Iterator[str]:
+def serving(model: Path, mode: str, tmp_path: Path, *extra: str) -> Iterator[str]:
     """`stackpin-backend serve --device cuda` on `model` (a folder or a GGUF file), yielding its URL."""
     pytest.importorskip("triton")
     ready = tmp_path / "ready"
+    ready.unlink(missing_ok=True)
     args = ["serve", "--model", str(model), "--port", "0", "--ready-file", str(ready)]
-    args += ["--device", "cuda", "--dtype", "bf16", "--kernel-mode", mode, "--kv-cache-mb", "16"]
+    args += ["--device", "cuda", "--dtype", "bf16", "--kernel-mode", mode, "--kv-cache-mb", "16", *extra]
     process = subprocess.Popen(
         [sys.executable, "-m", "pinned_backend.cli", *args],
         stdin=subprocess.DEVNULL,
@@ -95,6 +96,36 @@ def test_serve_on_cuda_describes_the_gpu_in_its_stack(server: tuple[str, str]) -
         assert named is None or shipped[named["name"]] == named["sha256"]
     else:
         assert "matmul_plans" not in stack["hardware_detail"]
+
+
+def test_matmul_plans_tuned_at_the_first_load_are_named_in_the_stack_and_taken_at_the_next(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    # The random checkpoint's shapes are in no shipped plan file: the first start tunes them.
+    cache = tmp_path / "plans"
+    named = []
+    for _ in range(2):
+        started = time.monotonic()
+        with serving(
+            checkpoint, "batch_invariant", tmp_path, "--matmul-plans", "tune", "--plan-cache", str(cache)
+        ) as url:
+            with urllib.request.urlopen(f"{url}/v1/stack", timeout=30) as response:
+                described = json.load(response)
+            answer = _post(f"{url}/v1/completions", {"prompt": "stackpin", "max_tokens": 8, "temperature": 0})
+        named.append(
+            (
+                described.get("stack", described)["hardware_detail"]["matmul_plans"],
+                answer,
+                time.monotonic() - started,
+            )
+        )
+    [kept] = cache.iterdir()
+    from pinned_backend.kernels.triton.plan_files import load
+
+    assert named[0][0] == named[1][0] == load(kept).described()
+    assert named[0][1]["stackpin"]["token_ids"] == named[1][1]["stackpin"]["token_ids"]
+    assert named[0][1]["stackpin"]["token_logprobs"] == named[1][1]["stackpin"]["token_logprobs"]
+    print(f"first start {named[0][2]:.1f} s, second {named[1][2]:.1f} s")
 
 
 def test_batch_invariant_on_cuda_answers_alike_alone_and_amid_others(server: tuple[str, str]) -> None:

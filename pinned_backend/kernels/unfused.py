@@ -146,7 +146,8 @@ class UnfusedKernels(ABC):
         q_size = qkv.shape[1] - 2 * kv_size
         cos, sin = self._rope_rows(rope_cos, rope_sin, positions)  # [T, 1, D/2]
         if q_norm is None and k_norm is None:
-            # q's heads and k's side by side, rotated in one pass: elementwise, so each element's bits are as apart
+            # q's heads and k's side by side, rotated in one pass: the rotation is elementwise, so every element gets
+            # the bits it gets rotated apart
             qk = apply_rope(qkv[:, : q_size + kv_size].reshape(n_tokens, -1, head_dim), cos, sin)
             q, k = qk[:, : q_size // head_dim], qk[:, q_size // head_dim :]
         else:
