@@ -51,7 +51,17 @@ DTYPE_NAMES: Mapping[torch.dtype, str] = {
 }
 
 # Most capable first: the first flag a CPU has names its vector ISA.
-_X86_ISAS = (("avx512f", "avx512"), ("avx2", "avx2"), ("avx", "avx"), ("sse4_2", "sse4"), ("sse2", "sse2"))
+# Native bf16 dot products (AVX-512 BF16, AMX) are named apart: a bf16 weight then goes through oneDNN's kernels for
+# them (kernels/onednn.py), elsewhere through the BLAS, and the two give other bits.
+_X86_ISAS = (
+    ("amx_bf16", "amx"),
+    ("avx512_bf16", "avx512-bf16"),
+    ("avx512f", "avx512"),
+    ("avx2", "avx2"),
+    ("avx", "avx"),
+    ("sse4_2", "sse4"),
+    ("sse2", "sse2"),
+)
 _ARM_ISAS = (("sve2", "sve2"), ("sve", "sve"), ("asimd", "neon"))
 
 

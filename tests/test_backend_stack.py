@@ -140,6 +140,13 @@ def test_cpu_hardware_names_the_best_vector_isa() -> None:
         {"cpu_model": "Intel(R) Xeon(R) Processor @ 2.80GHz", "isa": "avx512"},
     )
     assert cpu_hardware(X86_CPUINFO.replace(" avx512f avx512bw", ""), "x86_64")[0] == "cpu-x86_64-avx2"
+    # Native bf16 dot products change which kernels a bf16 weight takes, so they name a generation of their own.
+    with_bf16 = X86_CPUINFO.replace("avx512bw", "avx512bw avx512_bf16")
+    assert cpu_hardware(with_bf16, "x86_64")[0] == "cpu-x86_64-avx512-bf16"
+    assert (
+        cpu_hardware(with_bf16.replace("avx512_bf16", "avx512_bf16 amx_bf16 amx_tile"), "x86_64")[0]
+        == "cpu-x86_64-amx"
+    )
     assert cpu_hardware(ARM_CPUINFO, "aarch64") == ("cpu-aarch64-neon", {"cpu_model": None, "isa": "neon"})
     assert cpu_hardware("", "riscv64")[0] == "cpu-riscv64-generic"
 
