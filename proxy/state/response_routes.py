@@ -60,8 +60,13 @@ def json_response(body: Any, headers: dict[str, str] | None = None) -> web.Respo
 async def retrieve(request: web.Request) -> web.StreamResponse:
     """The stored response (a background one as its job stands until its record is complete); with
     `?stream=true`, its events again, after `starting_after` if given: a background one's as they come."""
-    tenant, response_id, record = await _record(request)
+    tenant = authenticate(request.headers, request.app[SECRETS])
+    response_id = request.match_info["response_id"]
+    # The job before the record: a background job finishes only once its record is written, so a finished job's
+    # record is there to read. Read the other way round, a job that finished in between showed as finished with no
+    # record, and its job's view said "completed" for an answer its record calls incomplete.
     job = await request.app[STATE].jobs.get(response_id, tenant, kind="response")
+    record = await request.app[STORE].get_record(record_id_of(response_id), tenant)
     if queries.flag(request.query, "stream"):
         after = queries.whole(request.query, "starting_after", least=-1)
         if job is not None and not job.request["body"].get("stream"):
