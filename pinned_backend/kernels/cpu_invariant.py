@@ -41,9 +41,8 @@ class CpuInvariantKernels(UnfusedKernels):
         if gemm_rows <= 0:
             raise ValueError(f"gemm_rows must be a positive number of rows, got {gemm_rows}")
         self._attention = SplitAttention(kv_split_size, attention_rows)
-        self.kv_split_size = kv_split_size
+        self.kv_split_size = kv_split_size  # the stack reports it
         self.gemm_rows = gemm_rows
-        self.attention_rows = attention_rows
         # The BLAS splits a GEMM among threads differently for another thread count, and at larger shapes that
         # changes the bits; the count is therefore part of the stack, fixed when the kernels are made.
         self.threads = torch.get_num_threads()
