@@ -6,7 +6,10 @@ on the machine it runs on, is that a GEMM called with one fixed shape gives each
 the row's position and whatever the other rows hold. So every matrix product here is issued in blocks of a
 fixed number of rows, padded with zeros:
 - matmul: the step's rows in blocks of `gemm_rows`, through oneDNN for a weight `prepare` packed
-  (kernels.onednn), through the BLAS for any other;
+  (kernels.onednn), through the BLAS for any other. A last block of fewer rows is padded with zero rows: to
+  `gemm_rows` rows, or through a packed weight to the fewest rows that `prepare` proved give a row the bits of a
+  block of `gemm_rows` (onednn.padded_rows, run once per shape at load), so that a decode step of one sequence
+  multiplies one or two rows, not sixteen;
 - attention: each sequence's queries in tiles of `attention_rows`, against the KV length cut into splits of
   `kv_split_size` tokens, one GEMM of one shape per tile and split (kernels.cpu_attention).
 Row reductions (RMSNorm's mean, log-softmax) reduce each row in the same order however many rows there are,
@@ -43,6 +46,8 @@ class CpuInvariantKernels(UnfusedKernels):
         self._attention = SplitAttention(kv_split_size, attention_rows)
         self.kv_split_size = kv_split_size  # the stack reports it
         self.gemm_rows = gemm_rows
+        # (shape, dtype) of each packed weight -> the rows a last block of m rows is padded to (onednn.padded_rows)
+        self._padded_rows: dict[tuple[torch.Size, torch.dtype], tuple[int, ...]] = {}
         # The BLAS splits a GEMM among threads differently for another thread count, and at larger shapes that
         # changes the bits; the count is therefore part of the stack, fixed when the kernels are made.
         self.threads = torch.get_num_threads()
@@ -56,19 +61,15 @@ class CpuInvariantKernels(UnfusedKernels):
             )
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # x [M, K] @ w[N, K].T -> [M, N], issued as ceil(M / gemm_rows) products of exactly gemm_rows rows.
+        # x [M, K] @ w[N, K].T -> [M, N], issued as ceil(M / gemm_rows) products of gemm_rows rows (padded).
         self._check_threads()
         rows, width = x.shape
         size = self.gemm_rows
         blocks = -(-rows // size)
+        if onednn.is_packed(w):
+            return self._packed_matmul(x, w)
         padded = x.new_zeros(blocks * size, width)
         padded[:rows] = x
-        if onednn.is_packed(w):
-            if blocks <= 1:
-                return onednn.linear(padded, w)[:rows]
-            return torch.cat([onednn.linear(padded[b * size : (b + 1) * size], w) for b in range(blocks)])[
-                :rows
-            ]
         out = x.new_empty(blocks * size, w.shape[0])
         w_t = w.t()
         for b in range(blocks):
@@ -76,8 +77,26 @@ class CpuInvariantKernels(UnfusedKernels):
             torch.mm(padded[block], w_t, out=out[block])
         return out[:rows]
 
+    def _packed_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        rows, size = x.shape[0], self.gemm_rows
+        pad_to = self._padded_rows.get((w.shape, w.dtype))
+        if pad_to is None:  # packed elsewhere than `prepare`: pad every block to the full size
+            pad_to = tuple([0] + [size] * size)
+        products = [onednn.linear(x, w)] if rows == 0 else []
+        for start in range(0, rows, size):
+            block = x[start : start + size]
+            width = pad_to[block.shape[0]]
+            if width > block.shape[0]:
+                block = torch.cat([block, block.new_zeros(width - block.shape[0], block.shape[1])])
+            products.append(onednn.linear(block, w)[: min(size, rows - start)])
+        return products[0] if len(products) == 1 else torch.cat(products)
+
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
-        return onednn.pack(w, self.gemm_rows)
+        packed = onednn.pack(w, self.gemm_rows)
+        if onednn.is_packed(packed) and (packed.shape, packed.dtype) not in self._padded_rows:
+            self._check_threads()
+            self._padded_rows[packed.shape, packed.dtype] = onednn.padded_rows(packed, self.gemm_rows)
+        return packed
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()

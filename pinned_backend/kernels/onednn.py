@@ -43,6 +43,33 @@ def is_packed(w: torch.Tensor) -> bool:
     return w.is_mkldnn
 
 
+def padded_rows(packed: torch.Tensor, rows: int) -> tuple[int, ...]:
+    """For each count m = 0 .. `rows` of x's rows, the fewest rows m' >= m whose product through a weight packed as
+    `packed` (its shape and dtype, for `rows` rows) gives each row the bits that a product of `rows` rows gives it,
+    on this CPU and thread count: m rows padded with zero rows to m' have their bits.
+
+    oneDNN picks its kernel from the shapes, and a kernel that blocks K otherwise for fewer rows sums in another
+    order (one row often goes through a matrix-vector kernel of its own). Two inputs bring any such difference out:
+    random rows, and rows whose sums cancel exactly (the weight's second half of K repeats its first, the row's
+    second half negates it), so that what is left is rounding residue alone, which a bfloat16 result keeps: the
+    residue of another order of summation differs in its leading bits."""
+    n, k = packed.shape
+    generator = torch.Generator().manual_seed(0)
+    half = k // 2
+    w = torch.randn(n, k, generator=generator).to(packed.dtype)
+    w[:, half : 2 * half] = w[:, :half]
+    probe = pack(w, rows)
+    x = torch.randn(2 * rows, k, generator=generator).to(packed.dtype)
+    x[rows:, half : 2 * half] = -x[rows:, :half]
+    inputs = (x[:rows], x[rows:])
+    full = [linear(each, probe) for each in inputs]
+    same = [
+        all(torch.equal(linear(each[:m], probe), whole[:m]) for each, whole in zip(inputs, full, strict=True))
+        for m in range(rows)
+    ] + [True]
+    return tuple(next(p for p in range(max(m, 1), rows + 1) if same[p]) if m else 0 for m in range(rows + 1))
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ packed.T -> [M, N], in x's dtype (which must be the packed weight's)."""
     if x.shape[0] == 0:
