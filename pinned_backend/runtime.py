@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pinned_backend.allocator import keep_freed_memory
 from pinned_backend.checkpoint import ModelConfig
 from pinned_backend.embeddings import Pooling
 from pinned_backend.engine import Engine, EngineConfig, StepStats
@@ -188,6 +189,8 @@ def load_runtime(
         torch.set_num_threads(settings.threads)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device; use --device cpu")
+    if device.type == "cpu":
+        keep_freed_memory()
     dtype = settings.torch_dtype
     checkpoint = load_checkpoint(settings.model, dtype, report)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer

@@ -216,9 +216,9 @@ def _by_head(blocks: torch.Tensor, n_splits: int, split: int, *, transposed: boo
     n_tiles, _, _, n_kv_heads, width = blocks.shape
     by_split = blocks.view(n_tiles, n_splits, split, n_kv_heads, width)
     order = (3, 0, 1, 4, 2) if transposed else (3, 0, 1, 2, 4)
-    permuted = by_split.permute(*order)
-    # Into a fresh tensor: `.to` would hand a float32 cache's permuted view back uncopied.
-    return torch.empty(permuted.shape, dtype=torch.float32, device=blocks.device).copy_(permuted)
+    # Reordered in the cache's dtype, then widened: a strided copy moves half the bytes that way. A gathered
+    # block tensor is the call's own, so even where `contiguous` copies nothing the result is never the cache.
+    return by_split.permute(*order).contiguous().float()
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""The C allocator kept from handing a CPU step's memory back to the kernel between layers.
+
+glibc's malloc maps every request of 128 KiB or more afresh from the kernel and unmaps it when freed. A CPU step
+allocates and frees tensors of megabytes at every layer (the attention's keys and values gathered from the paged
+cache, its scores), so each layer of each step touches newly mapped pages, and every page faults on first touch:
+at a few hundred tokens of context that cost more than the attention's arithmetic (bench/results/engines.md).
+Raising the mapping threshold and the trim threshold keeps freed blocks in the heap for the next layer to reuse,
+as the allocators that CPU inference servers preload (tcmalloc, jemalloc) do. The process then keeps the peak of
+a step's transient memory; what a step computes is unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+
+# mallopt's parameter numbers (glibc's malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+
+_MAP_FROM = 1 << 30  # a request this large (a model's weights, the KV cache) is still mapped on its own
+_KEEP_FREE = 1 << 30  # free memory at the heap's top kept rather than returned
+_GROW_BY = 64 << 20  # extra room taken whenever the heap grows, so that it grows rarely
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Tune glibc's malloc as above, once per process; False where the C library is not glibc (nothing changes)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    settings = ((_M_MMAP_THRESHOLD, _MAP_FROM), (_M_TRIM_THRESHOLD, _KEEP_FREE), (_M_TOP_PAD, _GROW_BY))
+    return all(mallopt(param, value) == 1 for param, value in settings)
