@@ -1,13 +1,14 @@
 """The GPU attention both kernel modes run, side by side with the FlashAttention that torch ships, on one GPU.
 
-`default` mode on a GPU runs cuBLAS matmuls over the same Triton attention as `batch_invariant`
-(kernels/triton/attention.py, over the paged KV cache). The price of invariance is only honest if that attention is
-as fast as the fastest one a default server would run, so this times it against `scaled_dot_product_attention`
-restricted to its FlashAttention backend, over the same keys and values laid out contiguously (flash cannot read a
-paged cache, so it gets its best case: no block tables), with grouped-query heads (`enable_gqa`):
+`batch_invariant` runs the Triton attention over the paged KV cache (kernels/triton/attention.py); `default` runs
+the same kernel for decode steps and FlashAttention over keys gathered from the paged cache for steps that prefill
+(kernels/triton/flash_prefill.py). The price of invariance is only honest if `default` is as fast as the fastest
+attention a default server would run, so both are timed against `scaled_dot_product_attention` restricted to its
+FlashAttention backend, over the same keys and values laid out contiguously (flash alone cannot read a paged
+cache, so it gets its best case: no block tables and no gather), with grouped-query heads (`enable_gqa`):
 
 - decode: B sequences of one query each, every one at context L;
-- prefill: one sequence of L queries, causal.
+- prefill: B sequences of L queries each, causal.
 
 Shapes: Qwen3-1.7B's attention (16 query heads, 8 KV heads, head dim 128) and Qwen3-8B's (32, 8, 128), bf16, block
 size 16 and the stack's KV split. Each case is timed in `--rounds` rounds, the two implementations in alternating
@@ -23,6 +24,7 @@ Usage (on a GPU machine, from the repository root):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -37,8 +39,9 @@ from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, select_kernels
 from pinned_backend.stack import detect_hardware, detect_software
 
 MODELS = {"qwen3-1.7b": (16, 8, 128), "qwen3-8b": (32, 8, 128)}
+MODES = ("batch_invariant", "default")
 DECODE = [(1, 512), (1, 4096), (8, 1024), (32, 1024), (32, 4096)]  # (sequences, context)
-PREFILL = [512, 2048, 8192]  # one sequence's queries, causal
+PREFILL = [(1, 512), (1, 2048), (1, 8192), (4, 1024)]  # (sequences, queries each), causal
 BLOCK = 16
 
 
@@ -60,9 +63,9 @@ def cuda_time(call: Callable[[], Any], reps: int) -> float:
 
 def case(
     heads: tuple[int, int, int], lengths: list[int], queries: list[int], device: torch.device
-) -> tuple[Callable[[], Any], Callable[[], Any], int]:
-    """Our paged attention and flash over the same keys, values and queries; and the KV bytes one call reads.
-    `queries[s]` of sequence s's last positions ask."""
+) -> tuple[dict[str, Callable[[], Any]], int]:
+    """Each mode's paged attention and flash over the same keys, values and queries, as CUDA graphs; and the KV
+    bytes one call reads. `queries[s]` of sequence s's last positions ask."""
     n_heads, n_kv, dim = heads
     generator = torch.Generator(device=device).manual_seed(0)
     blocks_each = [-(-n // BLOCK) for n in lengths]
@@ -81,11 +84,14 @@ def case(
     )
     pos = pos.to(device)
     q = torch.randn(seq.numel(), n_heads, dim, device=device, generator=generator, dtype=torch.bfloat16)
-    kernels = select_kernels("default", device, kv_split_size=DEFAULT_KV_SPLIT_SIZE)
     scale = dim**-0.5
-
-    def ours() -> Any:
-        return kernels.attention(q, k_cache, v_cache, tables, seq, pos, scale)
+    step = (q, k_cache, v_cache, tables, seq, pos, scale)
+    modes = {
+        mode: functools.partial(
+            select_kernels(mode, device, kv_split_size=DEFAULT_KV_SPLIT_SIZE).attention, *step
+        )
+        for mode in MODES
+    }
 
     # Flash's layout, [B, H, L, D], built once outside the timing: every sequence at one length here.
     length, per = lengths[0], queries[0]
@@ -112,10 +118,11 @@ def case(
             )
 
     # The outputs agree (same maths, other orders): a wrong comparison would time different work.
-    mine = ours().reshape(len(lengths), per, n_heads, dim).transpose(1, 2).float()
-    torch.testing.assert_close(mine, flash().float(), atol=2e-2, rtol=2e-2)
+    for run in modes.values():
+        mine = run().reshape(len(lengths), per, n_heads, dim).transpose(1, 2).float()
+        torch.testing.assert_close(mine, flash().float(), atol=2e-2, rtol=2e-2)
     kv_bytes = 2 * sum(lengths) * n_kv * dim * 2
-    return graphed(ours), graphed(flash), kv_bytes
+    return {**{mode: graphed(run) for mode, run in modes.items()}, "flash": graphed(flash)}, kv_bytes
 
 
 def graphed(call: Callable[[], Any]) -> Callable[[], Any]:
@@ -138,27 +145,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for model, heads in MODELS.items():
         shapes = [("decode", b, length, [length] * b, [1] * b) for b, length in DECODE]
-        shapes += [("prefill", 1, length, [length], [length]) for length in PREFILL]
+        shapes += [("prefill", b, length, [length] * b, [length] * b) for b, length in PREFILL]
         for kind, batch, length, lengths, queries in shapes:
-            ours, flash, kv_bytes = case(heads, lengths, queries, device)
+            calls, kv_bytes = case(heads, lengths, queries, device)
             rounds = []
             for r in range(args.rounds):
-                order = [("ours", ours), ("flash", flash)]
-                timed = dict(
-                    (name, cuda_time(call, args.reps))
-                    for name, call in (order if r % 2 == 0 else order[::-1])
-                )
-                rounds.append(timed)
-            row = {
-                "model": model,
-                "kind": kind,
-                "sequences": batch,
-                "context": length,
-                "ours_ms": statistics.median(t["ours"] for t in rounds),
-                "flash_ms": statistics.median(t["flash"] for t in rounds),
-                "ours_over_flash": statistics.median(t["ours"] / t["flash"] for t in rounds),
-                "floor_ms": kv_bytes / (args.bandwidth * 1e12) * 1e3 if kind == "decode" else None,
-            }
+                order = list(calls.items())
+                order = order[r % len(order) :] + order[: r % len(order)]
+                rounds.append({name: cuda_time(call, args.reps) for name, call in order})
+            row: dict[str, Any] = {"model": model, "kind": kind, "sequences": batch, "context": length}
+            for name in calls:
+                row[f"{name}_ms"] = statistics.median(t[name] for t in rounds)
+            for mode in MODES:
+                row[f"{mode}_over_flash"] = statistics.median(t[mode] / t["flash"] for t in rounds)
+            if kind == "prefill":  # causal: half the score matrix, two GEMMs of 2 * D flops per entry
+                flops = 2 * 2 * heads[0] * heads[2] * sum(n * n / 2 for n in lengths)
+                row["flash_tflops"] = flops / (row["flash_ms"] * 1e-3) / 1e12
+                row["default_tflops"] = flops / (row["default_ms"] * 1e-3) / 1e12
+            else:
+                row["floor_ms"] = kv_bytes / (args.bandwidth * 1e12) * 1e3
             rows.append(row)
             print(json.dumps(row), flush=True)
     return {

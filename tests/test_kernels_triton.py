@@ -643,3 +643,54 @@ def test_attention_matches_float64_and_does_not_depend_on_how_the_step_was_built
     for p in [0, 1, 63, 64, 255, 256, 511, 699]:
         step = run(decode_cache, [(1, 36, 1), (0, p, 1), (2, 299, 1)])
         assert torch.equal(step[1], target[p]), f"a decode step at position {p} changed the attention output"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 100])
+def test_default_mode_prefills_through_flash_attention_over_the_paged_cache(
+    triton_ops, window: int | None
+) -> None:  # type: ignore[no-untyped-def]
+    from tests.support import kernel_reference as reference
+
+    hq, hkv, d, page, scale = 16, 8, 128, 16, 128**-0.5
+    lengths = [700, 37, 300, 5]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    keys = [torch.randn(n, hkv, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
+    values = [torch.randn(n, hkv, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
+    queries = [torch.randn(n, hq, d, device="cuda", generator=gen).to(torch.bfloat16) for n in lengths]
+    cache = _Cache(keys, values, page, seed=1)
+    default = triton_ops.CublasKernels(kv_split_size=128)
+    # A first chunk, a later chunk after a prefix-cache hit, a whole prompt and a sequence decoding beside them.
+    parts = [(0, 0, 700), (1, 20, 17), (2, 0, 300), (3, 4, 1)]
+    q = torch.cat([queries[s][p : p + c] for s, p, c in parts])
+    seq = torch.cat([torch.full((c,), s, dtype=torch.int32) for s, _, c in parts]).cuda()
+    pos = torch.cat([torch.arange(p, p + c, dtype=torch.int32) for _, p, c in parts]).cuda()
+
+    def run() -> torch.Tensor:
+        return default.attention(q, cache.k, cache.v, cache.tables, seq, pos, scale, window=window)
+
+    out = run()
+    ref = reference.attention(
+        q.cpu(), cache.k.cpu(), cache.v.cpu(), cache.tables.cpu(), seq.cpu(), pos.cpu(), scale, window=window
+    )
+    assert not out.isnan().any()
+    for t in [0, 255, 699, 700, 716, 717, 1016, 1017]:
+        assert _rel_err(out[t].cpu(), ref[t]) < 1e-2, f"query row {t} is wrong"
+    # The step runs from device tensors alone, so it is captured as the engine captures its steps.
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.testing.assert_close(captured, out, atol=0, rtol=0)
+    # Soft-capped scores are a variant flash does not take here: the paged kernel serves them.
+    capped = default.attention(q, cache.k, cache.v, cache.tables, seq, pos, scale, softcap=30.0)
+    invariant = triton_ops.TritonKernels(kv_split_size=128)
+    assert torch.equal(
+        capped, invariant.attention(q, cache.k, cache.v, cache.tables, seq, pos, scale, softcap=30.0)
+    )

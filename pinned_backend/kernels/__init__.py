@@ -140,8 +140,9 @@ def select_kernels(
     price it; the bits are the same).
 
     On a GPU, `default` is what a fast ordinary server runs: cuBLAS matmuls, whose kernel and split of K follow the
-    batch, over the same Triton attention and fused kernels as `batch_invariant` (PyTorch's own attention over a
-    paged cache would loop over sequences on the host). Implementations are imported here, not at the top, so that
+    batch, FlashAttention for steps that prefill (over the paged cache's keys gathered per layer), and the same
+    Triton decode attention and fused kernels as `batch_invariant` (as fast as FlashAttention on decode steps, and
+    it reads the paged cache in place). Implementations are imported here, not at the top, so that
     the CPU never imports Triton.
     """
     if mode not in KERNEL_MODES:

@@ -22,6 +22,7 @@ from .add_rms_norm import add_rms_norm
 from .attention import KV_TILE, Variant, paged_attention
 from .expert_matmul import ExpertDispatch, combine_by_rank, dispatch, grouped_matmul
 from .expert_routing import route_top_k
+from .flash_prefill import flash_prefill, serves
 from .latent_attention import latent_attention
 from .launches import Launches
 from .matmul import capability, matmul
@@ -181,9 +182,10 @@ class TritonKernels:
 
 
 class CublasKernels(TritonKernels):
-    """`default` mode on CUDA: cuBLAS matmuls, whose kernel and split of K follow M, and torch's grouped GEMM for a
-    mixture-of-experts layer's experts; everything else as above (its plans serve nothing), a MoE layer's routing,
-    dispatch and sum by rank too, so that the two modes differ in their matmuls alone."""
+    """`default` mode on CUDA: cuBLAS matmuls, whose kernel and split of K follow M, torch's grouped GEMM for a
+    mixture-of-experts layer's experts, and FlashAttention for steps that prefill; everything else as above (its
+    plans serve nothing), a MoE layer's routing, dispatch and sum by rank too, so that the two modes differ in their
+    matmuls and their prefill attention alone."""
 
     mode: KernelMode = "default"
 
@@ -201,6 +203,29 @@ class CublasKernels(TritonKernels):
     def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """cuBLAS's batched GEMM, one batch entry per head."""
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+        *,
+        window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """FlashAttention for a step that prefills (flash_prefill.py), the paged kernel for decode steps and the
+        variants FlashAttention lacks here."""
+        if serves(q, block_tables, sinks=sinks, softcap=softcap):
+            return flash_prefill(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, window)
+        return super().attention(
+            q, k_cache, v_cache, block_tables, query_seq, query_pos, scale,
+            window=window, sinks=sinks, softcap=softcap,
+        )  # fmt: skip
 
 
 def _row_experts(plan: ExpertDispatch, rows: int, experts: int) -> torch.Tensor:
