@@ -157,8 +157,8 @@ class SplitAttention:
         # Gathered by KV head first: keys [Hkv, G, n, D, split], values [Hkv, G, n, split, Dv], each in one copy. The
         # products read both contiguous: MKL's batched GEMM reading the keys transposed in place gave a row other bits
         # from one step to another (the engine's invariance tests caught it).
-        keys_t = _by_head(k_cache[call.blocks], n_splits, split, transposed=True)
-        split_values = _by_head(v_cache[call.blocks], n_splits, split, transposed=False)
+        keys_t = _by_head(_gather(k_cache, call.blocks), n_splits, split, transposed=True)
+        split_values = _by_head(_gather(v_cache, call.blocks), n_splits, split, transposed=False)
         # [Hkv, G, n, group, R, split]; the softmax reads only the tile rows some tile of the call uses
         scores = torch.matmul(q_tiles, keys_t).reshape(n_kv_heads, n_tiles, n_splits, group, rows, split)
         scores = scores[:, :, :, :, :used] * variant.scale
@@ -208,6 +208,12 @@ class _Call(NamedTuple):
 
 # A tile: (sequence, query rows, first split any row sees, splits up to the last any row sees).
 _Tile = tuple[int, list[int], int, int]
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] for a block index [G, B]: [G, B, block size, Hkv, D]. index_select copies each whole block at
+    once, where indexing with a tensor computes every element's address (several times slower)."""
+    return torch.index_select(cache, 0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
 
 
 def _by_head(blocks: torch.Tensor, n_splits: int, split: int, *, transposed: bool) -> torch.Tensor:
