@@ -210,6 +210,25 @@ def test_attention_variants_match_the_float64_reference(variant: str, mode: Any)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize(
+    ("first", "count"), [(69, 1), (0, 70), (40, 30), (0, 1)], ids=["decode", "prompt", "chunk", "first-token"]
+)
+def test_default_attention_of_one_sequence_matches_the_float64_reference(
+    first: int, count: int, window: int | None
+) -> None:
+    # A step of one sequence goes to scaled_dot_product_attention, with no mask where the query sees every key
+    # and its own causal mask for a whole prompt: each must still be the reference's attention.
+    kernels = select_kernels("default", CPU)
+    k_cache, v_cache, tables = make_paged([70], 16, (8, 2), 32, seed=21, dtype=torch.float32)
+    seq = torch.zeros(count, dtype=torch.int32)
+    pos = torch.arange(first, first + count, dtype=torch.int32)
+    q = randn(count, 8, 32, seed=22) * 3
+    out = kernels.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5, window=window)
+    expected = reference.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5, window=window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_invariant_attention_variants_give_a_query_the_same_bits_whatever_else_is_in_the_step(
     variant: str,

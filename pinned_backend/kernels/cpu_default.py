@@ -7,6 +7,8 @@ fuse (`kernels.unfused`). It knows nothing of the model beyond the shapes in `pi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -65,31 +67,53 @@ class TorchKernels(UnfusedKernels):
         # One attention call per sequence over its gathered cache: scaled_dot_product_attention where it computes
         # the variant, the softmax spelled out where it does not (soft-capped scores, sinks).
         out = q.new_empty(*q.shape[:2], v_cache.shape[3])
-        for seq in torch.unique(query_seq).tolist():
-            rows = torch.nonzero(query_seq == seq).squeeze(1)
-            pos = query_pos[rows].long()
+        alone = block_tables.shape[0] == 1  # every row is the one sequence's: no rows to pick out
+        for seq in [0] if alone else torch.unique(query_seq).tolist():
+            rows = None if alone else torch.nonzero(query_seq == seq).squeeze(1)
+            pos = query_pos.long() if rows is None else query_pos[rows].long()
             length = int(pos.max()) + 1
             blocks = block_tables[seq, : -(-length // block_size)].long()
-            keys = k_cache[blocks].reshape(-1, n_kv_heads, k_cache.shape[3])[:length]  # [L, Hkv, D]
-            values = v_cache[blocks].reshape(-1, n_kv_heads, v_cache.shape[3])[:length]
-            key_pos = torch.arange(length, device=q.device)[None, :]
-            mask = key_pos <= pos[:, None]  # [Tq, L]
-            if window is not None:
-                mask &= key_pos > pos[:, None] - window
-            query = q[rows].transpose(0, 1)  # [Hq, Tq, D]
+            keys = torch.index_select(k_cache, 0, blocks).reshape(-1, n_kv_heads, k_cache.shape[3])[:length]
+            values = torch.index_select(v_cache, 0, blocks).reshape(-1, n_kv_heads, v_cache.shape[3])[:length]
+            query = (q if rows is None else q[rows]).transpose(0, 1)  # [Hq, Tq, D]
             if sinks is None and softcap is None:
                 attended = F.scaled_dot_product_attention(
                     query,
                     keys.transpose(0, 1),
                     values.transpose(0, 1),
-                    attn_mask=mask,
                     scale=scale,
                     enable_gqa=True,
+                    **_causal(pos, length, window),
                 )
             else:
-                attended = _spelled_out(query, keys, values, mask, scale, sinks, softcap)
-            out[rows] = attended.transpose(0, 1)
+                attended = _spelled_out(
+                    query, keys, values, _mask(pos, length, window), scale, sinks, softcap
+                )
+            if rows is None:
+                out.copy_(attended.transpose(0, 1))
+            else:
+                out[rows] = attended.transpose(0, 1)
         return out
+
+
+def _mask(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[Tq, L] True where a query at `pos` sees the key."""
+    key_pos = torch.arange(length, device=pos.device)[None, :]
+    mask = key_pos <= pos[:, None]
+    if window is not None:
+        mask &= key_pos > pos[:, None] - window
+    return mask
+
+
+def _causal(pos: torch.Tensor, length: int, window: int | None) -> dict[str, Any]:
+    """scaled_dot_product_attention's masking for queries at `pos` over `length` keys: none for one query at the
+    last position (it sees every key), its own causal mask for a whole prompt, an explicit mask otherwise."""
+    if window is None or window >= length:
+        if pos.shape[0] == 1 and int(pos[0]) == length - 1:
+            return {}
+        if pos.shape[0] == length:  # positions 0 .. length - 1: the rows' own causal triangle
+            return {"is_causal": True}
+    return {"attn_mask": _mask(pos, length, window)}
 
 
 def _spelled_out(

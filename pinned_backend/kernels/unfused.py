@@ -159,8 +159,9 @@ class UnfusedKernels(ABC):
                 k = self.rms_norm(k.reshape(-1, head_dim), k_norm, eps).reshape(k.shape)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = qkv[:, q_size + kv_size :].reshape(n_tokens, n_kv_heads, head_dim)
-        k_cache.view(-1, n_kv_heads, head_dim)[slots] = k.to(k_cache.dtype)
-        v_cache.view(-1, n_kv_heads, head_dim)[slots] = v.to(v_cache.dtype)
+        # index_copy_ writes whole rows; assigning through an index tensor would address every element.
+        k_cache.view(-1, n_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, n_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
         return q
 
     def _rope_rows(
