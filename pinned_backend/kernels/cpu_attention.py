@@ -149,7 +149,7 @@ class SplitAttention:
             )
         # [G, R, Hq, D] -> [Hkv, G, 1, group * R, D]: one GEMM per (KV head, tile, split) with a fixed number of rows.
         q_tiles = (
-            q_pad[row_index]
+            torch.index_select(q_pad, 0, row_index.reshape(-1))
             .reshape(n_tiles, rows, n_kv_heads, group, head_dim)
             .permute(2, 0, 3, 1, 4)
             .reshape(n_kv_heads, n_tiles, 1, group * rows, head_dim)
@@ -166,11 +166,14 @@ class SplitAttention:
             scores = softcap(scores, variant.softcap)
         scores = scores.masked_fill(call.hidden, float("-inf"))
         m_all = scores.amax(-1, keepdim=True)
-        probs = torch.exp(scores - _finite(m_all))
+        shifted = scores - _finite(m_all)
+        if used < rows:  # the padding rows' probabilities are zeros around the used rows', in one buffer
+            padded = scores.new_zeros(*scores.shape[:4], rows, split)
+            probs = torch.exp(shifted, out=padded[:, :, :, :, :used])
+        else:
+            probs = padded = torch.exp(shifted)
         l_all = probs.sum(-1, keepdim=True)
-        if used < rows:
-            probs = torch.cat([probs, probs.new_zeros(*probs.shape[:4], rows - used, split)], 4)
-        o_all = torch.matmul(probs.reshape(n_kv_heads, n_tiles, n_splits, group * rows, split), split_values)
+        o_all = torch.matmul(padded.reshape(n_kv_heads, n_tiles, n_splits, group * rows, split), split_values)
         o_all = o_all.reshape(n_kv_heads, n_tiles, n_splits, group, rows, value_dim)[:, :, :, :, :used]
         m_acc, l_acc, o_acc = m_all[:, :, 0], l_all[:, :, 0], o_all[:, :, 0]
         for j in range(1, n_splits):
@@ -188,7 +191,7 @@ class SplitAttention:
             m_acc, l_acc, o_acc = _with_sinks(m_acc, l_acc, o_acc, sinks)
         # [Hkv, G, group, R', Dv] -> [G * R', Hq, Dv]
         result = (o_acc / l_acc).permute(1, 3, 0, 2, 4).reshape(n_tiles * used, n_heads, value_dim)
-        out[call.dest] = result[call.source].to(out.dtype)
+        out.index_copy_(0, call.dest, torch.index_select(result, 0, call.source).to(out.dtype))
 
 
 class _Variant(NamedTuple):
