@@ -18,8 +18,9 @@ from pinned_backend.kernels.unfused import UnfusedKernels, softcap
 
 # The rows a packed weight is laid out for: a hint to oneDNN, which multiplies any number of rows either way.
 _PACKED_FOR_ROWS = 16
-# Several sequences' attention in fixed pieces (kernels.cpu_attention), batched across sequences: faster than a call
-# per sequence from two sequences on; one sequence alone goes to scaled_dot_product_attention.
+# Several decoding sequences' attention in fixed pieces (kernels.cpu_attention), batched across sequences: faster
+# than a call per sequence from two sequences on. A sequence alone, or prefilling, goes to
+# scaled_dot_product_attention, whose causal kernel prefills faster than the pieces.
 _SPLIT_ROWS = 8
 
 
@@ -58,42 +59,93 @@ class TorchKernels(UnfusedKernels):
         sinks: torch.Tensor | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        if block_tables.shape[0] > 1 and DEFAULT_KV_SPLIT_SIZE % block_size == 0:
-            return self._batched(
-                q, k_cache, v_cache, block_tables, query_seq, query_pos, scale,
-                window=window, sinks=sinks, softcap=softcap,
-            )  # fmt: skip
-        # One attention call per sequence over its gathered cache: scaled_dot_product_attention where it computes
-        # the variant, the softmax spelled out where it does not (soft-capped scores, sinks).
-        out = q.new_empty(*q.shape[:2], v_cache.shape[3])
-        alone = block_tables.shape[0] == 1  # every row is the one sequence's: no rows to pick out
-        for seq in [0] if alone else torch.unique(query_seq).tolist():
-            rows = None if alone else torch.nonzero(query_seq == seq).squeeze(1)
-            pos = query_pos.long() if rows is None else query_pos[rows].long()
-            length = int(pos.max()) + 1
-            blocks = block_tables[seq, : -(-length // block_size)].long()
-            keys = torch.index_select(k_cache, 0, blocks).reshape(-1, n_kv_heads, k_cache.shape[3])[:length]
-            values = torch.index_select(v_cache, 0, blocks).reshape(-1, n_kv_heads, v_cache.shape[3])[:length]
-            query = (q if rows is None else q[rows]).transpose(0, 1)  # [Hq, Tq, D]
-            if sinks is None and softcap is None:
-                attended = F.scaled_dot_product_attention(
-                    query,
-                    keys.transpose(0, 1),
-                    values.transpose(0, 1),
-                    scale=scale,
-                    enable_gqa=True,
-                    **_causal(pos, length, window),
-                )
-            else:
-                attended = _spelled_out(
-                    query, keys, values, _mask(pos, length, window), scale, sinks, softcap
-                )
-            if rows is None:
-                out.copy_(attended.transpose(0, 1))
-            else:
-                out[rows] = attended.transpose(0, 1)
+        variants: dict[str, Any] = {"window": window, "sinks": sinks, "softcap": softcap}
+        n_seqs = block_tables.shape[0]
+        if n_seqs == 1:
+            out = q.new_empty(*q.shape[:2], v_cache.shape[3])
+            self._one_sequence(q, k_cache, v_cache, block_tables, 0, query_pos, scale, out, **variants)
+            return out
+        if DEFAULT_KV_SPLIT_SIZE % k_cache.shape[1] != 0:
+            return self._one_by_one(
+                q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, **variants
+            )
+        # Sequences decoding (one query each) together in the split attention; a sequence prefilling (several
+        # queries) through scaled_dot_product_attention, whose causal kernel prefills faster.
+        several = torch.bincount(query_seq, minlength=n_seqs)[query_seq.long()] > 1
+        if not bool(several.any()):
+            return self._batched(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, **variants)
+        out = self._one_by_one(
+            q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, several, **variants
+        )
+        decoding = torch.nonzero(~several).squeeze(1)
+        if decoding.numel():
+            step = (query_seq[decoding], query_pos[decoding])
+            out[decoding] = self._batched(
+                q[decoding], k_cache, v_cache, block_tables, *step, scale, **variants
+            )
         return out
+
+    def _one_by_one(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+        among: torch.Tensor | None = None,
+        **variants: Any,
+    ) -> torch.Tensor:
+        """Attention of the sequences whose rows `among` marks (all where None), one call per sequence; the other
+        rows are left unwritten."""
+        out = q.new_empty(*q.shape[:2], v_cache.shape[3])
+        chosen = query_seq if among is None else query_seq[among]
+        for seq in torch.unique(chosen).tolist():
+            rows = torch.nonzero(query_seq == seq).squeeze(1)
+            attended = q.new_empty(rows.shape[0], *out.shape[1:])
+            self._one_sequence(
+                q[rows], k_cache, v_cache, block_tables, seq, query_pos[rows], scale, attended, **variants
+            )
+            out[rows] = attended
+        return out
+
+    def _one_sequence(
+        self,
+        q: torch.Tensor,  # [Tq, Hq, D], every query of sequence `seq` in this step
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq: int,
+        query_pos: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        *,
+        window: int | None,
+        sinks: torch.Tensor | None,
+        softcap: float | None,
+    ) -> None:
+        """One sequence's attention over its gathered cache into `out`: scaled_dot_product_attention where it
+        computes the variant, the softmax spelled out where it does not (soft-capped scores, sinks)."""
+        block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+        pos = query_pos.long()
+        length = int(pos.max()) + 1
+        blocks = block_tables[seq, : -(-length // block_size)].long()
+        keys = torch.index_select(k_cache, 0, blocks).reshape(-1, n_kv_heads, k_cache.shape[3])[:length]
+        values = torch.index_select(v_cache, 0, blocks).reshape(-1, n_kv_heads, v_cache.shape[3])[:length]
+        query = q.transpose(0, 1)  # [Hq, Tq, D]
+        if sinks is None and softcap is None:
+            attended = F.scaled_dot_product_attention(
+                query,
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                scale=scale,
+                enable_gqa=True,
+                **_causal(pos, length, window),
+            )
+        else:
+            attended = _spelled_out(query, keys, values, _mask(pos, length, window), scale, sinks, softcap)
+        out.copy_(attended.transpose(0, 1))
 
 
 def _mask(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
