@@ -225,9 +225,13 @@ def _by_head(blocks: torch.Tensor, n_splits: int, split: int, *, transposed: boo
     n_tiles, _, _, n_kv_heads, width = blocks.shape
     by_split = blocks.view(n_tiles, n_splits, split, n_kv_heads, width)
     order = (3, 0, 1, 4, 2) if transposed else (3, 0, 1, 2, 4)
-    # Reordered in the cache's dtype, then widened: a strided copy moves half the bytes that way. A gathered
-    # block tensor is the call's own, so even where `contiguous` copies nothing the result is never the cache.
-    return by_split.permute(*order).contiguous().float()
+    permuted = by_split.permute(*order)
+    if not transposed:  # rows of D stay whole: reordered and widened in one pass over memory
+        return torch.empty(permuted.shape, dtype=torch.float32, device=blocks.device).copy_(permuted)
+    # A transposing copy that also widens runs element by element: the keys are reordered in the cache's dtype, then
+    # widened. A gathered block tensor is the call's own, so even where `contiguous` copies nothing the result is
+    # never the cache.
+    return permuted.contiguous().float()
 
 
 def _finite(m: torch.Tensor) -> torch.Tensor:
