@@ -1,9 +1,10 @@
 """The C allocator kept from handing a CPU step's memory back to the kernel between layers.
 
-glibc's malloc maps every request of 128 KiB or more afresh from the kernel and unmaps it when freed. A CPU step
-allocates and frees tensors of megabytes at every layer (the attention's keys and values gathered from the paged
-cache, its scores), so each layer of each step touches newly mapped pages, and every page faults on first touch:
-at a few hundred tokens of context that cost more than the attention's arithmetic (bench/results/engines.md).
+glibc's malloc maps a request of 128 KiB or more straight from the kernel and unmaps it when freed (its threshold
+rises as such blocks are freed), and hands free memory at the heap's top back to the kernel past a trim threshold
+that follows it. A CPU step allocates and frees tensors of megabytes at every layer (the attention's keys and values
+gathered from the paged cache, its scores), so its memory went back to the kernel and came again, and every page
+faults on first touch: at a few hundred tokens of context that cost more than the attention's arithmetic.
 Raising the mapping threshold and the trim threshold keeps freed blocks in the heap for the next layer to reuse,
 as the allocators that CPU inference servers preload (tcmalloc, jemalloc) do. The process then keeps the peak of
 a step's transient memory; what a step computes is unchanged.
