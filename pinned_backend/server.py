@@ -29,6 +29,7 @@ import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from pinned_backend.allocator import keep_freed_memory
 from pinned_backend.embeddings import EmbeddingJob
 from pinned_backend.engine import EngineError, EngineStopped, QueueFull, RequestTooLarge, TokenOutput
 from pinned_backend.grammar import CompiledGrammar, GrammarError
@@ -113,6 +114,8 @@ async def _runtime_ctx(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     # One thread loads the model and then steps it (runner.py says why); closing runs elsewhere, since it waits for
     # that thread's loop to end.
+    if torch.device(app[SETTINGS].device).type == "cpu":
+        keep_freed_memory()  # before the engine's thread exists, so that it shares the tuned arena
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stackpin-engine")
     try:
         runtime = await loop.run_in_executor(

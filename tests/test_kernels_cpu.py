@@ -212,21 +212,33 @@ def test_attention_variants_match_the_float64_reference(variant: str, mode: Any)
 
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize(
-    ("first", "count"), [(69, 1), (0, 70), (40, 30), (0, 1)], ids=["decode", "prompt", "chunk", "first-token"]
+    "positions",
+    [[69], list(range(70)), list(range(40, 70)), [0], [1, 0], [0, 2, 2]],
+    ids=["decode", "prompt", "chunk", "first-token", "out-of-order", "repeated"],
 )
 def test_default_attention_of_one_sequence_matches_the_float64_reference(
-    first: int, count: int, window: int | None
+    positions: list[int], window: int | None
 ) -> None:
     # A step of one sequence goes to scaled_dot_product_attention, with no mask where the query sees every key
-    # and its own causal mask for a whole prompt: each must still be the reference's attention.
+    # and its own causal mask for a whole prompt in order: each must still be the reference's attention.
     kernels = select_kernels("default", CPU)
     k_cache, v_cache, tables = make_paged([70], 16, (8, 2), 32, seed=21, dtype=torch.float32)
+    count = len(positions)
     seq = torch.zeros(count, dtype=torch.int32)
-    pos = torch.arange(first, first + count, dtype=torch.int32)
+    pos = torch.tensor(positions, dtype=torch.int32)
     q = randn(count, 8, 32, seed=22) * 3
     out = kernels.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5, window=window)
     expected = reference.attention(q, k_cache, v_cache, tables, seq, pos, 32**-0.5, window=window)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["batch_invariant", "default"])
+def test_a_step_without_queries_attends_to_nothing(mode: Any) -> None:
+    kernels = select_kernels(mode, CPU)
+    k_cache, v_cache, tables = make_paged([20], 16, (8, 2), 32, seed=23, dtype=torch.float32)
+    empty = torch.zeros(0, dtype=torch.int32)
+    out = kernels.attention(randn(0, 8, 32, seed=24), k_cache, v_cache, tables, empty, empty, 32**-0.5)
+    assert out.shape == (0, 8, 32)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

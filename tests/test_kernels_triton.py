@@ -688,9 +688,16 @@ def test_default_mode_prefills_through_flash_attention_over_the_paged_cache(
         captured = run()
     graph.replay()
     torch.testing.assert_close(captured, out, atol=0, rtol=0)
+    # A step whose gather would be many times its queries (two queries beside the others' block tables, as a verify
+    # pass beside long contexts is) takes the paged kernel, whose bits are the invariant set's.
+    short = default.attention(q[:2], cache.k, cache.v, cache.tables[:1], seq[:2] * 0, pos[698:700], scale)
+    invariant = triton_ops.TritonKernels(kv_split_size=128)
+    assert torch.equal(
+        short,
+        invariant.attention(q[:2], cache.k, cache.v, cache.tables[:1], seq[:2] * 0, pos[698:700], scale),
+    )
     # Soft-capped scores are a variant flash does not take here: the paged kernel serves them.
     capped = default.attention(q, cache.k, cache.v, cache.tables, seq, pos, scale, softcap=30.0)
-    invariant = triton_ops.TritonKernels(kv_split_size=128)
     assert torch.equal(
         capped, invariant.attention(q, cache.k, cache.v, cache.tables, seq, pos, scale, softcap=30.0)
     )

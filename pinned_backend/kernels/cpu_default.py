@@ -129,6 +129,8 @@ class TorchKernels(UnfusedKernels):
         computes the variant, the softmax spelled out where it does not (soft-capped scores, sinks)."""
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
         pos = query_pos.long()
+        if pos.numel() == 0:
+            return
         length = int(pos.max()) + 1
         blocks = block_tables[seq, : -(-length // block_size)].long()
         keys = torch.index_select(k_cache, 0, blocks).reshape(-1, n_kv_heads, k_cache.shape[3])[:length]
@@ -163,8 +165,8 @@ def _causal(pos: torch.Tensor, length: int, window: int | None) -> dict[str, Any
     if window is None or window >= length:
         if pos.shape[0] == 1 and int(pos[0]) == length - 1:
             return {}
-        if pos.shape[0] == length:  # positions 0 .. length - 1: the rows' own causal triangle
-            return {"is_causal": True}
+        if pos.shape[0] == length and torch.equal(pos, torch.arange(length, device=pos.device)):
+            return {"is_causal": True}  # positions 0 .. length - 1 in order: the rows' own causal triangle
     return {"attn_mask": _mask(pos, length, window)}
 
 

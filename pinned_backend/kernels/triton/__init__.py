@@ -220,7 +220,7 @@ class CublasKernels(TritonKernels):
     ) -> torch.Tensor:
         """FlashAttention for a step that prefills (flash_prefill.py), the paged kernel for decode steps and the
         variants FlashAttention lacks here."""
-        if serves(q, block_tables, sinks=sinks, softcap=softcap):
+        if serves(q, block_tables, k_cache.shape[1], sinks=sinks, softcap=softcap):
             return flash_prefill(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, window)
         return super().attention(
             q, k_cache, v_cache, block_tables, query_seq, query_pos, scale,

@@ -9,8 +9,9 @@ positions, as the engine lays out every step, whether the step is its first chun
 prefix-cache hit, or a verify pass. Everything is computed on the device from tensors whose sizes the host knows,
 so a step still runs without reading back from the device and can be captured as a CUDA graph.
 
-It serves steps with more query tokens than sequences (some sequence prefills): a decode step would gather every
-sequence's whole cache to read it once, which the paged kernel reads in place as fast as FlashAttention does.
+It serves steps with more query tokens than sequences (some sequence prefills) whose gather stays within a bound of
+their size: a decode step, or a short chunk or verify pass beside long contexts, would gather every sequence's
+whole cache to read it once, which the paged kernel reads in place (as fast as FlashAttention when decoding).
 Variants FlashAttention has here: sliding windows; soft-capped scores and sinks go to the paged kernel.
 """
 
@@ -21,6 +22,10 @@ import functools
 import torch
 
 _DTYPES = (torch.float16, torch.bfloat16)
+# The most keys gathered per query token: past it (a short chunk or a verify pass beside sequences of long context,
+# whose whole block tables would be copied at every layer) the paged kernel, which reads the cache in place, is the
+# cheaper, and the gather's memory stays bounded by the step's own size.
+_GATHERED_PER_QUERY = 16
 _MAX_HEAD_DIM = 256
 
 
@@ -31,12 +36,19 @@ def _flash_on(device: torch.device) -> bool:
 
 
 def serves(
-    q: torch.Tensor, block_tables: torch.Tensor, *, sinks: torch.Tensor | None, softcap: float | None
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    *,
+    sinks: torch.Tensor | None,
+    softcap: float | None,
 ) -> bool:
-    """Whether this step's attention goes to FlashAttention: a step that prefills, in a dtype and head size it
-    takes, without a variant it lacks."""
+    """Whether this step's attention goes to FlashAttention: a step that prefills, whose gathered keys are not many
+    more than its queries, in a dtype and head size flash takes, without a variant it lacks."""
+    gathered = block_tables.shape[0] * block_tables.shape[1] * block_size
     return (
         q.shape[0] > block_tables.shape[0]
+        and gathered <= _GATHERED_PER_QUERY * q.shape[0]
         and sinks is None
         and softcap is None
         and q.dtype in _DTYPES
