@@ -62,9 +62,7 @@ class TorchKernels(UnfusedKernels):
         variants: dict[str, Any] = {"window": window, "sinks": sinks, "softcap": softcap}
         n_seqs = block_tables.shape[0]
         if n_seqs == 1:
-            out = q.new_empty(*q.shape[:2], v_cache.shape[3])
-            self._one_sequence(q, k_cache, v_cache, block_tables, 0, query_pos, scale, out, **variants)
-            return out
+            return self._one_sequence(q, k_cache, v_cache, block_tables, 0, query_pos, scale, **variants)
         if DEFAULT_KV_SPLIT_SIZE % k_cache.shape[1] != 0:
             return self._one_by_one(
                 q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, **variants
@@ -103,11 +101,9 @@ class TorchKernels(UnfusedKernels):
         chosen = query_seq if among is None else query_seq[among]
         for seq in torch.unique(chosen).tolist():
             rows = torch.nonzero(query_seq == seq).squeeze(1)
-            attended = q.new_empty(rows.shape[0], *out.shape[1:])
-            self._one_sequence(
-                q[rows], k_cache, v_cache, block_tables, seq, query_pos[rows], scale, attended, **variants
+            out[rows] = self._one_sequence(
+                q[rows], k_cache, v_cache, block_tables, seq, query_pos[rows], scale, **variants
             )
-            out[rows] = attended
         return out
 
     def _one_sequence(
@@ -119,18 +115,17 @@ class TorchKernels(UnfusedKernels):
         seq: int,
         query_pos: torch.Tensor,
         scale: float,
-        out: torch.Tensor,
         *,
         window: int | None,
         sinks: torch.Tensor | None,
         softcap: float | None,
-    ) -> None:
-        """One sequence's attention over its gathered cache into `out`: scaled_dot_product_attention where it
-        computes the variant, the softmax spelled out where it does not (soft-capped scores, sinks)."""
+    ) -> torch.Tensor:  # [Tq, Hq, Dv]
+        """One sequence's attention over its gathered cache: scaled_dot_product_attention where it computes the
+        variant, the softmax spelled out where it does not (soft-capped scores, sinks)."""
         block_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
         pos = query_pos.long()
         if pos.numel() == 0:
-            return
+            return q.new_empty(0, q.shape[1], v_cache.shape[3])
         length = int(pos.max()) + 1
         blocks = block_tables[seq, : -(-length // block_size)].long()
         keys = torch.index_select(k_cache, 0, blocks).reshape(-1, n_kv_heads, k_cache.shape[3])[:length]
@@ -147,7 +142,7 @@ class TorchKernels(UnfusedKernels):
             )
         else:
             attended = _spelled_out(query, keys, values, _mask(pos, length, window), scale, sinks, softcap)
-        out.copy_(attended.transpose(0, 1))
+        return attended.transpose(0, 1).contiguous()
 
 
 def _mask(pos: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
