@@ -195,6 +195,12 @@ def load_runtime(
     checkpoint = load_checkpoint(settings.model, dtype, report)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
     kernels, plan_file = kernels_for(settings, config, device, report)
+    if getattr(kernels, "attention_kernel", None) == "split":
+        why = getattr(kernels, "attention_unbuilt", "")
+        report(
+            f"the compiled CPU attention is not built ({why}); the split attention serves instead, and the stack "
+            "says so (its answers' bits differ)"
+        )
     invariant_on_gpu = device.type == "cuda" and settings.kernel_mode == "batch_invariant"
     model: Transformer | ParallelModel
     if settings.tensor_parallel is None:
@@ -256,6 +262,10 @@ def load_runtime(
     if invariant_on_gpu:
         # The plans decide the matmuls' reduction orders, and live outside the source the backend version digests.
         detail = {**detail, "matmul_plans": None if plan_file is None else plan_file.described()}
+    attention_kernel = getattr(kernels, "attention_kernel", None)
+    if attention_kernel is not None:
+        # The CPU's invariant attention: compiled, or the split attention of torch ops where no compiler built it.
+        detail = {**detail, "attention": attention_kernel}
     stack = build_stack(
         model=settings.served_name,
         weights_sha256=checkpoint.weights_sha256,

@@ -230,15 +230,21 @@ def backend_version(version: str = pinned_backend.__version__) -> str:
     return f"{version}{'.' if '+' in version else '+'}src.{digest}"
 
 
+# The source files a digest covers: the Python and the C kernels compiled at first use (kernels.native).
+SOURCE_SUFFIXES = (".py", ".c")
+
+
 def source_sha256(package: Path) -> str:
-    """SHA-256 over each `*.py` file's own SHA-256 under `package`, as `path:hex\\n` lines in path order (paths
+    """SHA-256 over each `*.py` and `*.c` file's own SHA-256 under `package`, as `path:hex\\n` lines in path order (paths
     relative to `package`, `/`-separated, sorted by code point), as `weights_sha256` digests weight files. Hidden
     files and folders (editor and notebook copies) and anything that is not a regular file are left out."""
     files = sorted(
         (
             path
-            for path in package.rglob("*.py")
-            if path.is_file() and not any(part.startswith(".") for part in path.relative_to(package).parts)
+            for path in package.rglob("*")
+            if path.suffix in SOURCE_SUFFIXES
+            and path.is_file()
+            and not any(part.startswith(".") for part in path.relative_to(package).parts)
         ),
         key=lambda path: path.relative_to(package).as_posix(),
     )

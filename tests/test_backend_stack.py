@@ -213,7 +213,11 @@ def test_any_change_to_the_source_changes_its_digest_and_nothing_else_does(tmp_p
     (package / ".ipynb_checkpoints").mkdir()
     (package / ".ipynb_checkpoints" / "model-checkpoint.py").write_text("a notebook's copy")
     (package / ".#model.py").symlink_to(package / "no-such-file")  # an editor's lock, dangling
-    assert source_sha256(package) == digest, "only the package's own Python source counts"
+    assert source_sha256(package) == digest, "only the package's own source counts"
+    kernel = package / "kernels" / "cpu_paged_attention.c"
+    kernel.write_text(kernel.read_text().replace("#define TILE_QUERIES 48", "#define TILE_QUERIES 47"))
+    assert source_sha256(package) != digest, "the compiled kernels' C source counts too"
+    kernel.write_text(kernel.read_text().replace("#define TILE_QUERIES 47", "#define TILE_QUERIES 48"))
     plans = package / "kernels" / "triton" / "matmul_plans.py"
     plans.write_text(plans.read_text().replace("LARGE_M = 1 << 62", "LARGE_M = 1 << 61"))
     changed = source_sha256(package)

@@ -12,15 +12,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, onednn
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, native, onednn
 from pinned_backend.kernels.cpu_attention import SplitAttention
+from pinned_backend.kernels.cpu_paged_attention import CompiledAttention
 from pinned_backend.kernels.unfused import UnfusedKernels, softcap
 
 # The rows a packed weight is laid out for: a hint to oneDNN, which multiplies any number of rows either way.
 _PACKED_FOR_ROWS = 16
-# Several decoding sequences' attention in fixed pieces (kernels.cpu_attention), batched across sequences: faster
-# than a call per sequence from two sequences on. A sequence alone, or prefilling, goes to
-# scaled_dot_product_attention, whose causal kernel prefills faster than the pieces.
+# Several decoding sequences' attention in one call: the compiled attention (kernels.cpu_paged_attention), or where
+# it does not build the split attention's fixed pieces (kernels.cpu_attention); either is faster than a call per
+# sequence from two sequences on. A sequence alone, or prefilling, goes to scaled_dot_product_attention, whose causal
+# kernel prefills faster.
 _SPLIT_ROWS = 8
 
 
@@ -29,7 +31,11 @@ class TorchKernels(UnfusedKernels):
 
     def __init__(self) -> None:
         super().__init__()
-        self._batched = SplitAttention(DEFAULT_KV_SPLIT_SIZE, _SPLIT_ROWS)
+        self._batched: CompiledAttention | SplitAttention
+        try:
+            self._batched = CompiledAttention.load(DEFAULT_KV_SPLIT_SIZE)
+        except native.BuildError:
+            self._batched = SplitAttention(DEFAULT_KV_SPLIT_SIZE, _SPLIT_ROWS)
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return onednn.linear(x, w) if onednn.is_packed(w) else F.linear(x, w)

@@ -10,8 +10,10 @@ fixed number of rows, padded with zeros:
   `gemm_rows` rows, or through a packed weight to the fewest rows that `prepare` proved give a row the bits of a
   block of `gemm_rows` (onednn.padded_rows, run once per shape at load), so that a decode step of one sequence
   multiplies one or two rows, not sixteen;
-- attention: each sequence's queries in tiles of `attention_rows`, against the KV length cut into splits of
-  `kv_split_size` tokens, one GEMM of one shape per tile and split (kernels.cpu_attention).
+- attention: each query alone over its keys in chunks of `kv_split_size` tokens on a grid of absolute positions, in
+  one compiled call a layer (kernels.cpu_paged_attention); where no C compiler can build it, each sequence's queries
+  in tiles of `attention_rows`, one GEMM of one shape per tile and split (kernels.cpu_attention), whose bits differ:
+  `attention_kernel` names which serves, and the stack says it.
 Row reductions (RMSNorm's mean, log-softmax) reduce each row in the same order however many rows there are,
 except that PyTorch splits a reduction across threads when it has a single output; RMSNorm therefore never
 reduces one row alone. The fused families are composed of
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, onednn
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, native, onednn
 from pinned_backend.kernels.cpu_attention import SplitAttention
+from pinned_backend.kernels.cpu_paged_attention import CompiledAttention
 from pinned_backend.kernels.unfused import UnfusedKernels
 
 DEFAULT_GEMM_ROWS = 16
@@ -39,11 +42,23 @@ class CpuInvariantKernels(UnfusedKernels):
         kv_split_size: int = DEFAULT_KV_SPLIT_SIZE,
         gemm_rows: int = DEFAULT_GEMM_ROWS,
         attention_rows: int = DEFAULT_ATTENTION_ROWS,
+        *,
+        compiled: bool = True,
     ) -> None:
+        """`compiled`: the compiled attention where it builds (else, or when False, the split attention)."""
         super().__init__()
         if gemm_rows <= 0:
             raise ValueError(f"gemm_rows must be a positive number of rows, got {gemm_rows}")
-        self._attention = SplitAttention(kv_split_size, attention_rows)
+        self._split = SplitAttention(kv_split_size, attention_rows)
+        self._compiled: CompiledAttention | None = None
+        self.attention_unbuilt = "" if compiled else "the split attention was asked for"
+        if compiled:
+            try:
+                self._compiled = CompiledAttention.load(kv_split_size)
+            except native.BuildError as error:
+                self.attention_unbuilt = str(error)
+        # Which attention serves, as the stack names it: the two give other bits.
+        self.attention_kernel = "compiled" if self._compiled is not None else "split"
         self.kv_split_size = kv_split_size  # the stack reports it
         self.gemm_rows = gemm_rows
         # (shape, dtype) of each packed weight -> the rows a last block of m rows is padded to (onednn.padded_rows)
@@ -110,6 +125,22 @@ class CpuInvariantKernels(UnfusedKernels):
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(x.float(), dim=-1)
 
+    def latent_attention(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_seq: torch.Tensor,
+        query_pos: torch.Tensor,
+        scale: float,
+        v_dim: int,
+    ) -> torch.Tensor:
+        if self._compiled is None:
+            return super().latent_attention(q, cache, block_tables, query_seq, query_pos, scale, v_dim)
+        self._check_threads()
+        # A value element's sum never reads another element: only the first v_dim are computed.
+        return self._compiled(q, cache, cache, block_tables, query_seq, query_pos, scale, value_dim=v_dim)
+
     def attention(
         self,
         q: torch.Tensor,
@@ -125,7 +156,13 @@ class CpuInvariantKernels(UnfusedKernels):
         softcap: float | None = None,
     ) -> torch.Tensor:
         self._check_threads()
-        return self._attention(
+        attend = self._split if self._compiled is None else self._compiled
+        if self._compiled is not None and self.kv_split_size % k_cache.shape[1] != 0:
+            raise ValueError(
+                f"kv_split_size {self.kv_split_size} must be a multiple "
+                f"of the KV cache block size {k_cache.shape[1]}"
+            )
+        return attend(
             q, k_cache, v_cache, block_tables, query_seq, query_pos, scale,
             window=window, sinks=sinks, softcap=softcap,
         )  # fmt: skip
