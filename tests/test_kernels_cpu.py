@@ -94,6 +94,16 @@ def test_invariant_log_softmax_matches_reference_and_is_batch_invariant(dtype: t
     assert_rows_invariant(kernels.log_softmax, x)
 
 
+def cpu_kernels(mode: str, compiled: bool, kv_split_size: int = 128) -> CpuInvariantKernels | TorchKernels:
+    """A CPU kernel set with its compiled attention, or with the torch-op attention that serves where none builds."""
+    if mode == "batch_invariant":
+        return CpuInvariantKernels(kv_split_size=kv_split_size, compiled=compiled)
+    return TorchKernels(compiled=compiled)
+
+
+ATTENTIONS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+
+
 def make_paged(
     lengths: list[int], block_size: int, heads: tuple[int, int], dim: int, seed: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,10 +122,11 @@ def make_paged(
     return k_cache, v_cache, tables
 
 
+@ATTENTIONS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["batch_invariant", "default"])
-def test_attention_matches_the_float64_reference(dtype: torch.dtype, mode: Any) -> None:
-    kernels = select_kernels(mode, CPU, kv_split_size=32)
+def test_attention_matches_the_float64_reference(dtype: torch.dtype, mode: Any, compiled: bool) -> None:
+    kernels = cpu_kernels(mode, compiled, kv_split_size=32)
     lengths = [1, 17, 70, 33]
     k_cache, v_cache, tables = make_paged(lengths, 16, (8, 2), 32, seed=6, dtype=dtype)
     # Some queries at the end of their sequence (decode), a run of them (prefill), one in the middle.
@@ -129,11 +140,13 @@ def test_attention_matches_the_float64_reference(dtype: torch.dtype, mode: Any) 
     torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@ATTENTIONS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_invariant_attention_gives_a_query_the_same_bits_whatever_else_is_in_the_step(
     dtype: torch.dtype,
+    compiled: bool,
 ) -> None:
-    kernels = CpuInvariantKernels(kv_split_size=32)
+    kernels = CpuInvariantKernels(kv_split_size=32, compiled=compiled)
     generator = torch.Generator().manual_seed(8)
     lengths = torch.randint(1, 100, (6,), generator=generator).tolist()
     k_cache, v_cache, tables = make_paged(lengths, 16, (4, 2), 16, seed=9, dtype=dtype)
@@ -161,14 +174,15 @@ def test_invariant_attention_gives_a_query_the_same_bits_whatever_else_is_in_the
             )
 
 
+@ATTENTIONS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("split", "block"), [(128, 16), (8, 4)])
 def test_invariant_attention_gives_a_decoding_query_its_bits_alone_in_steps_of_any_size(
-    dtype: torch.dtype, split: int, block: int
+    dtype: torch.dtype, split: int, block: int, compiled: bool
 ) -> None:
     # Decode steps: one query a sequence, contexts over several splits, steps of every size, so that the batched
     # products hold from one piece to many.
-    kernels = CpuInvariantKernels(kv_split_size=split)
+    kernels = CpuInvariantKernels(kv_split_size=split, compiled=compiled)
     generator = torch.Generator().manual_seed(11)
     lengths = torch.randint(split, 5 * split, (24,), generator=generator).tolist()
     k_cache, v_cache, tables = make_paged(lengths, block, (8, 2), 32, seed=12, dtype=dtype)
@@ -195,10 +209,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+@ATTENTIONS
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mode", ["batch_invariant", "default"])
-def test_attention_variants_match_the_float64_reference(variant: str, mode: Any) -> None:
-    kernels = select_kernels(mode, CPU, kv_split_size=32)
+def test_attention_variants_match_the_float64_reference(variant: str, mode: Any, compiled: bool) -> None:
+    kernels = cpu_kernels(mode, compiled, kv_split_size=32)
     k_cache, v_cache, tables = make_paged([1, 17, 70, 33], 16, (8, 2), 32, seed=6, dtype=torch.float32)
     seq = torch.tensor([0, 1, 2, 2, 2, 2, 3, 1], dtype=torch.int32)
     pos = torch.tensor([0, 16, 66, 67, 68, 69, 32, 3], dtype=torch.int32)
@@ -210,6 +225,7 @@ def test_attention_variants_match_the_float64_reference(variant: str, mode: Any)
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
+@ATTENTIONS
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize(
     "positions",
@@ -217,11 +233,12 @@ def test_attention_variants_match_the_float64_reference(variant: str, mode: Any)
     ids=["decode", "prompt", "chunk", "first-token", "out-of-order", "repeated"],
 )
 def test_default_attention_of_one_sequence_matches_the_float64_reference(
-    positions: list[int], window: int | None
+    positions: list[int], window: int | None, compiled: bool
 ) -> None:
-    # A step of one sequence goes to scaled_dot_product_attention, with no mask where the query sees every key
-    # and its own causal mask for a whole prompt in order: each must still be the reference's attention.
-    kernels = select_kernels("default", CPU)
+    # Without the compiled attention a step of one sequence goes to scaled_dot_product_attention, with no mask where
+    # the query sees every key and its own causal mask for a whole prompt in order: each must still be the
+    # reference's attention, as the compiled one's is.
+    kernels = cpu_kernels("default", compiled)
     k_cache, v_cache, tables = make_paged([70], 16, (8, 2), 32, seed=21, dtype=torch.float32)
     count = len(positions)
     seq = torch.zeros(count, dtype=torch.int32)
@@ -232,20 +249,23 @@ def test_default_attention_of_one_sequence_matches_the_float64_reference(
     torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
+@ATTENTIONS
 @pytest.mark.parametrize("mode", ["batch_invariant", "default"])
-def test_a_step_without_queries_attends_to_nothing(mode: Any) -> None:
-    kernels = select_kernels(mode, CPU)
+def test_a_step_without_queries_attends_to_nothing(mode: Any, compiled: bool) -> None:
+    kernels = cpu_kernels(mode, compiled)
     k_cache, v_cache, tables = make_paged([20], 16, (8, 2), 32, seed=23, dtype=torch.float32)
     empty = torch.zeros(0, dtype=torch.int32)
     out = kernels.attention(randn(0, 8, 32, seed=24), k_cache, v_cache, tables, empty, empty, 32**-0.5)
     assert out.shape == (0, 8, 32)
 
 
+@ATTENTIONS
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_invariant_attention_variants_give_a_query_the_same_bits_whatever_else_is_in_the_step(
     variant: str,
+    compiled: bool,
 ) -> None:
-    kernels = CpuInvariantKernels(kv_split_size=16)
+    kernels = CpuInvariantKernels(kv_split_size=16, compiled=compiled)
     lengths = [90, 3, 47, 64]
     k_cache, v_cache, tables = make_paged(lengths, 16, (8, 2), 16, seed=13, dtype=torch.float32)
     seq = torch.cat([torch.full((n,), s, dtype=torch.int32) for s, n in enumerate(lengths)])
@@ -273,9 +293,10 @@ def test_invariant_attention_variants_give_a_query_the_same_bits_whatever_else_i
         )
 
 
-def test_kv_split_size_must_be_a_multiple_of_the_block_size() -> None:
+@ATTENTIONS
+def test_kv_split_size_must_be_a_multiple_of_the_block_size(compiled: bool) -> None:
     k_cache, v_cache, tables = make_paged([5], 16, (2, 2), 8, seed=11, dtype=torch.float32)
-    kernels = CpuInvariantKernels(kv_split_size=24)
+    kernels = CpuInvariantKernels(kv_split_size=24, compiled=compiled)
     seq, pos = torch.tensor([0], dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple of the KV cache block size 16"):
         kernels.attention(torch.zeros(1, 2, 8), k_cache, v_cache, tables, seq, pos, 1.0)

@@ -126,8 +126,12 @@ def _positions(start: int, count: int, length: int) -> tuple[torch.Tensor, torch
 def test_caches_it_cannot_read_are_refused(compiled: CompiledAttention) -> None:
     k_cache, v_cache, tables = make_paged([5], 16, (2, 2), 8, seed=39, dtype=torch.float32)
     seq, pos = torch.tensor([0], dtype=torch.int32), torch.tensor([4], dtype=torch.int32)
-    with pytest.raises(ValueError, match="float32, bfloat16 or float16 caches"):
+    with pytest.raises(
+        ValueError, match=r"float16 queries and caches, not torch\.float32 queries over a torch\.float64"
+    ):
         compiled(torch.zeros(1, 2, 8), k_cache.double(), v_cache.double(), tables, seq, pos, 1.0)
+    with pytest.raises(ValueError, match=r"not torch\.float64 queries"):
+        compiled(torch.zeros(1, 2, 8, dtype=torch.float64), k_cache, v_cache, tables, seq, pos, 1.0)
     with pytest.raises(ValueError, match="do not fit a cache of 2 KV heads"):
         compiled(torch.zeros(1, 3, 8), k_cache, v_cache, tables, seq, pos, 1.0)
 

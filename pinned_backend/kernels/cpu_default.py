@@ -7,6 +7,7 @@ fuse (`kernels.unfused`). It knows nothing of the model beyond the shapes in `pi
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -19,23 +20,25 @@ from pinned_backend.kernels.unfused import UnfusedKernels, softcap
 
 # The rows a packed weight is laid out for: a hint to oneDNN, which multiplies any number of rows either way.
 _PACKED_FOR_ROWS = 16
-# Several decoding sequences' attention in one call: the compiled attention (kernels.cpu_paged_attention), or where
-# it does not build the split attention's fixed pieces (kernels.cpu_attention); either is faster than a call per
-# sequence from two sequences on. A sequence alone, or prefilling, goes to scaled_dot_product_attention, whose causal
-# kernel prefills faster.
+# Attention goes to the compiled attention (kernels.cpu_paged_attention), which reads the paged cache in place and is
+# faster than the alternatives below at every step shape measured. Where it does not build: several decoding
+# sequences in the split attention's fixed pieces (kernels.cpu_attention), faster than a call per sequence from two
+# sequences on; a sequence alone, or prefilling, in scaled_dot_product_attention, whose causal kernel prefills faster
+# than the pieces.
 _SPLIT_ROWS = 8
 
 
 class TorchKernels(UnfusedKernels):
     mode: KernelMode = "default"
 
-    def __init__(self) -> None:
+    def __init__(self, *, compiled: bool = True) -> None:
+        """`compiled`: the compiled attention where it builds (else, or when False, the fallbacks below)."""
         super().__init__()
-        self._batched: CompiledAttention | SplitAttention
-        try:
-            self._batched = CompiledAttention.load(DEFAULT_KV_SPLIT_SIZE)
-        except native.BuildError:
-            self._batched = SplitAttention(DEFAULT_KV_SPLIT_SIZE, _SPLIT_ROWS)
+        self._compiled: CompiledAttention | None = None
+        if compiled:
+            with contextlib.suppress(native.BuildError):
+                self._compiled = CompiledAttention.load(DEFAULT_KV_SPLIT_SIZE)
+        self._batched = SplitAttention(DEFAULT_KV_SPLIT_SIZE, _SPLIT_ROWS)
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return onednn.linear(x, w) if onednn.is_packed(w) else F.linear(x, w)
@@ -66,6 +69,8 @@ class TorchKernels(UnfusedKernels):
         softcap: float | None = None,
     ) -> torch.Tensor:
         variants: dict[str, Any] = {"window": window, "sinks": sinks, "softcap": softcap}
+        if self._compiled is not None:
+            return self._compiled(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, **variants)
         n_seqs = block_tables.shape[0]
         if n_seqs == 1:
             return self._one_sequence(q, k_cache, v_cache, block_tables, 0, query_pos, scale, **variants)

@@ -27,6 +27,8 @@
 #define LANES 16
 /* Query heads a tile holds at most (its tokens times the group's heads), sharing each widened chunk. */
 #define TILE_QUERIES 48
+/* Query heads whose scores and values one pass over a chunk computes together. */
+#define HEAD_BLOCK 4
 
 enum cache_dtype { CACHE_F32 = 0, CACHE_BF16 = 1, CACHE_F16 = 2 };
 
@@ -78,6 +80,31 @@ static inline float half_to_float(uint16_t h) {
     return v.f;
 }
 
+/* widen, writing element i to dst[i * stride]. */
+static inline void widen_strided(const void *src, int dtype, int64_t n, float *dst, int64_t stride) {
+    if (dtype == CACHE_BF16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) {
+            union { uint32_t u; float f; } v;
+            v.u = (uint32_t)s[i] << 16;
+            dst[i * stride] = v.f;
+        }
+    } else if (dtype == CACHE_F16) {
+        const uint16_t *s = (const uint16_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i * stride] = half_to_float(s[i]);
+    } else {
+        const float *s = (const float *)src;
+        for (int64_t i = 0; i < n; i++) dst[i * stride] = s[i];
+    }
+}
+
+/* A float rounded to the nearest bfloat16, ties to even (NaN stays a quiet NaN), as torch rounds it. */
+static inline uint16_t float_to_bf16(float x) {
+    union { float f; uint32_t u; } v = {x};
+    if (x != x) return 0x7fc0;
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 static inline void widen(const void *src, int dtype, int64_t n, float *dst) {
     if (dtype == CACHE_BF16) {
         const uint16_t *s = (const uint16_t *)src;
@@ -107,7 +134,8 @@ static inline float lane_sum(const float *x, int64_t n) {
 }
 
 typedef struct {
-    const float *q; /* [T, Hq, head_dim] */
+    const char *q; /* [T, Hq, head_dim] in q_dtype */
+    int q_dtype, out_dtype; /* CACHE_F32 or CACHE_BF16 for out */
     const char *k_cache, *v_cache; /* [blocks, block_size, Hkv, k_width], [blocks, block_size, Hkv, v_width] */
     int dtype, element;
     int64_t block_size, n_kv_heads, n_heads, head_dim, k_width, v_width, value_dim;
@@ -118,37 +146,49 @@ typedef struct {
     int64_t window; /* 0: none */
     const float *sinks; /* [Hq] or NULL */
     int64_t chunk;
-    float *out; /* [T, Hq, value_dim] */
+    char *out; /* [T, Hq, value_dim] in out_dtype */
 } attention_args;
 
 /* A query's state through the chunks, per head of its group: running maximum, sum and values. */
 typedef struct {
     float *keys_t;  /* [head_dim, chunk_pad]: the chunk's keys, transposed */
     float *values;  /* [chunk, value_dim] */
-    float *scores;  /* [chunk_pad] */
+    float *scores;  /* [HEAD_BLOCK, chunk_pad] */
     float *acc;     /* [tile rows * group, value_dim] */
+    float *queries; /* [tile rows * group, head_dim]: the tile's queries of one KV head, widened */
     float *m, *l;   /* [tile rows * group] */
 } scratch;
 
 /* Columns of keys_t: the chunk rounded up to SCORE_BLOCK, the padding columns zeros. */
 #define SCORE_BLOCK 32
 
-static inline int64_t chunk_pad(int64_t chunk) { return (chunk + SCORE_BLOCK - 1) / SCORE_BLOCK * SCORE_BLOCK; }
+static inline int64_t chunk_pad(int64_t chunk) { return (chunk + SCORE_BLOCK - 1) / SCORE_BLOCK * SCORE_BLOCK + LANES; }
 
-/* Widen keys and values of positions start .. start + n - 1 of one sequence and KV head, block by block. */
+/* Widen keys and values of positions start .. start + n - 1 of one sequence and KV head, block by block, asking
+   for each next block's rows (up to position `end`, excluded) while one is widened. */
 static void load_chunk(const attention_args *a, const scratch *s, int32_t seq, int64_t kv_head, int64_t start,
-                       int64_t n) {
+                       int64_t n, int64_t end) {
     const int64_t dk = a->head_dim, dv = a->value_dim, pad = chunk_pad(a->chunk);
     const int64_t k_row = a->n_kv_heads * a->k_width, v_row = a->n_kv_heads * a->v_width;
-    float row[dk];
     for (int64_t j = 0; j < n;) {
         const int64_t pos = start + j, offset = pos % a->block_size;
         const int64_t block = a->block_tables[(int64_t)seq * a->table_width + pos / a->block_size];
         const int64_t take = a->block_size - offset < n - j ? a->block_size - offset : n - j;
         const int64_t first = block * a->block_size + offset;
+        const int64_t next_pos = start + j + take;
+        if (next_pos < end) {
+            const int64_t next = a->block_tables[(int64_t)seq * a->table_width + next_pos / a->block_size];
+            const int64_t next_take = a->block_size < end - next_pos ? a->block_size : end - next_pos;
+            for (int64_t i = 0; i < next_take; i++) {
+                const char *k = a->k_cache + ((next * a->block_size + i) * k_row + kv_head * a->k_width) * a->element;
+                const char *v = a->v_cache + ((next * a->block_size + i) * v_row + kv_head * a->v_width) * a->element;
+                for (int64_t byte = 0; byte < dk * a->element; byte += 64) __builtin_prefetch(k + byte);
+                for (int64_t byte = 0; byte < dv * a->element; byte += 64) __builtin_prefetch(v + byte);
+            }
+        }
         for (int64_t i = 0; i < take; i++, j++) {
-            widen(a->k_cache + ((first + i) * k_row + kv_head * a->k_width) * a->element, a->dtype, dk, row);
-            for (int64_t d = 0; d < dk; d++) s->keys_t[d * pad + j] = row[d];
+            widen_strided(a->k_cache + ((first + i) * k_row + kv_head * a->k_width) * a->element, a->dtype, dk,
+                          s->keys_t + j, pad);
             widen(a->v_cache + ((first + i) * v_row + kv_head * a->v_width) * a->element, a->dtype, dv,
                   s->values + j * dv);
         }
@@ -157,22 +197,109 @@ static void load_chunk(const attention_args *a, const scratch *s, int32_t seq, i
         for (int64_t j = n; j < pad; j++) s->keys_t[d * pad + j] = 0.0f;
 }
 
-/* scores[j] = q . key j for the chunk's keys, each a chain of multiply-adds in element order. */
-static void chunk_scores(const float *q, const float *keys_t, int64_t dk, int64_t pad, int64_t n, float *scores) {
+/* scores[k][j] = q[k] . key j for the chunk's first n keys and up to HEAD_BLOCK query heads, each score a chain of
+   multiply-adds in element order (count < HEAD_BLOCK: the rest of the block repeats q[0], and is not stored). */
+static void chunk_scores(const float *const *q, int count, const float *keys_t, int64_t dk, int64_t pad, int64_t n,
+                         float *scores) {
     for (int64_t j0 = 0; j0 < n; j0 += SCORE_BLOCK) {
-        float acc[SCORE_BLOCK] = {0};
+        float acc[HEAD_BLOCK][SCORE_BLOCK] = {{0}};
         for (int64_t d = 0; d < dk; d++) {
-            const float qd = q[d], *row = keys_t + d * pad + j0;
-            for (int i = 0; i < SCORE_BLOCK; i++) acc[i] = fmaf(qd, row[i], acc[i]);
+            const float *row = keys_t + d * pad + j0;
+            for (int k = 0; k < HEAD_BLOCK; k++) {
+                const float qd = q[k][d];
+                for (int i = 0; i < SCORE_BLOCK; i++) acc[k][i] = fmaf(qd, row[i], acc[k][i]);
+            }
         }
-        memcpy(scores + j0, acc, sizeof(acc));
+        for (int k = 0; k < count; k++) memcpy(scores + k * pad + j0, acc[k], sizeof(acc[k]));
     }
+}
+
+/* acc[k][d] += p[k][j] * value j [d] for j = 0 .. n - 1 in order, for up to HEAD_BLOCK heads at once (as
+   chunk_scores, a short block repeats the first head and does not store it). */
+static void chunk_values(float *const *acc, const float *const *p, int count, const float *values, int64_t dv,
+                         int64_t n) {
+    int64_t d0 = 0;
+    for (; d0 + LANES <= dv; d0 += LANES) {
+        float a[HEAD_BLOCK][LANES];
+        for (int k = 0; k < HEAD_BLOCK; k++) memcpy(a[k], acc[k] + d0, sizeof(a[k]));
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = values + j * dv + d0;
+            for (int k = 0; k < HEAD_BLOCK; k++) {
+                const float pk = p[k][j];
+                for (int i = 0; i < LANES; i++) a[k][i] = fmaf(pk, v[i], a[k][i]);
+            }
+        }
+        for (int k = 0; k < count; k++) memcpy(acc[k] + d0, a[k], sizeof(a[k]));
+    }
+    for (int k = 0; k < count; k++)
+        for (int64_t j = 0; j < n; j++)
+            for (int64_t d = d0; d < dv; d++) acc[k][d] = fmaf(p[k][j], values[j * dv + d], acc[k][d]);
+}
+
+/* One chunk of keys for `count` query heads of a tile (tile index i = row * group + head): the first n_of[k] keys of
+   the chunk, those before lowest_of[k] masked. */
+static void attend_chunk(const attention_args *a, const scratch *s, int64_t first, int64_t first_head, int64_t group,
+                         int64_t start, const int64_t *active, const int64_t *n_of, const int64_t *lowest_of,
+                         int count) {
+    const int64_t dk = a->head_dim, dv = a->value_dim, pad = chunk_pad(a->chunk);
+    const float *q[HEAD_BLOCK];
+    float *acc[HEAD_BLOCK];
+    int64_t n_max = 0;
+    for (int k = 0; k < HEAD_BLOCK; k++) { /* a short block repeats its first head, unstored */
+        const int64_t i = active[k < count ? k : 0], row = i / group, head = i % group;
+        q[k] = s->queries + (row * group + head) * dk;
+        acc[k] = s->acc + i * dv;
+    }
+    for (int k = 0; k < count; k++) n_max = n_of[k] > n_max ? n_of[k] : n_max;
+    chunk_scores(q, count, s->keys_t, dk, pad, n_max, s->scores);
+    /* The heads that have seen a key by the end of this chunk, whose values it adds to. */
+    float *seen_acc[HEAD_BLOCK];
+    const float *seen_p[HEAD_BLOCK];
+    int64_t seen_n[HEAD_BLOCK];
+    int seen = 0;
+    for (int k = 0; k < count; k++) {
+        const int64_t i = active[k], n = n_of[k];
+        float *scores = s->scores + k * pad;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            float score = scores[j] * a->scale;
+            if (a->softcap > 0.0f) score = soft_capped(score, a->softcap);
+            scores[j] = start + j < lowest_of[k] ? -INFINITY : score;
+            top = scores[j] > top ? scores[j] : top;
+        }
+        const float m_new = top > s->m[i] ? top : s->m[i];
+        if (m_new == -INFINITY) continue; /* no key of this chunk is seen, nor was one before */
+        const float keep = exp_nonpositive(s->m[i] - m_new);
+        for (int64_t j = 0; j < n; j++) scores[j] = exp_nonpositive(scores[j] - m_new);
+        s->l[i] = fmaf(s->l[i], keep, lane_sum(scores, n));
+        for (int64_t d = 0; d < dv; d++) acc[k][d] *= keep;
+        s->m[i] = m_new;
+        seen_acc[seen] = acc[k];
+        seen_p[seen] = scores;
+        seen_n[seen++] = n;
+    }
+    if (!seen) return;
+    int64_t n_min = INT64_MAX;
+    for (int k = 0; k < seen; k++) n_min = seen_n[k] < n_min ? seen_n[k] : n_min;
+    for (int k = seen; k < HEAD_BLOCK; k++) { /* a short block repeats its first head, unstored */
+        seen_acc[k] = seen_acc[0];
+        seen_p[k] = seen_p[0];
+    }
+    /* Each head's values in position order: the keys every head of the block reaches together, then each head's
+       own rest. */
+    chunk_values(seen_acc, seen_p, seen, s->values, dv, n_min);
+    for (int k = 0; k < seen; k++)
+        if (seen_n[k] > n_min) {
+            float *one[HEAD_BLOCK] = {seen_acc[k], seen_acc[k], seen_acc[k], seen_acc[k]};
+            const float *rest = seen_p[k] + n_min, *weights[HEAD_BLOCK] = {rest, rest, rest, rest};
+            chunk_values(one, weights, 1, s->values + n_min * dv, dv, seen_n[k] - n_min);
+        }
 }
 
 /* Queries tokens first .. first + rows - 1 (one sequence's, in the step's order) and one KV head. */
 static void attend_tile(const attention_args *a, const scratch *s, int64_t first, int64_t rows, int64_t kv_head) {
-    const int64_t group = a->n_heads / a->n_kv_heads, dk = a->head_dim, dv = a->value_dim, chunk = a->chunk;
-    const int64_t first_head = kv_head * group, pad = chunk_pad(chunk);
+    const int64_t group = a->n_heads / a->n_kv_heads, dv = a->value_dim, chunk = a->chunk;
+    const int64_t first_head = kv_head * group;
     const int32_t seq = a->query_seq[first];
     int64_t start_all = INT64_MAX, last_all = 0;
     for (int64_t r = 0; r < rows; r++) {
@@ -181,6 +308,10 @@ static void attend_tile(const attention_args *a, const scratch *s, int64_t first
         start_all = lowest / chunk * chunk < start_all ? lowest / chunk * chunk : start_all;
         last_all = pos > last_all ? pos : last_all;
     }
+    const int64_t q_element = a->q_dtype == CACHE_F32 ? 4 : 2;
+    for (int64_t r = 0; r < rows; r++)
+        widen(a->q + ((first + r) * a->n_heads + first_head) * a->head_dim * q_element, a->q_dtype,
+              group * a->head_dim, s->queries + r * group * a->head_dim);
     for (int64_t i = 0; i < rows * group; i++) {
         s->m[i] = -INFINITY;
         s->l[i] = 0.0f;
@@ -188,36 +319,25 @@ static void attend_tile(const attention_args *a, const scratch *s, int64_t first
     }
     for (int64_t start = start_all; start <= last_all; start += chunk) {
         const int64_t n_all = start + chunk <= last_all + 1 ? chunk : last_all + 1 - start;
-        load_chunk(a, s, seq, kv_head, start, n_all);
+        load_chunk(a, s, seq, kv_head, start, n_all, last_all + 1);
+        /* The query heads that see some key of this chunk, HEAD_BLOCK at a time. */
+        int64_t active[HEAD_BLOCK], n_of[HEAD_BLOCK], lowest_of[HEAD_BLOCK];
+        int count = 0;
         for (int64_t r = 0; r < rows; r++) {
             const int64_t pos = a->query_pos[first + r];
             const int64_t lowest = a->window > 0 && pos - a->window + 1 > 0 ? pos - a->window + 1 : 0;
             if (start > pos || start + chunk <= lowest / chunk * chunk) continue; /* not one of this query's chunks */
-            const int64_t n = start + chunk <= pos + 1 ? chunk : pos + 1 - start;
             for (int64_t h = 0; h < group; h++) {
-                const int64_t i = r * group + h;
-                float *scores = s->scores, *acc = s->acc + i * dv;
-                chunk_scores(a->q + ((first + r) * a->n_heads + first_head + h) * dk, s->keys_t, dk, pad, n, scores);
-                float top = -INFINITY;
-                for (int64_t j = 0; j < n; j++) {
-                    float score = scores[j] * a->scale;
-                    if (a->softcap > 0.0f) score = soft_capped(score, a->softcap);
-                    scores[j] = start + j < lowest ? -INFINITY : score;
-                    top = scores[j] > top ? scores[j] : top;
+                active[count] = r * group + h;
+                n_of[count] = start + chunk <= pos + 1 ? chunk : pos + 1 - start;
+                lowest_of[count] = lowest;
+                if (++count == HEAD_BLOCK) {
+                    attend_chunk(a, s, first, first_head, group, start, active, n_of, lowest_of, count);
+                    count = 0;
                 }
-                const float m_new = top > s->m[i] ? top : s->m[i];
-                if (m_new == -INFINITY) continue; /* no key of this chunk is seen, nor was one before */
-                const float keep = exp_nonpositive(s->m[i] - m_new);
-                for (int64_t j = 0; j < n; j++) scores[j] = exp_nonpositive(scores[j] - m_new);
-                s->l[i] = fmaf(s->l[i], keep, lane_sum(scores, n));
-                for (int64_t d = 0; d < dv; d++) acc[d] *= keep;
-                for (int64_t j = 0; j < n; j++) {
-                    const float p = scores[j], *v = s->values + j * dv;
-                    for (int64_t d = 0; d < dv; d++) acc[d] = fmaf(p, v[d], acc[d]);
-                }
-                s->m[i] = m_new;
             }
         }
+        if (count) attend_chunk(a, s, first, first_head, group, start, active, n_of, lowest_of, count);
     }
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t h = 0; h < group; h++) {
@@ -229,23 +349,33 @@ static void attend_tile(const attention_args *a, const scratch *s, int64_t first
                 l = fmaf(l, keep, exp_nonpositive(sink - m_new));
                 for (int64_t d = 0; d < dv; d++) acc[d] *= keep;
             }
-            float *out = a->out + ((first + r) * a->n_heads + first_head + h) * dv;
-            for (int64_t d = 0; d < dv; d++) out[d] = l > 0.0f ? acc[d] / l : 0.0f;
+            const int64_t at = ((first + r) * a->n_heads + first_head + h) * dv;
+            for (int64_t d = 0; d < dv; d++) acc[d] = l > 0.0f ? acc[d] / l : 0.0f;
+            if (a->out_dtype == CACHE_BF16) {
+                uint16_t *out = (uint16_t *)a->out + at;
+                for (int64_t d = 0; d < dv; d++) out[d] = float_to_bf16(acc[d]);
+            } else {
+                memcpy((float *)a->out + at, acc, (size_t)dv * sizeof(float));
+            }
         }
     }
 }
 
 /* Returns 0, or -1 when its scratch memory could not be had (nothing is written then). */
-int stackpin_paged_attention(const float *q, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
+int stackpin_paged_attention(const void *q, int q_dtype, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
                              const void *k_cache, const void *v_cache, int dtype, int64_t block_size,
                              int64_t n_kv_heads, int64_t k_width, int64_t v_width, int64_t value_dim,
                              const int32_t *block_tables, int64_t table_width, const int32_t *query_seq,
                              const int32_t *query_pos, float scale, float softcap, int64_t window,
-                             const float *sinks, int64_t chunk, float *out, int threads) {
-    const int element = dtype == CACHE_F32 ? 4 : 2;
-    const attention_args a = {q, (const char *)k_cache, (const char *)v_cache, dtype, element, block_size,
-                              n_kv_heads, n_heads, head_dim, k_width, v_width, value_dim, block_tables,
-                              table_width, query_seq, query_pos, scale, softcap, window, sinks, chunk, out};
+                             const float *sinks, int64_t chunk, void *out, int out_dtype, int threads) {
+    const attention_args a = {.q = (const char *)q, .q_dtype = q_dtype, .out_dtype = out_dtype,
+                              .k_cache = (const char *)k_cache, .v_cache = (const char *)v_cache,
+                              .dtype = dtype, .element = dtype == CACHE_F32 ? 4 : 2, .block_size = block_size,
+                              .n_kv_heads = n_kv_heads, .n_heads = n_heads, .head_dim = head_dim,
+                              .k_width = k_width, .v_width = v_width, .value_dim = value_dim,
+                              .block_tables = block_tables, .table_width = table_width, .query_seq = query_seq,
+                              .query_pos = query_pos, .scale = scale, .softcap = softcap, .window = window,
+                              .sinks = sinks, .chunk = chunk, .out = (char *)out};
     const int64_t group = n_heads / n_kv_heads, pad = chunk_pad(chunk);
     /* Tiles of consecutive tokens of one sequence share each chunk's widened keys and values; how tokens are
        tiled changes no query's arithmetic. */
@@ -257,7 +387,8 @@ int stackpin_paged_attention(const float *q, int64_t n_tokens, int64_t n_heads, 
         if (n_tiles == 0 || query_seq[t] != query_seq[t - 1] || t - tiles[n_tiles - 1] >= tile_rows)
             tiles[n_tiles++] = t;
     tiles[n_tiles] = n_tokens;
-    const int64_t floats = head_dim * pad + chunk * value_dim + pad + tile_rows * group * (value_dim + 2);
+    const int64_t floats = head_dim * pad + chunk * value_dim + HEAD_BLOCK * pad
+                          + tile_rows * group * (value_dim + head_dim + 2);
     if (threads < 1) threads = 1;
     float *memory = malloc((size_t)(floats * threads) * sizeof(float));
     if (memory == NULL) {
@@ -265,16 +396,20 @@ int stackpin_paged_attention(const float *q, int64_t n_tokens, int64_t n_heads, 
         return -1;
     }
     const int64_t items = n_tiles * n_kv_heads;
+    /* A tile's KV heads on one thread, one after the other, while there are tiles enough to share: they read the same
+       cache lines. */
+    const int64_t together = n_tiles >= 2 * threads ? n_kv_heads : 1;
 #pragma omp parallel num_threads(threads)
     {
         scratch s;
         s.keys_t = memory + floats * omp_get_thread_num();
         s.values = s.keys_t + head_dim * pad;
         s.scores = s.values + chunk * value_dim;
-        s.acc = s.scores + pad;
+        s.acc = s.scores + HEAD_BLOCK * pad;
         s.m = s.acc + tile_rows * group * value_dim;
         s.l = s.m + tile_rows * group;
-#pragma omp for schedule(dynamic, 1)
+        s.queries = s.l + tile_rows * group;
+#pragma omp for schedule(dynamic, together)
         for (int64_t item = 0; item < items; item++) {
             const int64_t tile = item / n_kv_heads;
             attend_tile(&a, &s, tiles[tile], tiles[tile + 1] - tiles[tile], item % n_kv_heads);

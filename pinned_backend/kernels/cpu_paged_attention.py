@@ -22,12 +22,12 @@ NAME = "compiled"  # how the stack names this attention
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [
-    _ptr, _i64, _i64, _i64,  # q, tokens, heads, head_dim
+    _ptr, ctypes.c_int, _i64, _i64, _i64,  # q, its dtype, tokens, heads, head_dim
     _ptr, _ptr, ctypes.c_int, _i64,  # k_cache, v_cache, dtype, block_size
     _i64, _i64, _i64, _i64,  # kv heads, key width, value width, value_dim
     _ptr, _i64, _ptr, _ptr,  # block_tables, table width, query_seq, query_pos
     _f32, _f32, _i64, _ptr, _i64,  # scale, softcap, window, sinks, chunk
-    _ptr, ctypes.c_int,  # out, threads
+    _ptr, ctypes.c_int, ctypes.c_int,  # out, its dtype, threads
 ]  # fmt: skip
 
 
@@ -61,9 +61,14 @@ class CompiledAttention:
         value_dim: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, value_dim] in q's dtype
         """`value_dim`: a value's first elements, where the cache is both keys and values (latent attention)."""
-        if k_cache.dtype not in _CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        if (
+            k_cache.dtype not in _CACHE_DTYPES
+            or v_cache.dtype != k_cache.dtype
+            or q.dtype not in _CACHE_DTYPES
+        ):
             raise ValueError(
-                f"the compiled attention reads float32, bfloat16 or float16 caches, not {k_cache.dtype}"
+                "the compiled attention reads float32, bfloat16 or float16 queries and caches, not "
+                f"{q.dtype} queries over a {k_cache.dtype} cache"
             )
         if k_cache.device.type != "cpu" or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the compiled attention reads contiguous caches in CPU memory")
@@ -75,20 +80,22 @@ class CompiledAttention:
                 f"queries [T, {n_heads}, {head_dim}] do not fit a cache of {n_kv_heads} KV heads of "
                 f"{k_cache.shape[3]} and values of {value_width} (value_dim {value_dim})"
             )
-        queries = q.detach().to(torch.float32).contiguous()
+        queries = q.detach().contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         seqs, positions = query_seq.to(torch.int32).contiguous(), query_pos.to(torch.int32).contiguous()
         sink_logits = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
-        out = torch.empty(n_tokens, n_heads, value_dim, dtype=torch.float32)
+        # The kernel writes float32 or bfloat16; a float16 result is rounded from float32 here.
+        out_dtype = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = torch.empty(n_tokens, n_heads, value_dim, dtype=out_dtype)
         if n_tokens:
             failed = self._call(
-                queries.data_ptr(), n_tokens, n_heads, head_dim,
+                queries.data_ptr(), _CACHE_DTYPES[queries.dtype], n_tokens, n_heads, head_dim,
                 k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_DTYPES[k_cache.dtype], k_cache.shape[1],
                 n_kv_heads, k_cache.shape[3], value_width, value_dim,
                 tables.data_ptr(), tables.shape[1], seqs.data_ptr(), positions.data_ptr(),
                 scale, softcap or 0.0, window or 0, 0 if sink_logits is None else sink_logits.data_ptr(), self.chunk,
-                out.data_ptr(), torch.get_num_threads(),
+                out.data_ptr(), _CACHE_DTYPES[out_dtype], torch.get_num_threads(),
             )  # fmt: skip
             if failed:
                 raise MemoryError("the compiled attention could not allocate its scratch memory")
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
