@@ -195,11 +195,11 @@ def load_runtime(
     checkpoint = load_checkpoint(settings.model, dtype, report)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
     kernels, plan_file = kernels_for(settings, config, device, report)
-    if getattr(kernels, "attention_kernel", None) == "split":
-        why = getattr(kernels, "attention_unbuilt", "")
+    if getattr(kernels, "cpu_kernels", None) == "torch":
+        why = getattr(kernels, "kernels_unbuilt", "")
         report(
-            f"the compiled CPU attention is not built ({why}); the split attention serves instead, and the stack "
-            "says so (its answers' bits differ)"
+            f"the compiled CPU kernels are not built ({why}); torch ops serve instead, and the stack says so (their "
+            "answers' bits differ)"
         )
     invariant_on_gpu = device.type == "cuda" and settings.kernel_mode == "batch_invariant"
     model: Transformer | ParallelModel
@@ -262,10 +262,10 @@ def load_runtime(
     if invariant_on_gpu:
         # The plans decide the matmuls' reduction orders, and live outside the source the backend version digests.
         detail = {**detail, "matmul_plans": None if plan_file is None else plan_file.described()}
-    attention_kernel = getattr(kernels, "attention_kernel", None)
-    if attention_kernel is not None:
-        # The CPU's invariant attention: compiled, or the split attention of torch ops where no compiler built it.
-        detail = {**detail, "attention": attention_kernel}
+    cpu_kernels = getattr(kernels, "cpu_kernels", None)
+    if cpu_kernels is not None:
+        # The CPU's attention and per-row ops: compiled, or torch ops where no compiler built them.
+        detail = {**detail, "kernels": cpu_kernels}
     stack = build_stack(
         model=settings.served_name,
         weights_sha256=checkpoint.weights_sha256,

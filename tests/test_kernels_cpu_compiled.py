@@ -13,6 +13,7 @@ import torch
 
 from pinned_backend.kernels import native
 from pinned_backend.kernels.cpu_invariant import CpuInvariantKernels
+from pinned_backend.kernels.cpu_layer_ops import CompiledLayerOps
 from pinned_backend.kernels.cpu_paged_attention import CompiledAttention
 from pinned_backend.runtime import BackendSettings, load_runtime
 from tests.support import kernel_reference as reference
@@ -149,7 +150,7 @@ def test_the_library_is_built_once_and_kept(tmp_path: Path, monkeypatch: pytest.
     assert changed.path != first.path and changed.library.answer() == 43
 
 
-def test_without_a_compiler_the_split_attention_serves_and_the_stack_says_so(
+def test_without_a_compiler_the_torch_ops_serve_and_the_stack_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STACKPIN_KERNEL_CACHE", str(tmp_path / "cache"))
@@ -157,15 +158,15 @@ def test_without_a_compiler_the_split_attention_serves_and_the_stack_says_so(
     with pytest.raises(native.BuildError, match=r"no C compiler: .*install gcc"):
         CompiledAttention.load(32)
     kernels = CpuInvariantKernels(kv_split_size=32)
-    assert kernels.attention_kernel == "split" and "no C compiler" in kernels.attention_unbuilt
+    assert kernels.cpu_kernels == "torch" and "no C compiler" in kernels.kernels_unbuilt
     checkpoint = write_random_checkpoint(tmp_path / "random-qwen3", with_tokenizer=True)
     said: list[str] = []
     settings = BackendSettings(model=checkpoint, block_size=4, kv_split_size=8)
     runtime = load_runtime(settings, report=said.append)
-    assert runtime.stack["hardware_detail"]["attention"] == "split"
-    assert any("the split attention serves instead" in line for line in said)
+    assert runtime.stack["hardware_detail"]["kernels"] == "torch"
+    assert any("torch ops serve instead" in line for line in said)
     monkeypatch.delenv("CC")
-    assert load_runtime(settings).stack["hardware_detail"]["attention"] == "compiled"
+    assert load_runtime(settings).stack["hardware_detail"]["kernels"] == "compiled"
 
 
 def test_a_compiler_that_fails_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,3 +178,31 @@ def test_a_compiler_that_fails_is_a_clear_error(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(native.BuildError, match=r"failed:\n.*out of licences"):
         CompiledAttention.load(32)
     assert not any(os.scandir(tmp_path / "cache")), "a failed build leaves nothing to load"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_norms_give_a_row_its_bits_alone_and_at_any_thread_count(dtype: torch.dtype) -> None:
+    ops = CompiledLayerOps.load()
+    x, delta = randn(100, 576, seed=40, dtype=dtype) * 3, randn(100, 576, seed=41, dtype=dtype)
+    weight = randn(576, seed=42, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append((ops.rms_norm(x, weight, 1e-5), *ops.add_rms_norm(x, delta, weight, 1e-5)))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    normed, summed, after_add = results[0]
+    for row in (0, 63, 99):
+        assert torch.equal(ops.rms_norm(x[row : row + 1], weight, 1e-5), normed[row : row + 1])
+        assert torch.equal(
+            ops.add_rms_norm(x[row : row + 1], delta[row : row + 1], weight, 1e-5)[1],
+            after_add[row : row + 1],
+        )
+    x64 = x.double()
+    expected = weight.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(normed.double(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(summed, x + delta)

@@ -1,6 +1,7 @@
 """Specification of the fused families unfused (`kernels.unfused`): each is exactly the plain torch ops it stands
-for, bit for bit, on the kernel set's own `rms_norm`, in both CPU kernel sets; and in batch_invariant mode a row's
-bits do not depend on the rows around it."""
+for, bit for bit, on the kernel set's own `rms_norm`, in both CPU kernel sets, whether their compiled per-row ops
+(kernels.cpu_layer_ops) serve or the torch ops; and in batch_invariant mode a row's bits do not depend on the rows
+around it."""
 
 from __future__ import annotations
 
@@ -27,9 +28,14 @@ def randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> tor
     return (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
 
-@pytest.fixture(params=list(KERNEL_SETS))
+@pytest.fixture(
+    params=[(name, compiled) for name in KERNEL_SETS for compiled in (True, False)],
+    ids=lambda param: f"{param[0]}-{'compiled' if param[1] else 'torch-ops'}",
+)
 def kernels(request: pytest.FixtureRequest) -> UnfusedKernels:
-    made: UnfusedKernels = KERNEL_SETS[request.param]()
+    """Each CPU set with its compiled per-row ops, and with the torch ops that serve where none builds."""
+    name, compiled = request.param
+    made: UnfusedKernels = KERNEL_SETS[name](compiled=compiled)
     return made
 
 

@@ -7,15 +7,14 @@ fuse (`kernels.unfused`). It knows nothing of the model beyond the shapes in `pi
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, native, onednn
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, onednn
 from pinned_backend.kernels.cpu_attention import SplitAttention
-from pinned_backend.kernels.cpu_paged_attention import CompiledAttention
+from pinned_backend.kernels.cpu_compiled import compiled_kernels
 from pinned_backend.kernels.unfused import UnfusedKernels, softcap
 
 # The rows a packed weight is laid out for: a hint to oneDNN, which multiplies any number of rows either way.
@@ -32,12 +31,12 @@ class TorchKernels(UnfusedKernels):
     mode: KernelMode = "default"
 
     def __init__(self, *, compiled: bool = True) -> None:
-        """`compiled`: the compiled attention where it builds (else, or when False, the fallbacks below)."""
+        """`compiled`: the compiled attention and per-row ops where they build (else, or when False, torch ops and
+        the fallbacks below)."""
         super().__init__()
-        self._compiled: CompiledAttention | None = None
-        if compiled:
-            with contextlib.suppress(native.BuildError):
-                self._compiled = CompiledAttention.load(DEFAULT_KV_SPLIT_SIZE)
+        built = compiled_kernels(DEFAULT_KV_SPLIT_SIZE, wanted=compiled)
+        self._compiled, self._layer_ops = built.attention, built.layer_ops
+        self.cpu_kernels, self.kernels_unbuilt = built.name, built.unbuilt
         self._batched = SplitAttention(DEFAULT_KV_SPLIT_SIZE, _SPLIT_ROWS)
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -47,6 +46,8 @@ class TorchKernels(UnfusedKernels):
         return onednn.pack(w, _PACKED_FOR_ROWS)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._layer_ops is not None and self._layer_ops.serves(x, weight):
+            return self._layer_ops.rms_norm(x, weight, eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * normed.to(x.dtype)

@@ -13,10 +13,10 @@ fixed number of rows, padded with zeros:
 - attention: each query alone over its keys in chunks of `kv_split_size` tokens on a grid of absolute positions, in
   one compiled call a layer (kernels.cpu_paged_attention); where no C compiler can build it, each sequence's queries
   in tiles of `attention_rows`, one GEMM of one shape per tile and split (kernels.cpu_attention), whose bits differ:
-  `attention_kernel` names which serves, and the stack says it.
-Row reductions (RMSNorm's mean, log-softmax) reduce each row in the same order however many rows there are,
-except that PyTorch splits a reduction across threads when it has a single output; RMSNorm therefore never
-reduces one row alone. The fused families are composed of
+  `cpu_kernels` names which serve ("compiled" or "torch"), and the stack says it.
+Row reductions (RMSNorm's mean, log-softmax) reduce each row in the same order however many rows there are: RMSNorm
+compiled (kernels.cpu_layer_ops), each row alone; in torch ops, PyTorch splits a reduction across threads when it has
+a single output, so RMSNorm never reduces one row alone. The fused families are composed of
 elementwise torch ops around this module's `rms_norm` (`kernels.unfused`); an elementwise op gives an element the
 same bits wherever it sits. This module knows nothing of the model or scheduling.
 """
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, native, onednn
+from pinned_backend.kernels import DEFAULT_KV_SPLIT_SIZE, KernelMode, onednn
 from pinned_backend.kernels.cpu_attention import SplitAttention
-from pinned_backend.kernels.cpu_paged_attention import CompiledAttention
+from pinned_backend.kernels.cpu_compiled import compiled_kernels
 from pinned_backend.kernels.unfused import UnfusedKernels
 
 DEFAULT_GEMM_ROWS = 16
@@ -45,20 +45,16 @@ class CpuInvariantKernels(UnfusedKernels):
         *,
         compiled: bool = True,
     ) -> None:
-        """`compiled`: the compiled attention where it builds (else, or when False, the split attention)."""
+        """`compiled`: the compiled attention and per-row ops where they build (else, or when False, the split
+        attention and torch ops)."""
         super().__init__()
         if gemm_rows <= 0:
             raise ValueError(f"gemm_rows must be a positive number of rows, got {gemm_rows}")
         self._split = SplitAttention(kv_split_size, attention_rows)
-        self._compiled: CompiledAttention | None = None
-        self.attention_unbuilt = "" if compiled else "the split attention was asked for"
-        if compiled:
-            try:
-                self._compiled = CompiledAttention.load(kv_split_size)
-            except native.BuildError as error:
-                self.attention_unbuilt = str(error)
-        # Which attention serves, as the stack names it: the two give other bits.
-        self.attention_kernel = "compiled" if self._compiled is not None else "split"
+        built = compiled_kernels(kv_split_size, wanted=compiled)
+        self._compiled, self._layer_ops = built.attention, built.layer_ops
+        # Which kernels serve, as the stack names them ("compiled" or "torch"): the two give other bits.
+        self.cpu_kernels, self.kernels_unbuilt = built.name, built.unbuilt
         self.kv_split_size = kv_split_size  # the stack reports it
         self.gemm_rows = gemm_rows
         # (shape, dtype) of each packed weight -> the rows a last block of m rows is padded to (onednn.padded_rows)
@@ -114,6 +110,8 @@ class CpuInvariantKernels(UnfusedKernels):
         return packed
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._layer_ops is not None and self._layer_ops.serves(x, weight):
+            return self._layer_ops.rms_norm(x, weight, eps)
         x32 = x.float()
         squares = x32.pow(2)
         if squares.shape[0] == 1:

@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pinned_backend.kernels.cpu_layer_ops import CompiledLayerOps
 from pinned_backend.kernels.step_memo import StepMemo
 
 
@@ -70,6 +71,9 @@ class UnfusedKernels(ABC):
 
     def __init__(self) -> None:
         self._rope_memo = StepMemo()
+        # The compiled per-row ops, where a subclass has them: the residual add and the rotation with the cache
+        # write then run compiled, with the torch ops' bits (tests/test_kernels_unfused.py).
+        self._layer_ops: CompiledLayerOps | None = None
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -116,6 +120,10 @@ class UnfusedKernels(ABC):
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._layer_ops is not None and self._layer_ops.serves(x, delta, weight):
+            return self._layer_ops.add_rms_norm(
+                x, delta, weight, eps
+            )  # the subclass's rms_norm is the same op
         summed = x + delta
         return summed, self.rms_norm(summed, weight, eps)
 
@@ -140,6 +148,17 @@ class UnfusedKernels(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
+        ops = self._layer_ops
+        if (
+            ops is not None
+            and q_norm is None
+            and k_norm is None
+            and ops.serves(qkv, k_cache, v_cache)
+            and rope_cos.dtype == rope_sin.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        ):
+            return ops.rope_cache(qkv, rope_cos, rope_sin, positions, slots, k_cache, v_cache)
         n_tokens = qkv.shape[0]
         n_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         kv_size = n_kv_heads * head_dim
