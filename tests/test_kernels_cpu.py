@@ -72,6 +72,21 @@ def test_invariant_matmul_through_a_prepared_weight_gives_a_short_block_the_bits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (1536, 576), (576, 49152)])
+def test_invariant_matmul_gives_every_row_of_a_long_step_the_bits_of_a_block_of_16(
+    dtype: torch.dtype, k: int, n: int
+) -> None:
+    # A step of many rows goes through the widest blocks `prepare` proved for the shape, then blocks of 16: whatever
+    # the step's length, each row has the bits a block of 16 rows gives it.
+    kernels = CpuInvariantKernels()
+    x, w = randn(300, k, seed=3, dtype=dtype), randn(n, k, seed=4, dtype=dtype) / k**0.5
+    prepared = kernels.prepare(w)
+    by_sixteen = torch.cat([kernels.matmul(x[i : i + 16], prepared) for i in range(0, 300, 16)])
+    for rows in (300, 256, 129, 47, 33):
+        assert torch.equal(kernels.matmul(x[:rows], prepared), by_sixteen[:rows]), f"a step of {rows} rows"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [128, 2048, 40000])
 def test_invariant_rms_norm_matches_reference_and_is_batch_invariant(dtype: torch.dtype, width: int) -> None:
     # 40000 is wider than the size at which PyTorch splits a lone row's sum across threads.

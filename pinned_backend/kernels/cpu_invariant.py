@@ -9,7 +9,9 @@ fixed number of rows, padded with zeros:
   (kernels.onednn), through the BLAS for any other. A last block of fewer rows is padded with zero rows: to
   `gemm_rows` rows, or through a packed weight to the fewest rows that `prepare` proved give a row the bits of a
   block of `gemm_rows` (onednn.padded_rows, run once per shape at load), so that a decode step of one sequence
-  multiplies one or two rows, not sixteen;
+  multiplies one or two rows, not sixteen. Through a packed weight, a step of many rows first goes in the widest
+  blocks (up to 256 rows) that `prepare` proved give a row those same bits (onednn.wide_blocks), each call reading
+  the weight once;
 - attention: each query alone over its keys in chunks of `kv_split_size` tokens on a grid of absolute positions, in
   one compiled call a layer (kernels.cpu_paged_attention); where no C compiler can build it, each sequence's queries
   in tiles of `attention_rows`, one GEMM of one shape per tile and split (kernels.cpu_attention), whose bits differ:
@@ -31,6 +33,8 @@ from pinned_backend.kernels.cpu_compiled import compiled_kernels
 from pinned_backend.kernels.unfused import UnfusedKernels
 
 DEFAULT_GEMM_ROWS = 16
+# The wider blocks `prepare` tries for each packed weight: a step's rows go through the widest proven ones first.
+WIDE_BLOCKS = (256, 128, 64, 32)
 DEFAULT_ATTENTION_ROWS = 8
 
 
@@ -59,6 +63,9 @@ class CpuInvariantKernels(UnfusedKernels):
         self.gemm_rows = gemm_rows
         # (shape, dtype) of each packed weight -> the rows a last block of m rows is padded to (onednn.padded_rows)
         self._padded_rows: dict[tuple[torch.Size, torch.dtype], tuple[int, ...]] = {}
+        # (shape, dtype) of each packed weight -> the wider row counts one call of which `prepare` proved gives a row
+        # the bits of a block of gemm_rows (onednn.wide_blocks), largest first
+        self._wide_blocks: dict[tuple[torch.Size, torch.dtype], tuple[int, ...]] = {}
         # The BLAS splits a GEMM among threads differently for another thread count, and at larger shapes that
         # changes the bits; the count is therefore part of the stack, fixed when the kernels are made.
         self.threads = torch.get_num_threads()
@@ -94,7 +101,12 @@ class CpuInvariantKernels(UnfusedKernels):
         if pad_to is None:  # packed elsewhere than `prepare`: pad every block to the full size
             pad_to = tuple([0] + [size] * size)
         products = [onednn.linear(x, w)] if rows == 0 else []
-        for start in range(0, rows, size):
+        done = 0
+        for wide in self._wide_blocks.get((w.shape, w.dtype), ()):  # proven to give a full block's bits
+            while rows - done >= wide:
+                products.append(onednn.linear(x[done : done + wide], w))
+                done += wide
+        for start in range(done, rows, size):
             block = x[start : start + size]
             width = pad_to[block.shape[0]]
             if width > block.shape[0]:
@@ -107,6 +119,9 @@ class CpuInvariantKernels(UnfusedKernels):
         if onednn.is_packed(packed) and (packed.shape, packed.dtype) not in self._padded_rows:
             self._check_threads()
             self._padded_rows[packed.shape, packed.dtype] = onednn.padded_rows(packed, self.gemm_rows)
+            self._wide_blocks[packed.shape, packed.dtype] = onednn.wide_blocks(
+                packed, self.gemm_rows, WIDE_BLOCKS
+            )
         return packed
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

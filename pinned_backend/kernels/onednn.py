@@ -70,6 +70,34 @@ def padded_rows(packed: torch.Tensor, rows: int) -> tuple[int, ...]:
     return tuple(next(p for p in range(max(m, 1), rows + 1) if same[p]) if m else 0 for m in range(rows + 1))
 
 
+def wide_blocks(packed: torch.Tensor, rows: int, candidates: tuple[int, ...]) -> tuple[int, ...]:
+    """Of `candidates` (multiples of `rows`), each count of x's rows whose one product through a weight packed as
+    `packed` gives every row the bits that products of `rows` rows give it, on this CPU and thread count, largest
+    first. A step of many rows is then multiplied in a few wide calls that read the weight once each, rather than one
+    call per `rows` rows that reads it again every time. Tested as `padded_rows` tests: random rows, and rows whose
+    sums cancel to rounding residue."""
+    n, k = packed.shape
+    generator = torch.Generator().manual_seed(1)
+    half = k // 2
+    w = torch.randn(n, k, generator=generator).to(packed.dtype)
+    w[:, half : 2 * half] = w[:, :half]
+    probe = pack(w, rows)
+    proven = []
+    for count in sorted(c for c in candidates if c % rows == 0 and c > rows):
+        x = torch.randn(count, k, generator=generator).to(packed.dtype)
+        cancelling = x.clone()
+        cancelling[:, half : 2 * half] = -cancelling[:, :half]
+        if all(
+            torch.equal(
+                linear(each, probe),
+                torch.cat([linear(each[i : i + rows], probe) for i in range(0, count, rows)]),
+            )
+            for each in (x, cancelling)
+        ):
+            proven.append(count)
+    return tuple(sorted(proven, reverse=True))
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ packed.T -> [M, N], in x's dtype (which must be the packed weight's)."""
     if x.shape[0] == 0:
