@@ -53,12 +53,9 @@ def padded_rows(packed: torch.Tensor, rows: int) -> tuple[int, ...]:
     random rows, and rows whose sums cancel exactly (the weight's second half of K repeats its first, the row's
     second half negates it), so that what is left is rounding residue alone, which a bfloat16 result keeps: the
     residue of another order of summation differs in its leading bits."""
-    n, k = packed.shape
+    k = packed.shape[1]
     generator = torch.Generator().manual_seed(0)
-    half = k // 2
-    w = torch.randn(n, k, generator=generator).to(packed.dtype)
-    w[:, half : 2 * half] = w[:, :half]
-    probe = pack(w, rows)
+    probe, half = _probe_weight(packed, rows, generator)
     x = torch.randn(2 * rows, k, generator=generator).to(packed.dtype)
     x[rows:, half : 2 * half] = -x[rows:, :half]
     inputs = (x[:rows], x[rows:])
@@ -76,12 +73,9 @@ def wide_blocks(packed: torch.Tensor, rows: int, candidates: tuple[int, ...]) ->
     first. A step of many rows is then multiplied in a few wide calls that read the weight once each, rather than one
     call per `rows` rows that reads it again every time. Tested as `padded_rows` tests: random rows, and rows whose
     sums cancel to rounding residue."""
-    n, k = packed.shape
+    k = packed.shape[1]
     generator = torch.Generator().manual_seed(1)
-    half = k // 2
-    w = torch.randn(n, k, generator=generator).to(packed.dtype)
-    w[:, half : 2 * half] = w[:, :half]
-    probe = pack(w, rows)
+    probe, half = _probe_weight(packed, rows, generator)
     proven = []
     for count in sorted(c for c in candidates if c % rows == 0 and c > rows):
         x = torch.randn(count, k, generator=generator).to(packed.dtype)
@@ -96,6 +90,16 @@ def wide_blocks(packed: torch.Tensor, rows: int, candidates: tuple[int, ...]) ->
         ):
             proven.append(count)
     return tuple(sorted(proven, reverse=True))
+
+
+def _probe_weight(packed: torch.Tensor, rows: int, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """A random weight of `packed`'s shape and dtype whose second half of K repeats its first, packed for `rows` rows;
+    and that half's length, so that a row negating its first half in its second sums to rounding residue alone."""
+    n, k = packed.shape
+    half = k // 2
+    w = torch.randn(n, k, generator=generator).to(packed.dtype)
+    w[:, half : 2 * half] = w[:, :half]
+    return pack(w, rows), half
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
