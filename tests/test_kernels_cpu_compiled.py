@@ -206,3 +206,47 @@ def test_compiled_norms_give_a_row_its_bits_alone_and_at_any_thread_count(dtype:
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(normed.double(), expected, atol=tolerance, rtol=tolerance)
     assert torch.equal(summed, x + delta)
+
+
+def test_indices_outside_the_tables_or_the_cache_are_refused_before_anything_is_read_or_written(
+    compiled: CompiledAttention,
+) -> None:
+    k_cache, v_cache, tables = make_paged([20, 5], 16, (2, 2), 8, seed=43, dtype=torch.float32)
+    q = torch.zeros(1, 2, 8)
+
+    def at(seq: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([seq], dtype=torch.int32), torch.tensor([pos], dtype=torch.int32)
+
+    # no such sequence; past the table's blocks; a negative position
+    for seq, pos in ((5, 3), (0, 16 * tables.shape[1]), (0, -1)):
+        with pytest.raises(ValueError, match="falls outside the block tables"):
+            compiled(q, k_cache, v_cache, tables, *at(seq, pos), 1.0)
+    broken = tables.clone()
+    broken[0, 1] = k_cache.shape[0]  # a block past the cache
+    with pytest.raises(ValueError, match="falls outside the block tables"):
+        compiled(q, k_cache, v_cache, broken, *at(0, 19), 1.0)
+    with pytest.raises(ValueError, match="3 attention sinks for 2 query heads"):
+        compiled(q, k_cache, v_cache, tables, *at(0, 4), 1.0, sinks=torch.zeros(3))
+    ops = CompiledLayerOps.load()
+    qkv = torch.zeros(1, 6 * 8)
+    cos, sin = torch.ones(10, 4), torch.zeros(10, 4)
+    before = k_cache.clone()
+    for pos, slot in ((10, 0), (0, k_cache.shape[0] * 16), (0, -1)):
+        with pytest.raises(ValueError, match="falls outside the rotary tables"):
+            ops.rope_cache(qkv, cos, sin, torch.tensor([pos]), torch.tensor([slot]), k_cache, v_cache)
+    assert torch.equal(k_cache, before), "a refused write writes nothing"
+    with pytest.raises(ValueError, match="takes a weight of that many"):
+        ops.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="cannot take a delta"):
+        ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(1, 8), torch.ones(8), 1e-5)
+
+
+def test_an_unwritable_kernel_cache_is_a_clear_build_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("STACKPIN_KERNEL_CACHE", str(blocked / "kernels"))
+    with pytest.raises(native.BuildError, match="set STACKPIN_KERNEL_CACHE to a writable folder"):
+        CompiledAttention.load(32)
+    assert CpuInvariantKernels(kv_split_size=32).cpu_kernels == "torch"

@@ -93,11 +93,15 @@ void stackpin_add_rms_norm(const void *x, const void *delta, const void *weight,
 /* A step's qkv rows [T, (Hq + 2 Hkv) * D]: the queries and keys rotated by their position's row of the tables
    cos, sin [positions, D / 2] (float32; halves rotated as Hugging Face's rotate_half does, each result rounded to the
    dtype), the queries written to q_out [T, Hq, D], the keys and values to the caches' rows `slots`
-   ([blocks * block_size, Hkv, D], the cache in the same dtype). */
-void stackpin_rope_cache(const void *qkv, int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                         const float *cos, const float *sin, const int64_t *positions, const int64_t *slots,
-                         void *q_out, void *k_cache, void *v_cache, int dtype, int threads) {
+   ([blocks * block_size, Hkv, D], the cache in the same dtype). Returns 0, or -2 (and writes nothing) when a position
+   is not a row of the tables or a slot not a row of the caches. */
+int stackpin_rope_cache(const void *qkv, int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                        const float *cos, const float *sin, int64_t table_rows, const int64_t *positions,
+                        const int64_t *slots, int64_t cache_rows, void *q_out, void *k_cache, void *v_cache,
+                        int dtype, int threads) {
     const int64_t half = head_dim / 2, width = (q_heads + 2 * kv_heads) * head_dim;
+    for (int64_t t = 0; t < tokens; t++) /* nothing is written unless every index fits */
+        if (positions[t] < 0 || positions[t] >= table_rows || slots[t] < 0 || slots[t] >= cache_rows) return -2;
 #pragma omp parallel for num_threads(threads) if (tokens >= PARALLEL_ROWS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + positions[t] * half, *s = sin + positions[t] * half;
@@ -117,4 +121,5 @@ void stackpin_rope_cache(const void *qkv, int64_t tokens, int64_t q_heads, int64
         memcpy((char *)v_cache + slots[t] * kv_heads * head_dim * element, (const char *)qkv + v_from * element,
                (size_t)(kv_heads * head_dim * element));
     }
+    return 0;
 }

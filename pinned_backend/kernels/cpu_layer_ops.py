@@ -31,22 +31,12 @@ class CompiledLayerOps:
         self._add_rms_norm.restype = None
         self._rope_cache = library.stackpin_rope_cache
         self._rope_cache.argtypes = [
-            _ptr,
-            _i64,
-            _i64,
-            _i64,
-            _i64,
-            _ptr,
-            _ptr,
-            _ptr,
-            _ptr,
-            _ptr,
-            _ptr,
-            _ptr,
-            _int,
-            _int,
-        ]
-        self._rope_cache.restype = None
+            _ptr, _i64, _i64, _i64, _i64,  # qkv, tokens, q heads, kv heads, head_dim
+            _ptr, _ptr, _i64, _ptr,  # cos, sin, their rows, positions
+            _ptr, _i64, _ptr, _ptr, _ptr,  # slots, the caches' rows, q out, k cache, v cache
+            _int, _int,  # dtype, threads
+        ]  # fmt: skip
+        self._rope_cache.restype = _int
 
     @classmethod
     def load(cls) -> CompiledLayerOps:
@@ -60,10 +50,11 @@ class CompiledLayerOps:
         return dtype in _DTYPES and all(t.dtype == dtype and t.device.type == "cpu" for t in tensors)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        rows = x.contiguous()
+        _check_norm(x, weight)
+        rows, scale = x.contiguous(), weight.contiguous()  # both held until the call returns
         out = torch.empty_like(rows)
         self._rms_norm(
-            rows.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), rows.numel() // rows.shape[-1],
+            rows.data_ptr(), scale.data_ptr(), out.data_ptr(), rows.numel() // rows.shape[-1],
             rows.shape[-1], eps, _DTYPES[x.dtype], torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -71,10 +62,15 @@ class CompiledLayerOps:
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, deltas = x.contiguous(), delta.contiguous()
+        _check_norm(x, weight)
+        if delta.shape != x.shape:
+            raise ValueError(
+                f"a residual of shape {tuple(x.shape)} cannot take a delta of {tuple(delta.shape)}"
+            )
+        rows, deltas, scale = x.contiguous(), delta.contiguous(), weight.contiguous()
         summed, normed = torch.empty_like(rows), torch.empty_like(rows)
         self._add_rms_norm(
-            rows.data_ptr(), deltas.data_ptr(), weight.contiguous().data_ptr(), summed.data_ptr(),
+            rows.data_ptr(), deltas.data_ptr(), scale.data_ptr(), summed.data_ptr(),
             normed.data_ptr(), rows.numel() // rows.shape[-1], rows.shape[-1], eps, _DTYPES[x.dtype],
             torch.get_num_threads(),
         )  # fmt: skip
@@ -93,13 +89,40 @@ class CompiledLayerOps:
         n_tokens = qkv.shape[0]
         n_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         n_heads = qkv.shape[1] // head_dim - 2 * n_kv_heads
+        if (
+            head_dim % 2
+            or qkv.shape[1] != (n_heads + 2 * n_kv_heads) * head_dim
+            or n_heads <= 0
+            or v_cache.shape != k_cache.shape
+            or rope_cos.shape != rope_sin.shape
+            or rope_cos.shape[-1] != head_dim // 2
+            or positions.shape != (n_tokens,)
+            or slots.shape != (n_tokens,)
+        ):
+            raise ValueError(
+                f"qkv {tuple(qkv.shape)}, caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}, rotary tables "
+                f"{tuple(rope_cos.shape)} and {n_tokens} tokens' positions {tuple(positions.shape)} and slots "
+                f"{tuple(slots.shape)} do not fit together"
+            )
         rows = qkv.contiguous()
         cos, sin = rope_cos.contiguous(), rope_sin.contiguous()
         pos, where = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
         q = torch.empty(n_tokens, n_heads, head_dim, dtype=qkv.dtype)
-        self._rope_cache(
+        failed = self._rope_cache(
             rows.data_ptr(), n_tokens, n_heads, n_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-            pos.data_ptr(), where.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            _DTYPES[qkv.dtype], torch.get_num_threads(),
+            cos.shape[0], pos.data_ptr(), where.data_ptr(), k_cache.shape[0] * k_cache.shape[1], q.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), _DTYPES[qkv.dtype], torch.get_num_threads(),
         )  # fmt: skip
+        if failed:
+            raise ValueError(
+                f"a position falls outside the rotary tables' {cos.shape[0]} rows, or a slot outside the cache's "
+                f"{k_cache.shape[0] * k_cache.shape[1]}"
+            )
         return q
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"a norm over rows of {x.shape[-1]} takes a weight of that many, not {tuple(weight.shape)}"
+        )

@@ -361,11 +361,28 @@ static void attend_tile(const attention_args *a, const scratch *s, int64_t first
     }
 }
 
-/* Returns 0, or -1 when its scratch memory could not be had (nothing is written then). */
+/* Whether every query's sequence is a row of the block tables, its position within the row's blocks, and every block
+   its keys sit in a block of the cache. */
+static int indices_fit(const int32_t *block_tables, int64_t sequences, int64_t table_width, int64_t blocks,
+                       int64_t block_size, const int32_t *query_seq, const int32_t *query_pos, int64_t n_tokens) {
+    for (int64_t t = 0; t < n_tokens; t++) {
+        const int64_t seq = query_seq[t], pos = query_pos[t];
+        if (seq < 0 || seq >= sequences || pos < 0 || pos / block_size >= table_width) return 0;
+        for (int64_t b = 0; b <= pos / block_size; b++) {
+            const int64_t block = block_tables[seq * table_width + b];
+            if (block < 0 || block >= blocks) return 0;
+        }
+    }
+    return 1;
+}
+
+/* Returns 0; -1 when its scratch memory could not be had, -2 when an index falls outside the tables or the cache
+   (nothing is written then). */
 int stackpin_paged_attention(const void *q, int q_dtype, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
-                             const void *k_cache, const void *v_cache, int dtype, int64_t block_size,
+                             const void *k_cache, const void *v_cache, int dtype, int64_t blocks, int64_t block_size,
                              int64_t n_kv_heads, int64_t k_width, int64_t v_width, int64_t value_dim,
-                             const int32_t *block_tables, int64_t table_width, const int32_t *query_seq,
+                             const int32_t *block_tables, int64_t sequences, int64_t table_width,
+                             const int32_t *query_seq,
                              const int32_t *query_pos, float scale, float softcap, int64_t window,
                              const float *sinks, int64_t chunk, void *out, int out_dtype, int threads) {
     const attention_args a = {.q = (const char *)q, .q_dtype = q_dtype, .out_dtype = out_dtype,
@@ -376,6 +393,8 @@ int stackpin_paged_attention(const void *q, int q_dtype, int64_t n_tokens, int64
                               .block_tables = block_tables, .table_width = table_width, .query_seq = query_seq,
                               .query_pos = query_pos, .scale = scale, .softcap = softcap, .window = window,
                               .sinks = sinks, .chunk = chunk, .out = (char *)out};
+    if (!indices_fit(block_tables, sequences, table_width, blocks, block_size, query_seq, query_pos, n_tokens))
+        return -2;
     const int64_t group = n_heads / n_kv_heads, pad = chunk_pad(chunk);
     /* Tiles of consecutive tokens of one sequence share each chunk's widened keys and values; how tokens are
        tiled changes no query's arithmetic. */

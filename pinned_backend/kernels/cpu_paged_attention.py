@@ -23,9 +23,9 @@ NAME = "compiled"  # how the stack names this attention
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _ARGTYPES = [
     _ptr, ctypes.c_int, _i64, _i64, _i64,  # q, its dtype, tokens, heads, head_dim
-    _ptr, _ptr, ctypes.c_int, _i64,  # k_cache, v_cache, dtype, block_size
+    _ptr, _ptr, ctypes.c_int, _i64, _i64,  # k_cache, v_cache, dtype, blocks, block_size
     _i64, _i64, _i64, _i64,  # kv heads, key width, value width, value_dim
-    _ptr, _i64, _ptr, _ptr,  # block_tables, table width, query_seq, query_pos
+    _ptr, _i64, _i64, _ptr, _ptr,  # block_tables, sequences, table width, query_seq, query_pos
     _f32, _f32, _i64, _ptr, _i64,  # scale, softcap, window, sinks, chunk
     _ptr, ctypes.c_int, ctypes.c_int,  # out, its dtype, threads
 ]  # fmt: skip
@@ -75,11 +75,19 @@ class CompiledAttention:
         n_tokens, n_heads, head_dim = q.shape
         n_kv_heads, value_width = k_cache.shape[2], v_cache.shape[3]
         value_dim = value_width if value_dim is None else value_dim
-        if n_heads % n_kv_heads or head_dim != k_cache.shape[3] or not 0 < value_dim <= value_width:
+        if (
+            n_heads % n_kv_heads
+            or head_dim != k_cache.shape[3]
+            or not 0 < value_dim <= value_width
+            or v_cache.shape[:3] != k_cache.shape[:3]
+        ):
             raise ValueError(
                 f"queries [T, {n_heads}, {head_dim}] do not fit a cache of {n_kv_heads} KV heads of "
-                f"{k_cache.shape[3]} and values of {value_width} (value_dim {value_dim})"
+                f"{k_cache.shape[3]} and values of {value_width} (value_dim {value_dim}), keys "
+                f"{tuple(k_cache.shape)} and values {tuple(v_cache.shape)}"
             )
+        if sinks is not None and sinks.numel() != n_heads:
+            raise ValueError(f"{sinks.numel()} attention sinks for {n_heads} query heads")
         queries = q.detach().contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         seqs, positions = query_seq.to(torch.int32).contiguous(), query_pos.to(torch.int32).contiguous()
@@ -90,12 +98,17 @@ class CompiledAttention:
         if n_tokens:
             failed = self._call(
                 queries.data_ptr(), _CACHE_DTYPES[queries.dtype], n_tokens, n_heads, head_dim,
-                k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_DTYPES[k_cache.dtype], k_cache.shape[1],
-                n_kv_heads, k_cache.shape[3], value_width, value_dim,
-                tables.data_ptr(), tables.shape[1], seqs.data_ptr(), positions.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_DTYPES[k_cache.dtype], k_cache.shape[0],
+                k_cache.shape[1], n_kv_heads, k_cache.shape[3], value_width, value_dim,
+                tables.data_ptr(), tables.shape[0], tables.shape[1], seqs.data_ptr(), positions.data_ptr(),
                 scale, softcap or 0.0, window or 0, 0 if sink_logits is None else sink_logits.data_ptr(), self.chunk,
                 out.data_ptr(), _CACHE_DTYPES[out_dtype], torch.get_num_threads(),
             )  # fmt: skip
+            if failed == -2:
+                raise ValueError(
+                    "a query's sequence, position or cache block falls outside the block tables "
+                    f"{tuple(tables.shape)} or the cache's {k_cache.shape[0]} blocks"
+                )
             if failed:
                 raise MemoryError("the compiled attention could not allocate its scratch memory")
         return out if out.dtype == q.dtype else out.to(q.dtype)

@@ -25,10 +25,6 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's libgomp before any library here asks for one)
 
 SOURCES = Path(__file__).resolve().parent
-# Where built libraries are kept, unless STACKPIN_KERNEL_CACHE says otherwise.
-DEFAULT_KERNEL_CACHE = (
-    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "stackpin" / "kernels"
-)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -58,7 +54,16 @@ def compiler() -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("STACKPIN_KERNEL_CACHE") or DEFAULT_KERNEL_CACHE)
+    """Where built libraries are kept: $STACKPIN_KERNEL_CACHE, else stackpin/kernels in the user's cache folder."""
+    if os.environ.get("STACKPIN_KERNEL_CACHE"):
+        return Path(os.environ["STACKPIN_KERNEL_CACHE"])
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError as error:  # no HOME and no passwd entry
+        raise BuildError(
+            f"no folder to keep built kernels in ({error}); set STACKPIN_KERNEL_CACHE"
+        ) from error
+    return base / "stackpin" / "kernels"
 
 
 def build(source: Path) -> Built:
@@ -76,13 +81,19 @@ def build(source: Path) -> Built:
         digest.update(hashlib.sha256(part).digest())
     target = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            partial = Path(scratch) / target.name
-            done = _run([cc, *FLAGS, "-o", str(partial), str(source), "-lm"])
-            if done.returncode != 0:
-                raise BuildError(f"building {source_name} with {cc} failed:\n{done.stderr.strip()}")
-            os.replace(partial, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+                partial = Path(scratch) / target.name
+                done = _run([cc, *FLAGS, "-o", str(partial), str(source), "-lm"])
+                if done.returncode != 0:
+                    raise BuildError(f"building {source_name} with {cc} failed:\n{done.stderr.strip()}")
+                os.replace(partial, target)
+        except OSError as error:
+            raise BuildError(
+                f"cannot keep the built {source_name} in {target.parent} ({error}); set STACKPIN_KERNEL_CACHE to a "
+                "writable folder"
+            ) from error
     try:
         return Built(ctypes.CDLL(str(target)), target)
     except OSError as error:
