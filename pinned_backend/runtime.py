@@ -195,7 +195,9 @@ def load_runtime(
     checkpoint = load_checkpoint(settings.model, dtype, report)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
     kernels, plan_file = kernels_for(settings, config, device, report)
-    if getattr(kernels, "cpu_kernels", None) == "torch":
+    # The CPU sets' attention and per-row ops: compiled, or torch ops where no compiler built them (other bits).
+    cpu_kernels = getattr(kernels, "cpu_kernels", None)
+    if cpu_kernels == "torch":
         why = getattr(kernels, "kernels_unbuilt", "")
         report(
             f"the compiled CPU kernels are not built ({why}); torch ops serve instead, and the stack says so (their "
@@ -262,9 +264,7 @@ def load_runtime(
     if invariant_on_gpu:
         # The plans decide the matmuls' reduction orders, and live outside the source the backend version digests.
         detail = {**detail, "matmul_plans": None if plan_file is None else plan_file.described()}
-    cpu_kernels = getattr(kernels, "cpu_kernels", None)
     if cpu_kernels is not None:
-        # The CPU's attention and per-row ops: compiled, or torch ops where no compiler built them.
         detail = {**detail, "kernels": cpu_kernels}
     stack = build_stack(
         model=settings.served_name,

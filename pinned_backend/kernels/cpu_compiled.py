@@ -23,11 +23,14 @@ class CompiledKernels:
         return "torch" if self.attention is None else "compiled"
 
 
+NOT_COMPILED = CompiledKernels(None, None, "the torch ops were asked for")
+
+
 def compiled_kernels(chunk: int, *, wanted: bool = True) -> CompiledKernels:
     """The compiled kernels with the attention's keys in chunks of `chunk` tokens; none where not `wanted` or where
     they do not build (`unbuilt` says why)."""
     if not wanted:
-        return CompiledKernels(None, None, "the torch ops were asked for")
+        return NOT_COMPILED
     try:
         return CompiledKernels(CompiledAttention.load(chunk), CompiledLayerOps.load(), "")
     except native.BuildError as error:

@@ -33,10 +33,7 @@ class TorchKernels(UnfusedKernels):
     def __init__(self, *, compiled: bool = True) -> None:
         """`compiled`: the compiled attention and per-row ops where they build (else, or when False, torch ops and
         the fallbacks below)."""
-        super().__init__()
-        built = compiled_kernels(DEFAULT_KV_SPLIT_SIZE, wanted=compiled)
-        self._compiled, self._layer_ops = built.attention, built.layer_ops
-        self.cpu_kernels, self.kernels_unbuilt = built.name, built.unbuilt
+        super().__init__(compiled_kernels(DEFAULT_KV_SPLIT_SIZE, wanted=compiled))
         self._batched = SplitAttention(DEFAULT_KV_SPLIT_SIZE, _SPLIT_ROWS)
 
     def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,8 +43,9 @@ class TorchKernels(UnfusedKernels):
         return onednn.pack(w, _PACKED_FOR_ROWS)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._layer_ops is not None and self._layer_ops.serves(x, weight):
-            return self._layer_ops.rms_norm(x, weight, eps)
+        ops = self.compiled.layer_ops
+        if ops is not None and ops.serves(x, weight):
+            return ops.rms_norm(x, weight, eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * normed.to(x.dtype)
@@ -70,8 +68,10 @@ class TorchKernels(UnfusedKernels):
         softcap: float | None = None,
     ) -> torch.Tensor:
         variants: dict[str, Any] = {"window": window, "sinks": sinks, "softcap": softcap}
-        if self._compiled is not None:
-            return self._compiled(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, **variants)
+        if self.compiled.attention is not None:
+            return self.compiled.attention(
+                q, k_cache, v_cache, block_tables, query_seq, query_pos, scale, **variants
+            )
         n_seqs = block_tables.shape[0]
         if n_seqs == 1:
             return self._one_sequence(q, k_cache, v_cache, block_tables, 0, query_pos, scale, **variants)

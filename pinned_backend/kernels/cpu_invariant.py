@@ -51,14 +51,11 @@ class CpuInvariantKernels(UnfusedKernels):
     ) -> None:
         """`compiled`: the compiled attention and per-row ops where they build (else, or when False, the split
         attention and torch ops)."""
-        super().__init__()
         if gemm_rows <= 0:
             raise ValueError(f"gemm_rows must be a positive number of rows, got {gemm_rows}")
         self._split = SplitAttention(kv_split_size, attention_rows)
-        built = compiled_kernels(kv_split_size, wanted=compiled)
-        self._compiled, self._layer_ops = built.attention, built.layer_ops
-        # Which kernels serve, as the stack names them ("compiled" or "torch"): the two give other bits.
-        self.cpu_kernels, self.kernels_unbuilt = built.name, built.unbuilt
+        # The compiled kernels and the torch ops give other bits: the stack names which serve (`cpu_kernels`).
+        super().__init__(compiled_kernels(kv_split_size, wanted=compiled))
         self.kv_split_size = kv_split_size  # the stack reports it
         self.gemm_rows = gemm_rows
         # (shape, dtype) of each packed weight -> the rows a last block of m rows is padded to (onednn.padded_rows)
@@ -125,8 +122,9 @@ class CpuInvariantKernels(UnfusedKernels):
         return packed
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self._layer_ops is not None and self._layer_ops.serves(x, weight):
-            return self._layer_ops.rms_norm(x, weight, eps)
+        ops = self.compiled.layer_ops
+        if ops is not None and ops.serves(x, weight):
+            return ops.rms_norm(x, weight, eps)
         x32 = x.float()
         squares = x32.pow(2)
         if squares.shape[0] == 1:
@@ -148,11 +146,12 @@ class CpuInvariantKernels(UnfusedKernels):
         scale: float,
         v_dim: int,
     ) -> torch.Tensor:
-        if self._compiled is None:
+        attend = self.compiled.attention
+        if attend is None:
             return super().latent_attention(q, cache, block_tables, query_seq, query_pos, scale, v_dim)
         self._check_threads()
         # A value element's sum never reads another element: only the first v_dim are computed.
-        return self._compiled(q, cache, cache, block_tables, query_seq, query_pos, scale, value_dim=v_dim)
+        return attend(q, cache, cache, block_tables, query_seq, query_pos, scale, value_dim=v_dim)
 
     def attention(
         self,
@@ -169,8 +168,8 @@ class CpuInvariantKernels(UnfusedKernels):
         softcap: float | None = None,
     ) -> torch.Tensor:
         self._check_threads()
-        attend = self._split if self._compiled is None else self._compiled
-        if self._compiled is not None and self.kv_split_size % k_cache.shape[1] != 0:
+        attend = self.compiled.attention or self._split
+        if self.kv_split_size % k_cache.shape[1] != 0:  # a configuration either attention refuses alike
             raise ValueError(
                 f"kv_split_size {self.kv_split_size} must be a multiple "
                 f"of the KV cache block size {k_cache.shape[1]}"

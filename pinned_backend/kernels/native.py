@@ -13,6 +13,7 @@ OpenMP comes from the libgomp that torch has loaded already (the same soname), s
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -75,7 +76,7 @@ def build(source: Path) -> Built:
         raise BuildError(
             f"no C compiler: `{compiler()}` is not on PATH; install gcc (or set CC) to build {source_name}"
         )
-    version = (_run([cc, "--version"]).stdout.splitlines() or [""])[0]
+    version = _compiler_version(cc)
     digest = hashlib.sha256()
     for part in (source.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_identity().encode()):
         digest.update(hashlib.sha256(part).digest())
@@ -98,6 +99,12 @@ def build(source: Path) -> Built:
         return Built(ctypes.CDLL(str(target)), target)
     except OSError as error:
         raise BuildError(f"loading the built {source_name} ({target}) failed: {error}") from error
+
+
+@functools.cache
+def _compiler_version(cc: str) -> str:
+    """The first line of `cc --version`, once a process for each compiler (every kernel set made asks)."""
+    return (_run([cc, "--version"]).stdout.splitlines() or [""])[0]
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from pinned_backend.kernels.cpu_layer_ops import CompiledLayerOps
+from pinned_backend.kernels.cpu_compiled import NOT_COMPILED, CompiledKernels
 from pinned_backend.kernels.step_memo import StepMemo
 
 
@@ -69,11 +69,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class UnfusedKernels(ABC):
     """The fused families as torch ops over the subclass's own `rms_norm`."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: CompiledKernels = NOT_COMPILED) -> None:
+        """`compiled`: the set's compiled kernels, where it has them: the residual add and the rotation with the
+        cache write then run compiled, with the torch ops' bits (tests/test_kernels_unfused.py)."""
         self._rope_memo = StepMemo()
-        # The compiled per-row ops, where a subclass has them: the residual add and the rotation with the cache
-        # write then run compiled, with the torch ops' bits (tests/test_kernels_unfused.py).
-        self._layer_ops: CompiledLayerOps | None = None
+        self.compiled = compiled
+
+    @property
+    def cpu_kernels(self) -> str:
+        """How the stack names the set's attention and per-row ops: "compiled" or "torch"."""
+        return self.compiled.name
+
+    @property
+    def kernels_unbuilt(self) -> str:
+        """Why the compiled kernels do not serve; "" where they do."""
+        return self.compiled.unbuilt
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -120,10 +130,9 @@ class UnfusedKernels(ABC):
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._layer_ops is not None and self._layer_ops.serves(x, delta, weight):
-            return self._layer_ops.add_rms_norm(
-                x, delta, weight, eps
-            )  # the subclass's rms_norm is the same op
+        ops = self.compiled.layer_ops
+        if ops is not None and ops.serves(x, delta, weight):
+            return ops.add_rms_norm(x, delta, weight, eps)  # the subclass's rms_norm is the same op
         summed = x + delta
         return summed, self.rms_norm(summed, weight, eps)
 
@@ -148,7 +157,7 @@ class UnfusedKernels(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        ops = self._layer_ops
+        ops = self.compiled.layer_ops
         if (
             ops is not None
             and q_norm is None
